@@ -1,0 +1,168 @@
+"""Configuration: defaults in code, overridden by ``conf/rmq-spark.toml`` (or ``$RMQ_SPARK_CONF``).
+
+Names follow RocketMQ's broker settings in snake_case (``transactionTimeOut`` becomes
+``transaction_timeout``) so a RocketMQ operator recognises every knob.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from rmq_spark.errors import InvalidOptionError
+from rmq_spark.model import DEFAULT_MAX_BODY_BYTES
+
+CONF_ENV = "RMQ_SPARK_CONF"
+DEFAULT_CONF_FILE = Path("conf") / "rmq-spark.toml"
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+
+
+def parse_duration(value: object, name: str) -> float:
+    """Parse ``"6s"``, ``"500ms"``, ``"72h"`` or a number of seconds into seconds."""
+    if isinstance(value, bool):
+        raise InvalidOptionError(f"{name} needs a duration such as '6s' but got {value!r}.")
+    if isinstance(value, int | float):
+        seconds = float(value)
+    else:
+        match = _DURATION.match(str(value))
+        if not match:
+            raise InvalidOptionError(
+                f"{name} needs a duration such as '500ms', '6s', '30m' or '72h' but got {value!r}."
+            )
+        seconds = float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+    if seconds < 0:
+        raise InvalidOptionError(f"{name} must not be negative but got {value!r}.")
+    return seconds
+
+
+def parse_int(value: object, name: str, minimum: int) -> int:
+    """Parse an integer option that must be at least ``minimum``."""
+    try:
+        number = int(str(value).strip()) if not isinstance(value, bool) else None
+    except ValueError:
+        number = None
+    if number is None or number < minimum:
+        raise InvalidOptionError(
+            f"{name} needs to be an integer >= {minimum} but got {value!r}."
+        )
+    return number
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    """Where the store lives and how messages are laid out."""
+
+    #: Store root: a local path, ``file://`` URI, or object store URI (``s3://...``).
+    path: str = "storage"
+    #: Queues per topic (RocketMQ ``defaultTopicQueueNums``).
+    queue_nums: int = 4
+    #: Body size limit (RocketMQ ``maxMessageSize``).
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    #: Passed to deltalake and fsspec for object stores (credentials, region, ...).
+    storage_options: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TransactionSettings:
+    """Check-back settings, named after RocketMQ's broker configuration."""
+
+    #: ``transactionTimeOut``: a half message younger than this is not checked.
+    transaction_timeout: float = 6.0
+    #: ``transactionCheckInterval``: pause between check-back rounds (RocketMQ 5: 30 s).
+    transaction_check_interval: float = 30.0
+    #: ``transactionCheckMax``: unanswered checks before a message is rolled back and discarded.
+    transaction_check_max: int = 15
+    #: Maximum check age: older half messages are skipped and reported (file retention, 72 h).
+    max_check_age: float = 72 * 3600.0
+
+
+@dataclass(frozen=True)
+class Settings:
+    """All rmq-spark settings."""
+
+    store: StoreSettings = field(default_factory=StoreSettings)
+    transaction: TransactionSettings = field(default_factory=TransactionSettings)
+    #: Extra Spark configuration applied by :func:`rmq_spark.session.get_spark`.
+    spark: dict[str, str] = field(default_factory=dict)
+    #: Log level for the ``rmq_spark`` loggers in jobs and the CLI.
+    log_level: str = "INFO"
+
+
+def _section(data: dict[str, Any], cls: type, name: str, parsers: dict[str, Any]) -> Any:
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise InvalidOptionError(
+            f"unknown setting(s) {', '.join(unknown)} in [{name}]; valid: {', '.join(sorted(known))}."
+        )
+    values = {k: parsers.get(k, lambda v, _n: v)(v, f"{name}.{k}") for k, v in data.items()}
+    return replace(cls(), **values)
+
+
+def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
+    """Load settings from a TOML file over the built-in defaults.
+
+    Parameters
+    ----------
+    path : str or path-like, optional
+        The file to read. Defaults to ``$RMQ_SPARK_CONF``, else ``conf/rmq-spark.toml`` in the
+        working directory if it exists, else the built-in defaults.
+
+    Raises
+    ------
+    InvalidOptionError
+        For an unreadable file, unknown sections or keys, or malformed values.
+    """
+    chosen = path or os.environ.get(CONF_ENV)
+    if chosen is None:
+        if not DEFAULT_CONF_FILE.exists():
+            return Settings()
+        chosen = DEFAULT_CONF_FILE
+    try:
+        data = tomllib.loads(Path(chosen).read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise InvalidOptionError(f"cannot read settings file {str(chosen)!r}: {exc}") from exc
+    sections = {"store", "transaction", "spark", "logging"}
+    unknown = sorted(set(data) - sections)
+    if unknown:
+        raise InvalidOptionError(
+            f"unknown section(s) {', '.join(unknown)} in {str(chosen)!r}; "
+            f"valid: {', '.join(sorted(sections))}."
+        )
+    store = _section(
+        data.get("store", {}),
+        StoreSettings,
+        "store",
+        {
+            "queue_nums": lambda v, n: parse_int(v, n, 1),
+            "max_body_bytes": lambda v, n: parse_int(v, n, 1),
+            "path": lambda v, n: str(v),
+            "storage_options": lambda v, n: {str(k): str(x) for k, x in dict(v).items()},
+        },
+    )
+    transaction = _section(
+        data.get("transaction", {}),
+        TransactionSettings,
+        "transaction",
+        {
+            "transaction_timeout": parse_duration,
+            "transaction_check_interval": parse_duration,
+            "max_check_age": parse_duration,
+            "transaction_check_max": lambda v, n: parse_int(v, n, 1),
+        },
+    )
+    logging_section = data.get("logging", {})
+    if set(logging_section) - {"level"}:
+        raise InvalidOptionError("the [logging] section only takes 'level'.")
+    return Settings(
+        store=store,
+        transaction=transaction,
+        spark={str(k): str(v) for k, v in data.get("spark", {}).items()},
+        log_level=str(logging_section.get("level", "INFO")).upper(),
+    )

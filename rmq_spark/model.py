@@ -1,0 +1,254 @@
+"""The message model: messages, transaction states, ids, and RocketMQ's validation rules."""
+
+from __future__ import annotations
+
+import enum
+import os
+import re
+import secrets
+import time
+import zlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from rmq_spark.errors import InvalidMessageError
+
+#: RocketMQ's topic rule (``TopicValidator``): letters, digits, ``%``, ``|``, ``_`` and ``-``.
+TOPIC_PATTERN = re.compile(r"^[%|a-zA-Z0-9_-]+$")
+TOPIC_MAX_LENGTH = 127
+#: RocketMQ's default ``maxMessageSize``.
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+
+HALF_TOPIC = "RMQ_SYS_TRANS_HALF_TOPIC"
+OP_TOPIC = "RMQ_SYS_TRANS_OP_HALF_TOPIC"
+CHECK_MAX_TOPIC = "TRANS_CHECK_MAX_TIME_TOPIC"
+#: Topics the broker owns; user writes to them are refused (RocketMQ ``TopicValidator``).
+SYSTEM_TOPICS = frozenset(
+    {
+        HALF_TOPIC,
+        OP_TOPIC,
+        CHECK_MAX_TOPIC,
+        "TBW102",
+        "SCHEDULE_TOPIC_XXXX",
+        "BenchmarkTest",
+        "OFFSET_MOVED_EVENT",
+        "SELF_TEST_TOPIC",
+        "RMQ_SYS_TRACE_TOPIC",
+        "RMQ_SYS_SELF_TEST_TOPIC",
+    }
+)
+SYSTEM_TOPIC_PREFIXES = ("rmq_sys_", "RMQ_SYS_", "%RETRY%", "%DLQ%")
+
+#: Per-message property: seconds before the first check-back (RocketMQ's name).
+PROPERTY_CHECK_IMMUNITY = "CHECK_IMMUNITY_TIME_IN_SECONDS"
+#: RocketMQ joins several keys with one space (``MessageConst.KEY_SEPARATOR``).
+KEY_SEPARATOR = " "
+
+
+class LocalTransactionState(str, enum.Enum):
+    """Outcome of a local transaction, as in RocketMQ's ``LocalTransactionState``.
+
+    ``COMMIT`` makes the half message visible, ``ROLLBACK`` discards it, ``UNKNOWN`` leaves it
+    pending for the check-back job.
+    """
+
+    COMMIT = "COMMIT"
+    ROLLBACK = "ROLLBACK"
+    UNKNOWN = "UNKNOWN"
+
+    @classmethod
+    def coerce(cls, value: object) -> LocalTransactionState:
+        """Map a listener's return value to a state; anything unrecognised is ``UNKNOWN``."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            aliases = {"COMMIT_MESSAGE": "COMMIT", "ROLLBACK_MESSAGE": "ROLLBACK"}
+            name = value.strip().upper()
+            name = aliases.get(name, name)
+            if name in cls.__members__:
+                return cls[name]
+        return cls.UNKNOWN
+
+
+def new_id() -> str:
+    """A unique, time-ordered 32-hex-digit id (48-bit millisecond clock + 80 random bits).
+
+    Time order keeps ids that are written together close in Delta file statistics, so
+    lookups by id prune files.
+    """
+    return f"{time.time_ns() // 1_000_000:012X}{secrets.token_hex(10).upper()}"
+
+
+@dataclass(frozen=True)
+class Message:
+    """A message to send, as in RocketMQ's ``Message``.
+
+    Parameters
+    ----------
+    topic : str
+        Destination topic: ``^[%|a-zA-Z0-9_-]+$``, at most 127 characters, not a system topic.
+    body : bytes or str
+        Payload; a ``str`` is encoded as UTF-8. At most the store's ``max_body_bytes``.
+    tags : str, optional
+        One tag, used by consumers' subscription expressions (``TagA || TagB``).
+    keys : str or iterable of str, optional
+        Business keys for lookup; several keys are joined with a space as in RocketMQ.
+    properties : mapping of str to str, optional
+        User properties, e.g. ``{"CHECK_IMMUNITY_TIME_IN_SECONDS": "30"}``.
+    """
+
+    topic: str
+    body: bytes | str
+    tags: str | None = None
+    keys: str | Iterable[str] | None = None
+    properties: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def body_bytes(self) -> bytes:
+        """The body as bytes."""
+        return self.body.encode("utf-8") if isinstance(self.body, str) else bytes(self.body)
+
+    @property
+    def keys_string(self) -> str | None:
+        """The keys as RocketMQ stores them: one string, keys separated by a space."""
+        if self.keys is None or isinstance(self.keys, str):
+            return self.keys
+        return KEY_SEPARATOR.join(self.keys)
+
+
+@dataclass(frozen=True)
+class MessageExt:
+    """A stored message, as a checker or consumer sees it (RocketMQ's ``MessageExt``).
+
+    Half messages carry their real topic and queue; ``queue_offset`` is set only once the
+    message is committed into its topic.
+    """
+
+    topic: str
+    queue_id: int
+    msg_id: str
+    transaction_id: str | None
+    producer_group: str | None
+    keys: str | None
+    tags: str | None
+    body: bytes
+    properties: dict[str, str]
+    born_timestamp: datetime
+    store_timestamp: datetime
+    queue_offset: int | None = None
+
+
+def check_topic(topic: object) -> str:
+    """Validate a user topic name; return it or raise :class:`InvalidMessageError`."""
+    if not isinstance(topic, str):
+        raise InvalidMessageError(
+            f"topic needs to be a string but got {type(topic).__name__} ({topic!r})."
+        )
+    if not topic:
+        raise InvalidMessageError("topic is empty; give the destination topic name.")
+    if len(topic) > TOPIC_MAX_LENGTH:
+        raise InvalidMessageError(
+            f"topic {topic[:40]!r}... is {len(topic)} characters long; RocketMQ allows at most "
+            f"{TOPIC_MAX_LENGTH}. Use a shorter name."
+        )
+    if not TOPIC_PATTERN.match(topic):
+        raise InvalidMessageError(
+            f"topic {topic!r} has characters RocketMQ does not allow; a topic must match "
+            f"{TOPIC_PATTERN.pattern} (letters, digits, '%', '|', '_', '-')."
+        )
+    if topic in SYSTEM_TOPICS or topic.startswith(SYSTEM_TOPIC_PREFIXES):
+        raise InvalidMessageError(
+            f"topic {topic!r} is a system topic reserved by the broker; user messages cannot "
+            "be written to it. Choose another topic name."
+        )
+    return topic
+
+
+def check_group(group: object, what: str = "producer_group") -> str:
+    """Validate a producer or consumer group name (same character rule as topics)."""
+    if not isinstance(group, str) or not group:
+        raise InvalidMessageError(f"{what} needs to be a non-empty string but got {group!r}.")
+    if len(group) > 255 or not TOPIC_PATTERN.match(group):
+        raise InvalidMessageError(
+            f"{what} {group!r} is not valid; use at most 255 characters matching "
+            f"{TOPIC_PATTERN.pattern}."
+        )
+    return group
+
+
+def validate_message(message: object, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Message:
+    """Check a message against RocketMQ's rules before anything is written.
+
+    Parameters
+    ----------
+    message : Message
+        The message to check.
+    max_body_bytes : int
+        The body size limit (RocketMQ ``maxMessageSize``, 4 MiB by default).
+
+    Returns
+    -------
+    Message
+        The same message.
+
+    Raises
+    ------
+    InvalidMessageError
+        Naming the broken rule and how to fix it.
+    """
+    if not isinstance(message, Message):
+        raise InvalidMessageError(
+            f"expected an rmq_spark.Message but got {type(message).__name__}; build one with "
+            "Message(topic=..., body=...)."
+        )
+    check_topic(message.topic)
+    if not isinstance(message.body, bytes | bytearray | memoryview | str):
+        raise InvalidMessageError(
+            f"body needs to be bytes or str but got {type(message.body).__name__}."
+        )
+    size = len(message.body_bytes)
+    if size == 0:
+        raise InvalidMessageError(f"message to topic {message.topic!r} has an empty body.")
+    if size > max_body_bytes:
+        raise InvalidMessageError(
+            f"body of {size} bytes for topic {message.topic!r} exceeds the limit of "
+            f"{max_body_bytes} bytes; send smaller messages or raise max_body_bytes."
+        )
+    if message.tags is not None and (not isinstance(message.tags, str) or "||" in message.tags):
+        raise InvalidMessageError(
+            f"tags needs to be a single tag string (no '||') but got {message.tags!r}."
+        )
+    keys = message.keys
+    if keys is not None and not isinstance(keys, str):
+        keys = list(keys)
+        if not all(isinstance(k, str) for k in keys):
+            raise InvalidMessageError(f"keys need to be strings but got {keys!r}.")
+    if not isinstance(message.properties, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in message.properties.items()
+    ):
+        raise InvalidMessageError(
+            f"properties need to be a mapping of str to str but got {message.properties!r}."
+        )
+    immunity = message.properties.get(PROPERTY_CHECK_IMMUNITY)
+    if immunity is not None and not _is_non_negative_number(immunity):
+        raise InvalidMessageError(
+            f"property {PROPERTY_CHECK_IMMUNITY}={immunity!r} is not a number of seconds; "
+            "use e.g. '30'."
+        )
+    return message
+
+
+def _is_non_negative_number(text: str) -> bool:
+    try:
+        return float(text) >= 0
+    except ValueError:
+        return False
+
+
+def queue_for(keys: str | None, queue_nums: int) -> int:
+    """Pick a queue: messages with the same keys share a queue (and so keep their order)."""
+    if keys:
+        # crc32, not hash(): Python's hash() is salted per process.
+        return zlib.crc32(keys.encode("utf-8")) % queue_nums
+    return int.from_bytes(os.urandom(2), "big") % queue_nums

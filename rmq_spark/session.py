@@ -1,0 +1,86 @@
+"""The one place that builds a correctly configured local SparkSession (Delta + rmq-spark)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pyspark.sql import SparkSession
+
+from rmq_spark.config import Settings, load_settings
+from rmq_spark.errors import RmqSparkError
+
+JARS_ENV = "RMQ_SPARK_JARS"
+_REQUIRED_JARS = ("delta-spark_", "delta-storage-")
+
+#: Local-mode defaults: small machines, no UI, few shuffle partitions.
+LOCAL_SPARK_CONF = {
+    "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
+    "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
+    "spark.ui.enabled": "false",
+    "spark.ui.showConsoleProgress": "false",
+    "spark.sql.shuffle.partitions": "4",
+    "spark.default.parallelism": "4",
+    "spark.sql.session.timeZone": "UTC",
+    "spark.sql.execution.arrow.pyspark.enabled": "true",
+    "spark.sql.python.filterPushdown.enabled": "true",
+    "spark.driver.memory": "4g",
+}
+
+
+def delta_jars() -> list[str]:
+    """Paths of the delta-spark jars fetched by ``make setup``.
+
+    Looked up in ``$RMQ_SPARK_JARS``, else in ``.jars/`` of the source checkout.
+
+    Raises
+    ------
+    RmqSparkError
+        When the jars are missing, with the command that fetches them.
+    """
+    folder = Path(os.environ.get(JARS_ENV) or Path(__file__).resolve().parents[1] / ".jars")
+    jars = sorted(str(p) for p in folder.glob("*.jar")) if folder.is_dir() else []
+    missing = [j for j in _REQUIRED_JARS if not any(Path(p).name.startswith(j) for p in jars)]
+    if missing:
+        raise RmqSparkError(
+            f"the delta-spark jars are not in {str(folder)!r} (missing {', '.join(missing)}*). "
+            f"Run 'make setup' in the rmq-spark checkout, or point ${JARS_ENV} at a folder "
+            "holding delta-spark_4.2_2.13 and delta-storage."
+        )
+    return jars
+
+
+def get_spark(
+    app_name: str = "rmq-spark",
+    *,
+    master: str = "local[2]",
+    settings: Settings | None = None,
+    extra_conf: dict[str, str] | None = None,
+) -> SparkSession:
+    """Get or create a SparkSession with Delta Lake and the ``rmqtx`` data source.
+
+    Parameters
+    ----------
+    app_name : str
+        The Spark application name.
+    master : str, default ``"local[2]"``
+        The Spark master URL.
+    settings : Settings, optional
+        Its ``spark`` section is applied over the local defaults; defaults to
+        :func:`rmq_spark.config.load_settings`.
+    extra_conf : dict, optional
+        Spark configuration applied last (highest precedence).
+
+    Returns
+    -------
+    SparkSession
+    """
+    settings = settings or load_settings()
+    conf = {**LOCAL_SPARK_CONF, **settings.spark, **(extra_conf or {})}
+    conf["spark.jars"] = ",".join(delta_jars())
+    builder = SparkSession.builder.master(master).appName(app_name)
+    for key, value in conf.items():
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("WARN")
+    return spark

@@ -1,0 +1,690 @@
+"""The store: half topic, op topic and CommitLog as Delta tables under one root, and the
+broker semantics over them (prepare, end-transaction, publish, normal send).
+
+How the contract (DESIGN.md section 3) is kept:
+
+* **Invisible until committed.** Half messages live only in ``half``; consumers read only
+  ``commitlog``, which holds committed messages and nothing else.
+* **First decision wins.** ``op`` has one row per decided transaction, inserted by a Delta
+  MERGE (insert when not matched). Two MERGEs racing on the same transaction conflict in Delta's
+  optimistic concurrency check, so exactly one inserts; the loser retries, sees the winner's
+  row, and reports the request as refused (or as a no-op when it asked for the same thing).
+* **Committed exactly once, dense offsets.** Only the publisher writes ``commitlog``. Each
+  publish commit records, as Delta application transactions (``txn`` actions), the ``op``
+  version it has published up to and the next offset of every queue it wrote. Two publishers
+  racing set the same application ids, so Delta refuses the second commit; it retries from
+  the new state. Nothing is read-then-written without that check, so offsets are dense, only
+  grow, and no committed message is published twice or skipped.
+* **Nothing is lost.** ``prepare`` returns only after the half message's Delta commit.
+  A crash after a COMMIT decision but before its publish is repaired by the next publish,
+  which starts from the recorded ``op`` version.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from enum import Enum
+from pathlib import Path
+
+import fsspec
+import pyarrow as pa
+import pyarrow.compute as pc
+from deltalake import CommitProperties, DeltaTable, QueryBuilder, Transaction, write_deltalake
+from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
+
+from rmq_spark.config import Settings, StoreSettings
+from rmq_spark.errors import (
+    CorruptStoreError,
+    NotAStoreError,
+    RmqSparkError,
+    StoreError,
+    StoreVersionError,
+)
+from rmq_spark.model import (
+    LocalTransactionState,
+    Message,
+    check_group,
+    new_id,
+    queue_for,
+    validate_message,
+)
+from rmq_spark.schema import COMMITLOG_SCHEMA, HALF_SCHEMA, OP_SCHEMA, TABLES, TIMESTAMP
+
+log = logging.getLogger(__name__)
+
+LAYOUT_VERSION = 1
+MARKER_FILE = "_rmqtx_store.json"
+STORE_FORMAT = "rmq-spark-store"
+#: Application id under which ``commitlog`` records the last ``op`` version it published.
+OP_CURSOR_APP_ID = "rmqtx.publish.op_version"
+_QUEUE_APP_ID = "rmqtx.queue.{topic}.{queue_id}"
+_MAX_COMMIT_ATTEMPTS = 200
+
+
+def queue_app_id(topic: str, queue_id: int) -> str:
+    """The application id whose version is the next offset of a queue in ``commitlog``."""
+    return _QUEUE_APP_ID.format(topic=topic, queue_id=queue_id)
+
+
+class EndTransactionStatus(str, Enum):
+    """What happened to an end-transaction request."""
+
+    #: This request decided the transaction.
+    APPLIED = "APPLIED"
+    #: The transaction already had the same decision; nothing changed.
+    ALREADY_DECIDED = "ALREADY_DECIDED"
+    #: The transaction already had the opposite decision, which stays in force.
+    REFUSED = "REFUSED"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A request to end one transaction.
+
+    Parameters
+    ----------
+    transaction_id : str
+        The transaction to end.
+    producer_group : str
+        The group that owns it.
+    state : LocalTransactionState
+        ``COMMIT`` or ``ROLLBACK``.
+    half_versions : sequence of int
+        Versions of the ``half`` table holding the transaction's half messages.
+    decided_by : str
+        Who decides: ``producer``, ``check-back``, ``sink``... (kept in ``op`` for audits).
+    """
+
+    transaction_id: str
+    producer_group: str
+    state: LocalTransactionState
+    half_versions: Sequence[int]
+    decided_by: str = "producer"
+
+
+@dataclass(frozen=True)
+class EndTransactionResult:
+    """The outcome of an end-transaction request.
+
+    ``decision`` is the decision in force after the request: the requested one when
+    ``status`` is ``APPLIED`` or ``ALREADY_DECIDED``, the earlier one when ``REFUSED``.
+    """
+
+    transaction_id: str
+    requested: LocalTransactionState
+    status: EndTransactionStatus
+    decision: LocalTransactionState
+
+
+@dataclass(frozen=True)
+class PreparedMessage:
+    """A half message that is durable in the ``half`` table."""
+
+    msg_id: str
+    transaction_id: str
+    queue_id: int
+    half_version: int
+    store_timestamp: datetime
+
+
+@dataclass(frozen=True)
+class PublishResult:
+    """What one publish wrote into ``commitlog``."""
+
+    published: int
+    op_version: int
+    commitlog_version: int | None
+    #: msg_id -> (queue_id, queue_offset) of the normal messages handed to this publish.
+    offsets: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+def _backoff(attempt: int) -> None:
+    time.sleep(min(0.2, 0.002 * 2 ** min(attempt, 7)) * random.uniform(0.5, 1.5))
+
+
+def _plain_type(dtype: pa.DataType) -> pa.DataType:
+    """The same type with string/binary views replaced by plain strings/binaries."""
+    if dtype == pa.string_view():
+        return pa.string()
+    if dtype == pa.binary_view():
+        return pa.binary()
+    if pa.types.is_map(dtype):
+        return pa.map_(_plain_type(dtype.key_type), _plain_type(dtype.item_type))
+    if pa.types.is_list(dtype) or pa.types.is_large_list(dtype):
+        return pa.list_(_plain_type(dtype.value_type))
+    return dtype
+
+
+def _read_arrow(stream: object) -> pa.Table:
+    """Read an Arrow C stream (deltalake returns arro3 objects, with view types) as plain
+    pyarrow types, which every compute kernel supports."""
+    table = pa.RecordBatchReader.from_stream(stream).read_all()
+    schema = pa.schema([f.with_type(_plain_type(f.type)) for f in table.schema])
+    return table.cast(schema)
+
+
+def _conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """Select and cast columns to ``schema`` (deltalake may hand back view/large types)."""
+    columns = [table.column(f.name).cast(f.type) for f in schema]
+    return pa.Table.from_arrays(columns, schema=schema)
+
+
+class Store:
+    """An rmq-spark store: the Delta tables under one root, and the broker operations on them.
+
+    Open one with :meth:`Store.open`. A ``Store`` is thread-safe: every operation loads the
+    table state it needs and commits through Delta's optimistic concurrency control.
+
+    Parameters
+    ----------
+    root : str
+        The store root URI (absolute local path or ``scheme://`` URI).
+    settings : StoreSettings
+        Queue count, body size limit and storage options.
+    """
+
+    def __init__(self, root: str, settings: StoreSettings) -> None:
+        self.root = root
+        self.settings = settings
+
+    # ------------------------------------------------------------------ opening
+    @classmethod
+    def open(
+        cls,
+        path: str | Path | None = None,
+        *,
+        settings: Settings | StoreSettings | None = None,
+        create: bool = True,
+    ) -> Store:
+        """Open the store at ``path``, creating it on first use.
+
+        Parameters
+        ----------
+        path : str or Path, optional
+            Store root: a local path, a ``file://`` URI or an object-store URI. Defaults to
+            ``store.path`` of the settings (``storage/`` in ``conf/rmq-spark.toml``).
+        settings : Settings or StoreSettings, optional
+            Defaults to the built-in defaults.
+        create : bool, default True
+            Create an empty store when the root is empty or missing.
+
+        Raises
+        ------
+        NotAStoreError
+            The root holds data that is not an rmq-spark store.
+        StoreVersionError
+            The store has a newer layout version than this rmq-spark understands.
+        CorruptStoreError
+            The store's marker or one of its tables is unreadable or foreign.
+        """
+        store_settings = settings.store if isinstance(settings, Settings) else settings
+        store_settings = store_settings or StoreSettings()
+        store = cls(_normalise_root(str(path or store_settings.path)), store_settings)
+        store._open_or_create(create)
+        return store
+
+    def table_uri(self, name: str) -> str:
+        """URI of one of the store's tables (``half``, ``op`` or ``commitlog``)."""
+        if name not in TABLES:
+            raise StoreError(f"unknown table {name!r}; the store has {', '.join(TABLES)}.")
+        return f"{self.root.rstrip('/')}/{name}"
+
+    def table(self, name: str) -> DeltaTable:
+        """Load the latest snapshot of one of the store's tables with deltalake."""
+        return DeltaTable(self.table_uri(name), storage_options=self._storage_options)
+
+    @property
+    def _storage_options(self) -> dict[str, str] | None:
+        return dict(self.settings.storage_options) or None
+
+    def _fs(self) -> tuple[fsspec.AbstractFileSystem, str]:
+        fs, path = fsspec.core.url_to_fs(self.root, **self.settings.storage_options)
+        return fs, path
+
+    def _open_or_create(self, create: bool) -> None:
+        fs, root = self._fs()
+        marker = f"{root.rstrip('/')}/{MARKER_FILE}"
+        if fs.exists(marker):
+            self._check_marker(fs, marker)
+            for name in TABLES:
+                self._check_table(name)
+            return
+        if fs.exists(root) and not fs.isdir(root):
+            raise NotAStoreError(
+                f"{self.root!r} is a file, not an rmq-spark store; give a directory path."
+            )
+        entries = (
+            {Path(p.rstrip("/")).name for p in fs.ls(root, detail=False)} if fs.exists(root) else set()
+        )
+        if entries - set(TABLES):
+            raise NotAStoreError(
+                f"{self.root!r} holds data that is not an rmq-spark store (no {MARKER_FILE}; found "
+                f"{', '.join(sorted(entries)[:5])}). Use an empty directory or an existing store."
+            )
+        if not create:
+            raise StoreError(
+                f"no rmq-spark store at {self.root!r}; open it with create=True to make one."
+            )
+        for name, (schema, partition_by) in TABLES.items():
+            DeltaTable.create(
+                self.table_uri(name),
+                schema=schema,
+                mode="ignore",
+                partition_by=partition_by or None,
+                name=f"rmqtx_{name}",
+                configuration={"delta.enableChangeDataFeed": "true"},
+                storage_options=self._storage_options,
+            )
+            self._check_table(name)
+        # The marker is written last: a store is complete once it exists.
+        with fs.open(marker, "w") as out:
+            json.dump(
+                {"format": STORE_FORMAT, "layout_version": LAYOUT_VERSION, "created": str(_now())},
+                out,
+            )
+        log.info("created rmq-spark store at %s", self.root)
+
+    def _check_marker(self, fs: fsspec.AbstractFileSystem, marker: str) -> None:
+        try:
+            with fs.open(marker, "r") as src:
+                meta = json.load(src)
+            version = int(meta["layout_version"])
+            if meta["format"] != STORE_FORMAT:
+                raise ValueError(f"format is {meta['format']!r}")
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CorruptStoreError(
+                f"the store marker {MARKER_FILE} under {self.root!r} is unreadable ({exc}); "
+                "the root is damaged or was not written by rmq-spark."
+            ) from exc
+        if version > LAYOUT_VERSION:
+            raise StoreVersionError(
+                f"the store at {self.root!r} has layout version {version}, but this rmq-spark "
+                f"reads layout version {LAYOUT_VERSION} at most; upgrade rmq-spark."
+            )
+
+    def _check_table(self, name: str) -> None:
+        expected = [f.name for f in TABLES[name][0]]
+        try:
+            found = [f.name for f in self.table(name).schema().fields]
+        except (TableNotFoundError, DeltaError, OSError) as exc:
+            raise CorruptStoreError(
+                f"table {name!r} of the store at {self.root!r} is missing or unreadable ({exc})."
+            ) from exc
+        if found != expected:
+            raise CorruptStoreError(
+                f"table {name!r} of the store at {self.root!r} has columns {found}, expected "
+                f"{expected}; it was not written by this rmq-spark layout."
+            )
+
+    # ------------------------------------------------------------------ prepare
+    def prepare(
+        self,
+        messages: Sequence[Message],
+        producer_group: str,
+        *,
+        transaction_ids: Sequence[str] | None = None,
+        born_timestamp: datetime | None = None,
+    ) -> list[PreparedMessage]:
+        """Write half messages (durable, invisible) in one Delta commit.
+
+        Parameters
+        ----------
+        messages : sequence of Message
+            Validated before anything is written; one invalid message fails the whole call.
+        producer_group : str
+            The producer group that owns the transactions.
+        transaction_ids : sequence of str, optional
+            One per message; several messages may share a transaction. Defaults to a new
+            transaction per message.
+        born_timestamp : datetime, optional
+            The producer's clock at send time (defaults to now).
+
+        Returns
+        -------
+        list of PreparedMessage
+            In the order of ``messages``, all with the same ``half_version``.
+        """
+        check_group(producer_group)
+        for message in messages:
+            validate_message(message, self.settings.max_body_bytes)
+        if transaction_ids is None:
+            transaction_ids = [new_id() for _ in messages]
+        if len(transaction_ids) != len(messages):
+            raise RmqSparkError("transaction_ids must have one entry per message.")
+        if not messages:
+            return []
+        born = born_timestamp or _now()
+        stored = _now()
+        msg_ids = [new_id() for _ in messages]
+        keys = [m.keys_string for m in messages]
+        queue_ids = [queue_for(k, self.settings.queue_nums) for k in keys]
+        half = pa.Table.from_pydict(
+            {
+                "transaction_id": list(transaction_ids),
+                "msg_id": msg_ids,
+                "producer_group": [producer_group] * len(messages),
+                "topic": [m.topic for m in messages],
+                "queue_id": queue_ids,
+                "keys": keys,
+                "tags": [m.tags for m in messages],
+                "body": [m.body_bytes for m in messages],
+                "properties": [list(dict(m.properties).items()) for m in messages],
+                "born_timestamp": [born] * len(messages),
+                "store_timestamp": [stored] * len(messages),
+            },
+            schema=HALF_SCHEMA,
+        )
+        version = self._append("half", half)
+        return [
+            PreparedMessage(mid, tid, qid, version, stored)
+            for mid, tid, qid in zip(msg_ids, transaction_ids, queue_ids, strict=True)
+        ]
+
+    def _append(self, name: str, data: pa.Table) -> int:
+        """Blind-append rows to a table; return the committed version."""
+        dt = self.table(name)
+        write_deltalake(dt, data, mode="append", partition_by=TABLES[name][1] or None)
+        # After a write, the DeltaTable holds the snapshot of its own commit, even when
+        # concurrent appends landed first.
+        return dt.version()
+
+    # ------------------------------------------------------------------ end transaction
+    def end_transactions(
+        self, decisions: Sequence[Decision], *, publish: bool = True
+    ) -> list[EndTransactionResult]:
+        """Decide transactions; the first decision recorded for a transaction wins.
+
+        Parameters
+        ----------
+        decisions : sequence of Decision
+            COMMIT or ROLLBACK requests. A transaction named twice in one call is decided by
+            its first entry.
+        publish : bool, default True
+            Publish committed messages into ``commitlog`` before returning.
+
+        Returns
+        -------
+        list of EndTransactionResult
+            One per decision, in order.
+        """
+        for d in decisions:
+            if d.state not in (LocalTransactionState.COMMIT, LocalTransactionState.ROLLBACK):
+                raise RmqSparkError(
+                    f"end-transaction takes COMMIT or ROLLBACK, not {d.state!s} "
+                    f"(transaction {d.transaction_id!r}); UNKNOWN means 'do not end it yet'."
+                )
+            if not d.half_versions:
+                raise RmqSparkError(f"decision for {d.transaction_id!r} names no half_versions.")
+        first: dict[str, Decision] = {}
+        for d in decisions:
+            first.setdefault(d.transaction_id, d)
+        existing = self._record_decisions(list(first.values()))
+        results = []
+        for d in decisions:
+            winner = existing.get(d.transaction_id)
+            if winner is None or (winner is d and first[d.transaction_id] is d):
+                results.append(
+                    EndTransactionResult(
+                        d.transaction_id, d.state, EndTransactionStatus.APPLIED, d.state
+                    )
+                )
+                existing[d.transaction_id] = d.state  # a repeat in this call is a repeat
+            else:
+                state = winner if isinstance(winner, LocalTransactionState) else winner.state
+                status = (
+                    EndTransactionStatus.ALREADY_DECIDED
+                    if state == d.state
+                    else EndTransactionStatus.REFUSED
+                )
+                results.append(EndTransactionResult(d.transaction_id, d.state, status, state))
+        refused = [r for r in results if r.status is EndTransactionStatus.REFUSED]
+        if refused:
+            log.warning(
+                "refused %d late conflicting decision(s), e.g. %s %s (already %s)",
+                len(refused),
+                refused[0].requested.value,
+                refused[0].transaction_id,
+                refused[0].decision.value,
+            )
+        if publish:
+            self.publish()
+        return results
+
+    def _record_decisions(self, decisions: list[Decision]) -> dict[str, object]:
+        """MERGE new decisions into ``op``; return the decisions that were already there.
+
+        The returned dict maps transaction ids decided *before* this call to their
+        ``LocalTransactionState``; ids this call decided map to nothing.
+        """
+        ids = [d.transaction_id for d in decisions]
+        for attempt in range(_MAX_COMMIT_ATTEMPTS):
+            op = self.table("op")
+            existing = self._decisions_of(op, ids)
+            fresh = [d for d in decisions if d.transaction_id not in existing]
+            if not fresh:
+                return existing
+            decided_at = _now()
+            source = pa.Table.from_pydict(
+                {
+                    "transaction_id": [d.transaction_id for d in fresh],
+                    "producer_group": [d.producer_group for d in fresh],
+                    "decision": [d.state.value for d in fresh],
+                    "decided_by": [d.decided_by for d in fresh],
+                    "decided_timestamp": [decided_at] * len(fresh),
+                    "half_versions": [list(map(int, d.half_versions)) for d in fresh],
+                },
+                schema=OP_SCHEMA,
+            )
+            try:
+                metrics = (
+                    op.merge(
+                        source,
+                        predicate="t.transaction_id = s.transaction_id",
+                        source_alias="s",
+                        target_alias="t",
+                    )
+                    .when_not_matched_insert_all()
+                    .execute()
+                )
+            except CommitFailedError:
+                log.debug("op MERGE lost a race (attempt %d); retrying", attempt + 1)
+                _backoff(attempt)
+                continue
+            if metrics.get("num_target_rows_inserted") != len(fresh):
+                raise CorruptStoreError(
+                    f"op MERGE inserted {metrics.get('num_target_rows_inserted')} rows, expected "
+                    f"{len(fresh)}; the op table holds duplicate transaction ids."
+                )
+            return existing
+        raise StoreError(
+            f"could not record {len(decisions)} decision(s) after {_MAX_COMMIT_ATTEMPTS} "
+            "attempts: too many concurrent writers on the op table."
+        )
+
+    @staticmethod
+    def _decisions_of(op: DeltaTable, ids: list[str]) -> dict[str, object]:
+        # DataFusion prunes op files by their transaction_id statistics (ids are time-ordered).
+        rows = _read_arrow(
+            QueryBuilder()
+            .register("op", op)
+            .execute(
+                f"SELECT transaction_id, decision FROM op WHERE transaction_id IN ({_sql_list(ids)})"
+            )
+        )
+        return {
+            tid: LocalTransactionState(dec)
+            for tid, dec in zip(
+                rows.column("transaction_id").to_pylist(),
+                rows.column("decision").to_pylist(),
+                strict=True,
+            )
+        }
+
+    # ------------------------------------------------------------------ publish
+    def publish(self, normal: Sequence[tuple[Message, str]] = ()) -> PublishResult:
+        """Move committed messages into ``commitlog``, and send normal messages.
+
+        Publishes every COMMIT recorded in ``op`` since the last publish (by anyone), plus the
+        given normal messages, in one Delta commit with dense per-queue offsets. Safe to call
+        from any number of processes at once; a crash at any point loses nothing and
+        duplicates nothing.
+
+        Parameters
+        ----------
+        normal : sequence of (Message, producer_group)
+            Non-transactional messages to send in the same commit (already validated).
+        """
+        for attempt in range(_MAX_COMMIT_ATTEMPTS):
+            commitlog = self.table("commitlog")
+            cursor = commitlog.transaction_version(OP_CURSOR_APP_ID)
+            cursor = -1 if cursor is None else cursor
+            op_version = self.table("op").version()
+            rows = [self._committed_since(cursor, op_version)]
+            rows.append(self._normal_rows(normal))
+            batch = pa.concat_tables(rows)
+            if batch.num_rows == 0 and op_version <= cursor:
+                return PublishResult(0, cursor, None)
+            batch, txns = self._assign_offsets(commitlog, batch.combine_chunks())
+            if op_version > cursor:
+                txns.append(Transaction(OP_CURSOR_APP_ID, op_version))
+            try:
+                write_deltalake(
+                    commitlog,
+                    batch,
+                    mode="append",
+                    partition_by=["topic"],
+                    commit_properties=CommitProperties(
+                        app_transactions=txns, custom_metadata={"rmqtx.operation": "publish"}
+                    ),
+                )
+            except CommitFailedError:
+                log.debug("publish lost a race (attempt %d); retrying", attempt + 1)
+                _backoff(attempt)
+                continue
+            offsets = {
+                mid: (qid, off)
+                for mid, qid, off, tid in zip(
+                    batch.column("msg_id").to_pylist(),
+                    batch.column("queue_id").to_pylist(),
+                    batch.column("queue_offset").to_pylist(),
+                    batch.column("transaction_id").to_pylist(),
+                    strict=True,
+                )
+                if tid is None
+            }
+            if batch.num_rows:
+                log.debug("published %d message(s) up to op version %d", batch.num_rows, op_version)
+            return PublishResult(batch.num_rows, op_version, commitlog.version(), offsets)
+        raise StoreError(
+            f"could not publish after {_MAX_COMMIT_ATTEMPTS} attempts: too many concurrent "
+            "publishers on the commitlog table."
+        )
+
+    def _committed_since(self, cursor: int, op_version: int) -> pa.Table:
+        """Half messages of transactions committed in op versions (cursor, op_version]."""
+        if op_version <= cursor:
+            return COMMITLOG_SCHEMA.empty_table()
+        changes = _read_arrow(
+            self.table("op").load_cdf(starting_version=cursor + 1, ending_version=op_version)
+        )
+        changes = changes.filter(
+            pc.and_(
+                pc.equal(changes.column("_change_type"), "insert"),
+                pc.equal(changes.column("decision"), "COMMIT"),
+            )
+        )
+        if changes.num_rows == 0:
+            return COMMITLOG_SCHEMA.empty_table()
+        # Publish in decision order so offsets follow commit order.
+        changes = changes.sort_by([("_commit_version", "ascending")])
+        txn_ids = changes.column("transaction_id")
+        versions = sorted({v for vs in changes.column("half_versions").to_pylist() for v in vs})
+        half = self.table("half")
+        parts = []
+        for version in versions:
+            part = _read_arrow(half.load_cdf(starting_version=version, ending_version=version))
+            parts.append(part.filter(pc.is_in(part.column("transaction_id"), value_set=txn_ids)))
+        halves = _conform(pa.concat_tables(parts, promote_options="permissive"), HALF_SCHEMA)
+        decision_order = pc.index_in(halves.column("transaction_id"), value_set=txn_ids)
+        halves = halves.take(pc.sort_indices(decision_order))
+        now = _now()
+        columns = {name: halves.column(name) for name in COMMITLOG_SCHEMA.names if name in
+                   HALF_SCHEMA.names}
+        columns["queue_offset"] = pa.array([0] * halves.num_rows, pa.int64())
+        columns["store_timestamp"] = pa.array([now] * halves.num_rows, TIMESTAMP)
+        return pa.table({name: columns[name] for name in COMMITLOG_SCHEMA.names},
+                        schema=COMMITLOG_SCHEMA)
+
+    def _normal_rows(self, normal: Sequence[tuple[Message, str]]) -> pa.Table:
+        now = _now()
+        keys = [m.keys_string for m, _ in normal]
+        return pa.Table.from_pydict(
+            {
+                "topic": [m.topic for m, _ in normal],
+                "queue_id": [queue_for(k, self.settings.queue_nums) for k in keys],
+                "queue_offset": [0] * len(normal),
+                "msg_id": [new_id() for _ in normal],
+                "transaction_id": [None] * len(normal),
+                "producer_group": [g for _, g in normal],
+                "keys": keys,
+                "tags": [m.tags for m, _ in normal],
+                "body": [m.body_bytes for m, _ in normal],
+                "properties": [list(dict(m.properties).items()) for m, _ in normal],
+                "born_timestamp": [now] * len(normal),
+                "store_timestamp": [now] * len(normal),
+            },
+            schema=COMMITLOG_SCHEMA,
+        )
+
+    @staticmethod
+    def _assign_offsets(
+        commitlog: DeltaTable, batch: pa.Table
+    ) -> tuple[pa.Table, list[Transaction]]:
+        """Give each row the next dense offset of its queue; return the queue txn actions."""
+        topics = batch.column("topic").to_pylist()
+        queues = batch.column("queue_id").to_pylist()
+        next_offset: dict[tuple[str, int], int] = {}
+        offsets = []
+        for key in zip(topics, queues, strict=True):
+            if key not in next_offset:
+                known = commitlog.transaction_version(queue_app_id(*key))
+                next_offset[key] = 0 if known is None else known
+            offsets.append(next_offset[key])
+            next_offset[key] += 1
+        batch = batch.set_column(
+            batch.schema.get_field_index("queue_offset"),
+            COMMITLOG_SCHEMA.field("queue_offset"),
+            pa.array(offsets, pa.int64()),
+        )
+        txns = [Transaction(queue_app_id(t, q), n) for (t, q), n in next_offset.items()]
+        return batch, txns
+
+    # ------------------------------------------------------------------ normal send
+    def send(self, messages: Sequence[Message], producer_group: str) -> PublishResult:
+        """Send normal (non-transactional) messages: visible at once, in one commit."""
+        check_group(producer_group)
+        for message in messages:
+            validate_message(message, self.settings.max_body_bytes)
+        return self.publish([(m, producer_group) for m in messages])
+
+
+def _sql_list(values: Sequence[str]) -> str:
+    """A SQL list of string literals."""
+    return ", ".join("'" + v.replace("'", "''") + "'" for v in values)
+
+
+def _normalise_root(root: str) -> str:
+    """Absolute local paths for plain paths; URIs are kept as given."""
+    if "://" in root:
+        return root
+    return str(Path(root).expanduser().resolve())

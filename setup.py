@@ -1,0 +1,32 @@
+"""rmq-spark: RocketMQ-style transactional messages on Spark and Delta Lake."""
+
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+version = {}
+exec((Path(__file__).parent / "rmq_spark" / "_version.py").read_text(), version)
+
+setup(
+    name="rmq-spark",
+    version=version["__version__"],
+    description="RocketMQ-style transactional messaging (half messages, op records, "
+    "check-back) on Spark and Delta Lake, with no broker.",
+    long_description=(Path(__file__).parent / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.11,<3.12",
+    packages=find_packages(include=["rmq_spark", "rmq_spark.*"]),
+    package_data={"rmq_spark": ["py.typed"]},
+    install_requires=[
+        "pyspark==4.2.0",
+        "delta-spark==4.4.1",
+        "deltalake==1.6.6",
+        "pyarrow>=17",
+        "pandas>=2.2,<3",  # pyspark 4.2 warns it does not fully support pandas 3
+        "fsspec>=2024.6",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6"],
+    },
+    entry_points={"console_scripts": ["rmqtx=rmq_spark.cli:main"]},
+)
