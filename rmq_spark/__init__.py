@@ -1,5 +1,66 @@
-"""rmq-spark: RocketMQ-style transactional messages on Spark and Delta Lake, with no broker."""
+"""rmq-spark: RocketMQ-style transactional messages on Spark and Delta Lake, with no broker.
+
+The public API at a glance:
+
+* :class:`Store` - the half topic, op topic and CommitLog as Delta tables under one root.
+* :class:`TransactionMQProducer` and :class:`TransactionListener` - the producer API.
+* :class:`Message`, :class:`MessageExt`, :class:`LocalTransactionState` - the message model.
+* :func:`get_spark` - a local SparkSession with Delta Lake configured.
+"""
 
 from rmq_spark._version import __version__
+from rmq_spark.config import Settings, load_settings
+from rmq_spark.errors import (
+    CorruptStoreError,
+    InvalidMessageError,
+    InvalidOptionError,
+    NotAStoreError,
+    ProducerStateError,
+    RmqSparkError,
+    StoreError,
+    StoreVersionError,
+)
+from rmq_spark.model import LocalTransactionState, Message, MessageExt
+from rmq_spark.producer import (
+    SendResult,
+    SendStatus,
+    TransactionListener,
+    TransactionMQProducer,
+    TransactionSendResult,
+)
+from rmq_spark.session import get_spark
+from rmq_spark.store import (
+    Decision,
+    EndTransactionResult,
+    EndTransactionStatus,
+    PublishResult,
+    Store,
+)
 
-__all__ = ["__version__"]
+__all__ = [
+    "CorruptStoreError",
+    "Decision",
+    "EndTransactionResult",
+    "EndTransactionStatus",
+    "InvalidMessageError",
+    "InvalidOptionError",
+    "LocalTransactionState",
+    "Message",
+    "MessageExt",
+    "NotAStoreError",
+    "ProducerStateError",
+    "PublishResult",
+    "RmqSparkError",
+    "SendResult",
+    "SendStatus",
+    "Settings",
+    "Store",
+    "StoreError",
+    "StoreVersionError",
+    "TransactionListener",
+    "TransactionMQProducer",
+    "TransactionSendResult",
+    "__version__",
+    "get_spark",
+    "load_settings",
+]

@@ -48,9 +48,7 @@ def parse_int(value: object, name: str, minimum: int) -> int:
     except ValueError:
         number = None
     if number is None or number < minimum:
-        raise InvalidOptionError(
-            f"{name} needs to be an integer >= {minimum} but got {value!r}."
-        )
+        raise InvalidOptionError(f"{name} needs to be an integer >= {minimum} but got {value!r}.")
     return number
 
 
@@ -99,7 +97,8 @@ def _section(data: dict[str, Any], cls: type, name: str, parsers: dict[str, Any]
     unknown = sorted(set(data) - known)
     if unknown:
         raise InvalidOptionError(
-            f"unknown setting(s) {', '.join(unknown)} in [{name}]; valid: {', '.join(sorted(known))}."
+            f"unknown setting(s) {', '.join(unknown)} in [{name}]; "
+            f"valid: {', '.join(sorted(known))}."
         )
     values = {k: parsers.get(k, lambda v, _n: v)(v, f"{name}.{k}") for k, v in data.items()}
     return replace(cls(), **values)

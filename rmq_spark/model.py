@@ -46,7 +46,7 @@ PROPERTY_CHECK_IMMUNITY = "CHECK_IMMUNITY_TIME_IN_SECONDS"
 KEY_SEPARATOR = " "
 
 
-class LocalTransactionState(str, enum.Enum):
+class LocalTransactionState(enum.StrEnum):
     """Outcome of a local transaction, as in RocketMQ's ``LocalTransactionState``.
 
     ``COMMIT`` makes the half message visible, ``ROLLBACK`` discards it, ``UNKNOWN`` leaves it

@@ -25,11 +25,12 @@ from __future__ import annotations
 import json
 import logging
 import random
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 
 import fsspec
@@ -72,7 +73,7 @@ def queue_app_id(topic: str, queue_id: int) -> str:
     return _QUEUE_APP_ID.format(topic=topic, queue_id=queue_id)
 
 
-class EndTransactionStatus(str, Enum):
+class EndTransactionStatus(StrEnum):
     """What happened to an end-transaction request."""
 
     #: This request decided the transaction.
@@ -140,8 +141,8 @@ class PublishResult:
     published: int
     op_version: int
     commitlog_version: int | None
-    #: msg_id -> (queue_id, queue_offset) of the normal messages handed to this publish.
-    offsets: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: (msg_id, queue_id, queue_offset) of the normal messages handed to this publish, in order.
+    sent: list[tuple[str, int, int]] = field(default_factory=list)
 
 
 def _now() -> datetime:
@@ -196,6 +197,9 @@ class Store:
     def __init__(self, root: str, settings: StoreSettings) -> None:
         self.root = root
         self.settings = settings
+        # DeltaTable objects are not thread-safe; each thread keeps its own, refreshed
+        # incrementally instead of replaying the log on every operation.
+        self._tables = threading.local()
 
     # ------------------------------------------------------------------ opening
     @classmethod
@@ -239,9 +243,25 @@ class Store:
             raise StoreError(f"unknown table {name!r}; the store has {', '.join(TABLES)}.")
         return f"{self.root.rstrip('/')}/{name}"
 
-    def table(self, name: str) -> DeltaTable:
-        """Load the latest snapshot of one of the store's tables with deltalake."""
-        return DeltaTable(self.table_uri(name), storage_options=self._storage_options)
+    def table(self, name: str, *, latest: bool = True) -> DeltaTable:
+        """One of the store's tables as a deltalake ``DeltaTable``.
+
+        Parameters
+        ----------
+        name : str
+            ``half``, ``op`` or ``commitlog``.
+        latest : bool, default True
+            Bring the snapshot up to the newest version. Blind appends do not need it.
+        """
+        cache = self._tables.__dict__
+        table = cache.get(name)
+        if table is None:
+            table = cache[name] = DeltaTable(
+                self.table_uri(name), storage_options=self._storage_options
+            )
+        elif latest:
+            table.update_incremental()
+        return table
 
     @property
     def _storage_options(self) -> dict[str, str] | None:
@@ -264,7 +284,9 @@ class Store:
                 f"{self.root!r} is a file, not an rmq-spark store; give a directory path."
             )
         entries = (
-            {Path(p.rstrip("/")).name for p in fs.ls(root, detail=False)} if fs.exists(root) else set()
+            {Path(p.rstrip("/")).name for p in fs.ls(root, detail=False)}
+            if fs.exists(root)
+            else set()
         )
         if entries - set(TABLES):
             raise NotAStoreError(
@@ -392,7 +414,7 @@ class Store:
 
     def _append(self, name: str, data: pa.Table) -> int:
         """Blind-append rows to a table; return the committed version."""
-        dt = self.table(name)
+        dt = self.table(name, latest=False)
         write_deltalake(dt, data, mode="append", partition_by=TABLES[name][1] or None)
         # After a write, the DeltaTable holds the snapshot of its own commit, even when
         # concurrent appends landed first.
@@ -428,25 +450,17 @@ class Store:
         first: dict[str, Decision] = {}
         for d in decisions:
             first.setdefault(d.transaction_id, d)
-        existing = self._record_decisions(list(first.values()))
+        before = self._record_decisions(list(first.values()))
         results = []
         for d in decisions:
-            winner = existing.get(d.transaction_id)
-            if winner is None or (winner is d and first[d.transaction_id] is d):
-                results.append(
-                    EndTransactionResult(
-                        d.transaction_id, d.state, EndTransactionStatus.APPLIED, d.state
-                    )
-                )
-                existing[d.transaction_id] = d.state  # a repeat in this call is a repeat
+            in_force = before.get(d.transaction_id, first[d.transaction_id].state)
+            if d is first[d.transaction_id] and d.transaction_id not in before:
+                status = EndTransactionStatus.APPLIED
+            elif in_force == d.state:
+                status = EndTransactionStatus.ALREADY_DECIDED
             else:
-                state = winner if isinstance(winner, LocalTransactionState) else winner.state
-                status = (
-                    EndTransactionStatus.ALREADY_DECIDED
-                    if state == d.state
-                    else EndTransactionStatus.REFUSED
-                )
-                results.append(EndTransactionResult(d.transaction_id, d.state, status, state))
+                status = EndTransactionStatus.REFUSED
+            results.append(EndTransactionResult(d.transaction_id, d.state, status, in_force))
         refused = [r for r in results if r.status is EndTransactionStatus.REFUSED]
         if refused:
             log.warning(
@@ -460,11 +474,11 @@ class Store:
             self.publish()
         return results
 
-    def _record_decisions(self, decisions: list[Decision]) -> dict[str, object]:
+    def _record_decisions(self, decisions: list[Decision]) -> dict[str, LocalTransactionState]:
         """MERGE new decisions into ``op``; return the decisions that were already there.
 
-        The returned dict maps transaction ids decided *before* this call to their
-        ``LocalTransactionState``; ids this call decided map to nothing.
+        The returned dict holds the transactions decided *before* this call, with their
+        decision; the ones this call decided are not in it.
         """
         ids = [d.transaction_id for d in decisions]
         for attempt in range(_MAX_COMMIT_ATTEMPTS):
@@ -512,13 +526,14 @@ class Store:
         )
 
     @staticmethod
-    def _decisions_of(op: DeltaTable, ids: list[str]) -> dict[str, object]:
+    def _decisions_of(op: DeltaTable, ids: list[str]) -> dict[str, LocalTransactionState]:
         # DataFusion prunes op files by their transaction_id statistics (ids are time-ordered).
         rows = _read_arrow(
             QueryBuilder()
             .register("op", op)
             .execute(
-                f"SELECT transaction_id, decision FROM op WHERE transaction_id IN ({_sql_list(ids)})"
+                "SELECT transaction_id, decision FROM op "
+                f"WHERE transaction_id IN ({_sql_list(ids)})"
             )
         )
         return {
@@ -571,20 +586,18 @@ class Store:
                 log.debug("publish lost a race (attempt %d); retrying", attempt + 1)
                 _backoff(attempt)
                 continue
-            offsets = {
-                mid: (qid, off)
-                for mid, qid, off, tid in zip(
-                    batch.column("msg_id").to_pylist(),
-                    batch.column("queue_id").to_pylist(),
-                    batch.column("queue_offset").to_pylist(),
-                    batch.column("transaction_id").to_pylist(),
+            normal_rows = batch.filter(pc.is_null(batch.column("transaction_id")))
+            sent = list(
+                zip(
+                    normal_rows.column("msg_id").to_pylist(),
+                    normal_rows.column("queue_id").to_pylist(),
+                    normal_rows.column("queue_offset").to_pylist(),
                     strict=True,
                 )
-                if tid is None
-            }
+            )
             if batch.num_rows:
                 log.debug("published %d message(s) up to op version %d", batch.num_rows, op_version)
-            return PublishResult(batch.num_rows, op_version, commitlog.version(), offsets)
+            return PublishResult(batch.num_rows, op_version, commitlog.version(), sent)
         raise StoreError(
             f"could not publish after {_MAX_COMMIT_ATTEMPTS} attempts: too many concurrent "
             "publishers on the commitlog table."
@@ -618,12 +631,16 @@ class Store:
         decision_order = pc.index_in(halves.column("transaction_id"), value_set=txn_ids)
         halves = halves.take(pc.sort_indices(decision_order))
         now = _now()
-        columns = {name: halves.column(name) for name in COMMITLOG_SCHEMA.names if name in
-                   HALF_SCHEMA.names}
+        columns = {
+            name: halves.column(name)
+            for name in COMMITLOG_SCHEMA.names
+            if name in HALF_SCHEMA.names
+        }
         columns["queue_offset"] = pa.array([0] * halves.num_rows, pa.int64())
         columns["store_timestamp"] = pa.array([now] * halves.num_rows, TIMESTAMP)
-        return pa.table({name: columns[name] for name in COMMITLOG_SCHEMA.names},
-                        schema=COMMITLOG_SCHEMA)
+        return pa.table(
+            {name: columns[name] for name in COMMITLOG_SCHEMA.names}, schema=COMMITLOG_SCHEMA
+        )
 
     def _normal_rows(self, normal: Sequence[tuple[Message, str]]) -> pa.Table:
         now = _now()

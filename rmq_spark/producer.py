@@ -1,0 +1,391 @@
+"""The transactional producer API for services, after RocketMQ's ``TransactionMQProducer``.
+
+Example
+-------
+>>> class OrderListener(TransactionListener):
+...     def execute_local_transaction(self, msg, arg):
+...         save_order(arg)                      # the local transaction
+...         return LocalTransactionState.COMMIT
+...     def check_local_transaction(self, msg):
+...         return LocalTransactionState.COMMIT if order_exists(msg.keys) else \\
+...             LocalTransactionState.UNKNOWN
+>>> with TransactionMQProducer("order-service", OrderListener(), path="storage") as producer:
+...     result = producer.send_message_in_transaction(Message("Orders", b"..."), arg=order)
+
+Many threads may share one producer. Their half messages are group-committed: each Delta
+commit carries every message that arrived while the previous commit was being written, so
+throughput grows with concurrency instead of collapsing to one commit per message.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, wait
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+from rmq_spark.config import Settings
+from rmq_spark.errors import ProducerStateError
+from rmq_spark.model import (
+    LocalTransactionState,
+    Message,
+    MessageExt,
+    check_group,
+    validate_message,
+)
+from rmq_spark.store import Decision, EndTransactionResult, PreparedMessage, Store
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class SendStatus(StrEnum):
+    """RocketMQ's send status. Failures raise exceptions instead of returning a status."""
+
+    SEND_OK = "SEND_OK"
+
+
+class TransactionListener(ABC):
+    """The application's side of a transaction (RocketMQ's ``TransactionListener``)."""
+
+    @abstractmethod
+    def execute_local_transaction(self, msg: MessageExt, arg: Any) -> LocalTransactionState:
+        """Run the local transaction after the half message is durable.
+
+        Parameters
+        ----------
+        msg : MessageExt
+            The half message (with its ``msg_id`` and ``transaction_id``).
+        arg : Any
+            The ``arg`` given to :meth:`TransactionMQProducer.send_message_in_transaction`.
+
+        Returns
+        -------
+        LocalTransactionState
+            ``COMMIT``, ``ROLLBACK`` or ``UNKNOWN``. Raising, or returning anything else
+            (``None`` included), counts as ``UNKNOWN``: the check-back job asks again later.
+        """
+
+    @abstractmethod
+    def check_local_transaction(self, msg: MessageExt) -> LocalTransactionState:
+        """Answer a check-back: what became of the local transaction of ``msg``?
+
+        Must be idempotent and answer from durable state (the local database), since it may
+        run in another process long after the send. Raising counts as ``UNKNOWN``.
+        """
+
+
+@dataclass(frozen=True)
+class SendResult:
+    """Result of a normal send."""
+
+    send_status: SendStatus
+    msg_id: str
+    topic: str
+    queue_id: int
+    queue_offset: int
+
+
+@dataclass(frozen=True)
+class TransactionSendResult:
+    """Result of :meth:`TransactionMQProducer.send_message_in_transaction`.
+
+    ``local_transaction_state`` is what the listener answered. The end-transaction request
+    is sent asynchronously, as RocketMQ's oneway ``endTransaction`` is; call
+    :meth:`TransactionMQProducer.flush` to wait until it is recorded.
+    """
+
+    send_status: SendStatus
+    msg_id: str
+    transaction_id: str
+    topic: str
+    queue_id: int
+    local_transaction_state: LocalTransactionState
+    half_version: int
+
+
+class _GroupCommitter(Generic[T, R]):
+    """Hands items submitted from many threads to ``handler`` in batches, on one thread.
+
+    ``handler`` gets a list of items and returns one result per item, in order.
+    """
+
+    _STOP = object()
+
+    def __init__(self, name: str, handler: Callable[[list[T]], Sequence[R]], max_batch: int):
+        self._handler = handler
+        self._max_batch = max_batch
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, item: T) -> Future[R]:
+        future: Future[R] = Future()
+        self._queue.put((item, future))
+        return future
+
+    def close(self) -> None:
+        self._queue.put(self._STOP)
+        self._thread.join()
+
+    def _run(self) -> None:
+        stopping = False
+        while not stopping:
+            first = self._queue.get()
+            if first is self._STOP:
+                return
+            batch = [first]
+            while len(batch) < self._max_batch:
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is self._STOP:
+                    stopping = True
+                    break
+                batch.append(nxt)
+            try:
+                results = self._handler([item for item, _ in batch])
+            except BaseException as exc:  # handed to every waiting caller
+                for _, future in batch:
+                    future.set_exception(exc)
+                continue
+            for (_, future), result in zip(batch, results, strict=True):
+                future.set_result(result)
+
+
+class TransactionMQProducer:
+    """A transactional producer bound to a producer group and a store.
+
+    Parameters
+    ----------
+    producer_group : str
+        The producer group; check-backs for its transactions are routed by this name.
+    listener : TransactionListener, optional
+        Runs and checks local transactions. Required for
+        :meth:`send_message_in_transaction`.
+    store : Store, optional
+        An open store. Give either ``store`` or ``path``.
+    path : str or Path, optional
+        Store root to open (created on first use).
+    settings : Settings, optional
+        Settings used when opening ``path``.
+    max_batch : int, default 1024
+        Most messages group-committed in one Delta commit.
+
+    Notes
+    -----
+    Use it as a context manager, or call :meth:`start` and :meth:`shutdown`. ``shutdown``
+    waits for outstanding end-transaction requests.
+    """
+
+    def __init__(
+        self,
+        producer_group: str,
+        listener: TransactionListener | None = None,
+        *,
+        store: Store | None = None,
+        path: str | Path | None = None,
+        settings: Settings | None = None,
+        max_batch: int = 1024,
+    ) -> None:
+        self.producer_group = check_group(producer_group)
+        self.listener = listener
+        self.store = store or Store.open(path, settings=settings)
+        self._max_batch = max_batch
+        self._prepare: _GroupCommitter[Message, PreparedMessage] | None = None
+        self._publish: _GroupCommitter[Decision | Message, Any] | None = None
+        self._pending: set[Future[Any]] = set()
+        self._lock = threading.Lock()
+
+    # -------------------------------------------------------------- lifecycle
+    def start(self) -> TransactionMQProducer:
+        """Start the background committers. Returns ``self``."""
+        with self._lock:
+            if self._prepare is None:
+                self._prepare = _GroupCommitter(
+                    f"rmqtx-prepare-{self.producer_group}", self._prepare_batch, self._max_batch
+                )
+                self._publish = _GroupCommitter(
+                    f"rmqtx-publish-{self.producer_group}", self._publish_batch, self._max_batch
+                )
+        return self
+
+    def shutdown(self) -> None:
+        """Wait for outstanding end-transactions, then stop the background committers."""
+        self.flush()
+        with self._lock:
+            for committer in (self._prepare, self._publish):
+                if committer is not None:
+                    committer.close()
+            self._prepare = self._publish = None
+
+    def __enter__(self) -> TransactionMQProducer:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Block until every end-transaction sent so far is recorded (and published)."""
+        with self._lock:
+            pending = list(self._pending)
+        wait(pending, timeout=timeout)
+
+    def _committers(
+        self,
+    ) -> tuple[_GroupCommitter[Message, PreparedMessage], _GroupCommitter[Any, Any]]:
+        prepare, publish = self._prepare, self._publish
+        if prepare is None or publish is None:
+            raise ProducerStateError(
+                f"producer {self.producer_group!r} is not started; call start() or use it in a "
+                "'with' block."
+            )
+        return prepare, publish
+
+    # -------------------------------------------------------------- sending
+    def send_message_in_transaction(self, msg: Message, arg: Any = None) -> TransactionSendResult:
+        """Send a half message, run the local transaction, and end the transaction.
+
+        The half message is durable before ``execute_local_transaction`` runs. A COMMIT or
+        ROLLBACK answer is sent asynchronously; an UNKNOWN answer (or an exception, or
+        ``None``) leaves the message pending for the check-back job.
+
+        Parameters
+        ----------
+        msg : Message
+            The message to publish if the local transaction commits.
+        arg : Any, optional
+            Passed to ``execute_local_transaction``.
+
+        Returns
+        -------
+        TransactionSendResult
+
+        Raises
+        ------
+        InvalidMessageError
+            The message breaks a rule; nothing was written.
+        """
+        if self.listener is None:
+            raise ProducerStateError(
+                f"producer {self.producer_group!r} has no TransactionListener; pass one to "
+                "TransactionMQProducer(...) to send transactional messages."
+            )
+        validate_message(msg, self.store.settings.max_body_bytes)
+        prepare, _ = self._committers()
+        prepared = prepare.submit(msg).result()
+        view = MessageExt(
+            topic=msg.topic,
+            queue_id=prepared.queue_id,
+            msg_id=prepared.msg_id,
+            transaction_id=prepared.transaction_id,
+            producer_group=self.producer_group,
+            keys=msg.keys_string,
+            tags=msg.tags,
+            body=msg.body_bytes,
+            properties=dict(msg.properties),
+            born_timestamp=prepared.store_timestamp,
+            store_timestamp=prepared.store_timestamp,
+        )
+        state = self._run_local_transaction(view, arg)
+        result = TransactionSendResult(
+            SendStatus.SEND_OK,
+            prepared.msg_id,
+            prepared.transaction_id,
+            msg.topic,
+            prepared.queue_id,
+            state,
+            prepared.half_version,
+        )
+        if state is not LocalTransactionState.UNKNOWN:
+            self._end_async(result, state)
+        return result
+
+    def _run_local_transaction(self, view: MessageExt, arg: Any) -> LocalTransactionState:
+        assert self.listener is not None
+        try:
+            answer = self.listener.execute_local_transaction(view, arg)
+        except Exception:
+            log.warning(
+                "execute_local_transaction raised for transaction %s; treating it as UNKNOWN "
+                "(the check-back job will ask check_local_transaction)",
+                view.transaction_id,
+                exc_info=True,
+            )
+            return LocalTransactionState.UNKNOWN
+        state = LocalTransactionState.coerce(answer)
+        if state is LocalTransactionState.UNKNOWN and answer is not LocalTransactionState.UNKNOWN:
+            log.warning(
+                "execute_local_transaction returned %r for transaction %s; treating it as UNKNOWN",
+                answer,
+                view.transaction_id,
+            )
+        return state
+
+    def _end_async(self, result: TransactionSendResult, state: LocalTransactionState) -> None:
+        _, publish = self._committers()
+        future = publish.submit(self._decision(result, state))
+        with self._lock:
+            self._pending.add(future)
+        future.add_done_callback(self._end_done)
+
+    def _end_done(self, future: Future[Any]) -> None:
+        with self._lock:
+            self._pending.discard(future)
+        if future.exception() is not None:
+            log.warning(
+                "end-transaction failed (%s); the message stays pending until check-back "
+                "resolves it",
+                future.exception(),
+            )
+
+    def end_transaction(
+        self, result: TransactionSendResult, state: LocalTransactionState
+    ) -> EndTransactionResult:
+        """End a transaction explicitly and wait for the outcome.
+
+        Useful when the local transaction finishes after ``send_message_in_transaction``
+        returned UNKNOWN. The first decision recorded wins: a conflicting late request comes
+        back with status ``REFUSED`` and the decision in force.
+        """
+        _, publish = self._committers()
+        return publish.submit(self._decision(result, state)).result()
+
+    def _decision(self, result: TransactionSendResult, state: LocalTransactionState) -> Decision:
+        return Decision(
+            result.transaction_id,
+            self.producer_group,
+            LocalTransactionState(state),
+            [result.half_version],
+            "producer",
+        )
+
+    def send(self, msg: Message) -> SendResult:
+        """Send a normal (non-transactional) message; it is visible when this returns."""
+        validate_message(msg, self.store.settings.max_body_bytes)
+        _, publish = self._committers()
+        return publish.submit(msg).result()
+
+    # -------------------------------------------------------------- batch handlers
+    def _prepare_batch(self, messages: list[Message]) -> list[PreparedMessage]:
+        return self.store.prepare(messages, self.producer_group)
+
+    def _publish_batch(self, items: list[Decision | Message]) -> list[Any]:
+        decisions = [i for i in items if isinstance(i, Decision)]
+        normal = [i for i in items if isinstance(i, Message)]
+        ended = iter(self.store.end_transactions(decisions, publish=False) if decisions else [])
+        published = self.store.publish([(m, self.producer_group) for m in normal])
+        sent = iter(
+            SendResult(SendStatus.SEND_OK, mid, m.topic, qid, offset)
+            for m, (mid, qid, offset) in zip(normal, published.sent, strict=True)
+        )
+        return [next(ended) if isinstance(i, Decision) else next(sent) for i in items]
