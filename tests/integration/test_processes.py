@@ -1,0 +1,188 @@
+"""Real processes: racing decisions, concurrent publishers, and kill -9 at each step."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from rmq_spark import Decision, LocalTransactionState, Message, Store
+from tests.conftest import commitlog
+
+COMMIT, ROLLBACK = LocalTransactionState.COMMIT, LocalTransactionState.ROLLBACK
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _race_worker(root: str, txns: list[tuple[str, int]], state: str, barrier, out) -> None:
+    store = Store.open(root, create=False)
+    statuses = []
+    for txn, version in txns:
+        barrier.wait(timeout=60)
+        (result,) = store.end_transactions(
+            [Decision(txn, "pg", LocalTransactionState(state), [version])]
+        )
+        statuses.append((txn, result.status.value, result.decision.value))
+    out.put((state, statuses))
+
+
+def test_two_processes_racing_to_decide(store: Store) -> None:
+    rounds = 25
+    prepared = store.prepare([Message("Orders", str(i)) for i in range(rounds)], "pg")
+    txns = [(p.transaction_id, p.half_version) for p in prepared]
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(2), ctx.Queue()
+    procs = [
+        ctx.Process(target=_race_worker, args=(store.root, txns, s, barrier, out))
+        for s in ("COMMIT", "ROLLBACK")
+    ]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=300) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    visible = set(commitlog(store).column("transaction_id").to_pylist())
+    winners = Counter()
+    for i, (txn, _) in enumerate(txns):
+        commit_side, rollback_side = results["COMMIT"][i], results["ROLLBACK"][i]
+        statuses = sorted([commit_side[1], rollback_side[1]])
+        assert statuses == ["APPLIED", "REFUSED"], (i, commit_side, rollback_side)
+        # Both sides agree on the decision in force, and consumers see exactly that.
+        assert commit_side[2] == rollback_side[2]
+        assert (txn in visible) == (commit_side[2] == "COMMIT")
+        winners[commit_side[2]] += 1
+    assert commitlog(store).num_rows == winners["COMMIT"]
+
+
+def _publisher(root: str, n: int, tag: str) -> None:
+    store = Store.open(root, create=False)
+    for i in range(n):
+        store.send([Message("Orders", f"{tag}-{i}", keys="one-queue")], "pg")
+
+
+def test_concurrent_publishers_keep_offsets_dense(store: Store) -> None:
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_publisher, args=(store.root, 15, t)) for t in "abc"]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+        assert p.exitcode == 0
+    rows = commitlog(store).to_pylist()
+    assert sorted(r["body"] for r in rows) == sorted(
+        f"{t}-{i}".encode() for t in "abc" for i in range(15)
+    )
+    assert [r["queue_offset"] for r in rows] == list(range(45))
+    for t in "abc":  # each publisher's messages keep their order within the queue
+        mine = [int(r["body"].split(b"-")[1]) for r in rows if r["body"].startswith(t.encode())]
+        assert mine == sorted(mine)
+
+
+CHILD = textwrap.dedent(
+    """
+    import sys, time
+    from rmq_spark import Decision, LocalTransactionState, Message, Store
+    store = Store.open(sys.argv[1], create=False)
+    step = sys.argv[2]
+    (p,) = store.prepare([Message("Orders", b"payload")], "pg")
+    if step == "after-decision":
+        store.end_transactions(
+            [Decision(p.transaction_id, "pg", LocalTransactionState.COMMIT, [p.half_version])],
+            publish=False,
+        )
+    print(p.transaction_id, p.half_version, flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def _run_child_until_killed(root: str, step: str) -> tuple[str, int]:
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, root, step],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
+    try:
+        line = child.stdout.readline().split()
+        assert line, "child died before reporting"
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(timeout=30)
+    assert child.returncode == -signal.SIGKILL
+    return line[0], int(line[1])
+
+
+def test_half_message_survives_kill_between_prepare_and_end(store: Store) -> None:
+    txn, version = _run_child_until_killed(store.root, "after-prepare")
+    reopened = Store.open(store.root, create=False)
+    half = reopened.table("half").to_pyarrow_table()
+    assert half.column("transaction_id").to_pylist() == [txn]
+    assert half.column("body").to_pylist() == [b"payload"]
+    assert reopened.table("op").to_pyarrow_table().num_rows == 0
+    assert commitlog(reopened).num_rows == 0
+    # Whoever decides later (the check-back job) still can, exactly once.
+    reopened.end_transactions([Decision(txn, "pg", COMMIT, [version], "check-back")])
+    reopened.publish()
+    assert commitlog(reopened).column("transaction_id").to_pylist() == [txn]
+
+
+def test_kill_after_decision_before_publish(store: Store) -> None:
+    txn, _ = _run_child_until_killed(store.root, "after-decision")
+    reopened = Store.open(store.root, create=False)
+    assert commitlog(reopened).num_rows == 0
+    assert reopened.publish().published == 1
+    assert reopened.publish().published == 0
+    assert commitlog(reopened).column("transaction_id").to_pylist() == [txn]
+
+
+PUBLISH_LOOP = textwrap.dedent(
+    """
+    import sys
+    from rmq_spark import Decision, LocalTransactionState, Message, Store
+    store = Store.open(sys.argv[1], create=False)
+    print("ready", flush=True)
+    i = 0
+    while True:
+        prepared = store.prepare([Message("Orders", f"t{i}-{j}") for j in range(3)], "pg")
+        store.end_transactions(
+            [Decision(p.transaction_id, "pg", LocalTransactionState.COMMIT, [p.half_version])
+             for p in prepared]
+        )
+        store.send([Message("Orders", f"n{i}")], "pg")
+        i += 1
+    """
+)
+
+
+@pytest.mark.parametrize("delay", [0.3, 0.9, 1.7])
+def test_kill_while_writing_leaves_a_consistent_store(store: Store, delay: float) -> None:
+    child = subprocess.Popen(
+        [sys.executable, "-c", PUBLISH_LOOP, store.root],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
+    assert child.stdout.readline().strip() == "ready"
+    time.sleep(delay)
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait(timeout=30)
+    reopened = Store.open(store.root, create=False)
+    reopened.publish()  # repairs a decision whose publish was cut off
+    rows = commitlog(reopened).to_pylist()
+    ids = [r["msg_id"] for r in rows]
+    assert len(ids) == len(set(ids)), "a message was published twice"
+    queues: dict = {}
+    for r in rows:
+        queues.setdefault(r["queue_id"], []).append(r["queue_offset"])
+    for offsets in queues.values():
+        assert offsets == list(range(len(offsets)))
+    committed = set(reopened.table("op").to_pyarrow_table().column("transaction_id").to_pylist())
+    assert {r["transaction_id"] for r in rows if r["transaction_id"]} == committed

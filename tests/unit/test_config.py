@@ -1,0 +1,58 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rmq_spark import InvalidOptionError
+from rmq_spark.config import load_settings, parse_duration
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_shipped_conf_file_matches_rocketmq_defaults() -> None:
+    settings = load_settings(REPO / "conf" / "rmq-spark.toml")
+    tx = settings.transaction
+    assert (tx.transaction_timeout, tx.transaction_check_interval) == (6.0, 30.0)
+    assert (tx.transaction_check_max, tx.max_check_age) == (15, 72 * 3600.0)
+    assert settings.store.max_body_bytes == 4 * 1024 * 1024
+    assert settings.store.path == "storage"
+
+
+def test_overrides_and_durations(tmp_path: Path) -> None:
+    conf = tmp_path / "c.toml"
+    conf.write_text(
+        '[store]\npath = "/data/rmq"\nqueue_nums = 8\n'
+        '[transaction]\ntransaction_timeout = "500ms"\nmax_check_age = "12h"\n'
+        '[spark]\n"spark.sql.shuffle.partitions" = 2\n[logging]\nlevel = "debug"\n'
+    )
+    settings = load_settings(conf)
+    assert settings.store.path == "/data/rmq" and settings.store.queue_nums == 8
+    assert settings.transaction.transaction_timeout == 0.5
+    assert settings.transaction.max_check_age == 12 * 3600
+    assert settings.spark == {"spark.sql.shuffle.partitions": "2"}
+    assert settings.log_level == "DEBUG"
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("[store]\nqueue_num = 4\n", r"unknown setting\(s\) queue_num in \[store\]; valid: "),
+        ("[stor]\n", r"unknown section\(s\) stor"),
+        ("[store]\nqueue_nums = 0\n", "queue_nums needs to be an integer >= 1 but got 0"),
+        ('[transaction]\ntransaction_timeout = "soon"\n', "needs a duration such as"),
+        ("not toml = = 1", "cannot read settings file"),
+    ],
+)
+def test_bad_settings_are_clear_errors(tmp_path: Path, text: str, match: str) -> None:
+    conf = tmp_path / "c.toml"
+    conf.write_text(text)
+    with pytest.raises(InvalidOptionError, match=match):
+        load_settings(conf)
+
+
+def test_parse_duration_units() -> None:
+    assert parse_duration("72h", "x") == 259200
+    assert parse_duration(6, "x") == 6.0
+    with pytest.raises(InvalidOptionError, match="must not be negative"):
+        parse_duration(-1, "x")

@@ -1,0 +1,143 @@
+"""The producer API on a real store: listeners, group commit from many threads, states."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from rmq_spark import (
+    EndTransactionStatus,
+    InvalidMessageError,
+    LocalTransactionState,
+    Message,
+    MessageExt,
+    ProducerStateError,
+    SendStatus,
+    Store,
+    TransactionListener,
+    TransactionMQProducer,
+)
+from tests.conftest import commitlog
+
+
+class ScriptedListener(TransactionListener):
+    """Answers with ``arg``; raises when ``arg`` is an exception."""
+
+    def __init__(self) -> None:
+        self.seen: list[MessageExt] = []
+
+    def execute_local_transaction(self, msg: MessageExt, arg: object) -> LocalTransactionState:
+        self.seen.append(msg)
+        if isinstance(arg, Exception):
+            raise arg
+        return arg  # type: ignore[return-value]
+
+    def check_local_transaction(self, msg: MessageExt) -> LocalTransactionState:
+        return LocalTransactionState.UNKNOWN
+
+
+def pending_ids(store: Store) -> set[str]:
+    half = set(store.table("half").to_pyarrow_table().column("transaction_id").to_pylist())
+    return half - set(store.table("op").to_pyarrow_table().column("transaction_id").to_pylist())
+
+
+def test_lifecycle_commit_rollback_unknown(store: Store) -> None:
+    listener = ScriptedListener()
+    with TransactionMQProducer("orders", listener, store=store) as producer:
+        c = producer.send_message_in_transaction(Message("Orders", b"c"), "COMMIT")
+        r = producer.send_message_in_transaction(Message("Orders", b"r"), "ROLLBACK")
+        u = producer.send_message_in_transaction(Message("Orders", b"u"), "UNKNOWN")
+    assert [x.local_transaction_state for x in (c, r, u)] == ["COMMIT", "ROLLBACK", "UNKNOWN"]
+    assert all(x.send_status is SendStatus.SEND_OK for x in (c, r, u))
+    assert commitlog(store).column("msg_id").to_pylist() == [c.msg_id]
+    assert pending_ids(store) == {u.transaction_id}
+    seen = listener.seen[0]
+    assert (seen.msg_id, seen.transaction_id, seen.producer_group) == (
+        c.msg_id,
+        c.transaction_id,
+        "orders",
+    )
+
+
+@pytest.mark.parametrize("answer", [RuntimeError("db down"), None, "perhaps"])
+def test_listener_failure_counts_as_unknown(store: Store, answer: object) -> None:
+    with TransactionMQProducer("orders", ScriptedListener(), store=store) as producer:
+        result = producer.send_message_in_transaction(Message("Orders", b"x"), answer)
+    assert result.local_transaction_state is LocalTransactionState.UNKNOWN
+    assert pending_ids(store) == {result.transaction_id}
+    assert commitlog(store).num_rows == 0
+
+
+def test_explicit_end_transaction_first_decision_wins(store: Store) -> None:
+    with TransactionMQProducer("orders", ScriptedListener(), store=store) as producer:
+        result = producer.send_message_in_transaction(Message("Orders", b"x"), "UNKNOWN")
+        first = producer.end_transaction(result, LocalTransactionState.ROLLBACK)
+        late = producer.end_transaction(result, LocalTransactionState.COMMIT)
+    assert first.status is EndTransactionStatus.APPLIED
+    assert (late.status, late.decision) == ("REFUSED", "ROLLBACK")
+    assert commitlog(store).num_rows == 0
+
+
+def test_concurrent_senders_from_threads(store: Store) -> None:
+    threads, per_thread = 16, 12
+    results: list = []
+    lock = threading.Lock()
+
+    def worker(n: int) -> None:
+        for i in range(per_thread):
+            state = ("COMMIT", "ROLLBACK", "UNKNOWN")[(n + i) % 3]
+            r = producer.send_message_in_transaction(
+                Message("Orders", f"{n}-{i}", keys=f"order-{n}"), state
+            )
+            with lock:
+                results.append(r)
+
+    with TransactionMQProducer("orders", ScriptedListener(), store=store) as producer:
+        pool = [threading.Thread(target=worker, args=(n,)) for n in range(threads)]
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+        normal = [producer.send(Message("Orders", f"n{i}")) for i in range(3)]
+    committed = {r.msg_id for r in results if r.local_transaction_state == "COMMIT"}
+    visible = commitlog(store)
+    ids = visible.column("msg_id").to_pylist()
+    assert len(ids) == len(set(ids))
+    assert set(ids) == committed | {n.msg_id for n in normal}
+    assert pending_ids(store) == {
+        r.transaction_id for r in results if r.local_transaction_state == "UNKNOWN"
+    }
+    # Group commit: far fewer half-table commits than messages.
+    assert store.table("half").version() < threads * per_thread / 2
+    # Offsets dense per queue, and a message keeps its queue's order per sender.
+    for (_topic, _queue), rows in _by_queue(visible).items():
+        assert [r["queue_offset"] for r in rows] == list(range(len(rows)))
+
+
+def _by_queue(table) -> dict:
+    groups: dict = {}
+    for row in table.to_pylist():
+        groups.setdefault((row["topic"], row["queue_id"]), []).append(row)
+    return groups
+
+
+def test_normal_send_result(store: Store) -> None:
+    with TransactionMQProducer("svc", store=store) as producer:
+        a = producer.send(Message("Events", b"a", keys="k"))
+        b = producer.send(Message("Events", b"b", keys="k"))
+    assert (a.queue_id, a.queue_offset, b.queue_offset) == (b.queue_id, 0, 1)
+
+
+def test_misuse_is_a_clear_error(store: Store) -> None:
+    producer = TransactionMQProducer("orders", ScriptedListener(), store=store)
+    with pytest.raises(ProducerStateError, match="not started"):
+        producer.send_message_in_transaction(Message("Orders", b"x"))
+    with (
+        TransactionMQProducer("svc", store=store) as no_listener,
+        pytest.raises(ProducerStateError, match="no TransactionListener"),
+    ):
+        no_listener.send_message_in_transaction(Message("Orders", b"x"))
+    with producer, pytest.raises(InvalidMessageError, match="exceeds the limit"):
+        producer.send_message_in_transaction(Message("Orders", b"x" * (4 * 1024 * 1024 + 1)))
+    assert store.table("half").version() == 0

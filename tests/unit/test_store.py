@@ -1,0 +1,208 @@
+"""Broker semantics on real Delta tables (no Spark): visibility, first decision wins, offsets."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from deltalake import write_deltalake
+
+from rmq_spark import (
+    CorruptStoreError,
+    Decision,
+    EndTransactionStatus,
+    InvalidMessageError,
+    LocalTransactionState,
+    Message,
+    NotAStoreError,
+    RmqSparkError,
+    Store,
+    StoreError,
+    StoreVersionError,
+)
+from rmq_spark.store import MARKER_FILE
+from tests.conftest import commitlog
+
+COMMIT, ROLLBACK = LocalTransactionState.COMMIT, LocalTransactionState.ROLLBACK
+
+
+def decide(store: Store, prepared, state, **kw):
+    return store.end_transactions(
+        [Decision(p.transaction_id, "pg", state, [p.half_version]) for p in prepared], **kw
+    )
+
+
+def test_half_messages_are_durable_but_invisible(store: Store) -> None:
+    prepared = store.prepare([Message("Orders", b"a"), Message("Orders", b"b")], "pg")
+    assert store.table("half").to_pyarrow_table().num_rows == 2
+    assert commitlog(store).num_rows == 0
+    assert store.publish().published == 0
+    assert commitlog(store).num_rows == 0
+    assert {p.half_version for p in prepared} == {1}
+
+
+def test_commit_visible_once_rollback_never(store: Store) -> None:
+    a, b, c = store.prepare(
+        [
+            Message("Orders", b"a", tags="T", keys="k"),
+            Message("Orders", b"b"),
+            Message("Pay", b"c"),
+        ],
+        "pg",
+    )
+    results = decide(store, [a, c], COMMIT) + decide(store, [b], ROLLBACK)
+    assert [r.status for r in results] == [EndTransactionStatus.APPLIED] * 3
+    for _ in range(3):
+        store.publish()
+    visible = commitlog(store)
+    assert sorted(visible.column("body").to_pylist()) == [b"a", b"c"]
+    row = visible.filter(pa.compute.equal(visible.column("body"), b"a")).to_pylist()[0]
+    assert (row["msg_id"], row["transaction_id"]) == (a.msg_id, a.transaction_id)
+    assert (row["tags"], row["keys"], row["producer_group"]) == ("T", "k", "pg")
+    assert row["store_timestamp"] >= row["born_timestamp"]
+
+
+def test_first_decision_wins_and_duplicates_are_noops(store: Store) -> None:
+    (p,) = store.prepare([Message("Orders", b"a")], "pg")
+    (first,) = decide(store, [p], COMMIT)
+    (late,) = decide(store, [p], ROLLBACK)
+    (again,) = decide(store, [p], COMMIT)
+    assert first.status is EndTransactionStatus.APPLIED
+    assert (late.status, late.decision) == (EndTransactionStatus.REFUSED, COMMIT)
+    assert (again.status, again.decision) == (EndTransactionStatus.ALREADY_DECIDED, COMMIT)
+    assert commitlog(store).num_rows == 1
+    assert store.table("op").to_pyarrow_table().num_rows == 1
+
+
+def test_rollback_then_commit_is_refused(store: Store) -> None:
+    (p,) = store.prepare([Message("Orders", b"a")], "pg")
+    decide(store, [p], ROLLBACK)
+    (late,) = decide(store, [p], COMMIT)
+    assert (late.status, late.decision) == (EndTransactionStatus.REFUSED, ROLLBACK)
+    assert commitlog(store).num_rows == 0
+
+
+def test_same_transaction_twice_in_one_call(store: Store) -> None:
+    (p,) = store.prepare([Message("Orders", b"a")], "pg")
+    d = [Decision(p.transaction_id, "pg", s, [p.half_version]) for s in (COMMIT, ROLLBACK, COMMIT)]
+    statuses = [r.status for r in store.end_transactions(d)]
+    assert statuses == ["APPLIED", "REFUSED", "ALREADY_DECIDED"]
+    assert commitlog(store).num_rows == 1
+
+
+def test_multi_message_transaction_commits_together(store: Store) -> None:
+    first = store.prepare(
+        [Message("Orders", b"1"), Message("Orders", b"2")], "pg", transaction_ids=["tx-epoch-1"] * 2
+    )
+    second = store.prepare([Message("Orders", b"3")], "pg", transaction_ids=["tx-epoch-1"])
+    versions = sorted({p.half_version for p in first + second})
+    store.end_transactions([Decision("tx-epoch-1", "pg", COMMIT, versions, "sink")])
+    assert sorted(commitlog(store).column("body").to_pylist()) == [b"1", b"2", b"3"]
+
+
+def test_offsets_are_dense_per_queue_and_follow_commit_order(store: Store) -> None:
+    prepared = store.prepare([Message("Orders", str(i), keys="same") for i in range(5)], "pg")
+    for p in reversed(prepared):
+        decide(store, [p], COMMIT)
+    store.send([Message("Orders", "n", keys="same")], "pg")
+    rows = commitlog(store).to_pylist()
+    assert [r["queue_offset"] for r in rows] == [0, 1, 2, 3, 4, 5]
+    assert [r["body"] for r in rows] == [b"4", b"3", b"2", b"1", b"0", b"n"]
+    assert len({r["queue_id"] for r in rows}) == 1
+
+
+def test_crash_between_decision_and_publish_is_repaired(store: Store) -> None:
+    (p,) = store.prepare([Message("Orders", b"a")], "pg")
+    decide(store, [p], COMMIT, publish=False)  # as if the decider died right after op commit
+    assert commitlog(store).num_rows == 0
+    assert store.publish().published == 1
+    assert store.publish().published == 0
+    assert commitlog(store).num_rows == 1
+
+
+def test_normal_send_is_visible_with_offsets(store: Store) -> None:
+    result = store.send(
+        [Message("Orders", b"n1", keys="k"), Message("Orders", b"n2", keys="k")], "pg"
+    )
+    assert [(qid, off) for _, qid, off in result.sent] == [
+        (result.sent[0][1], 0),
+        (result.sent[0][1], 1),
+    ]
+    assert commitlog(store).column("transaction_id").null_count == 2
+
+
+def test_invalid_message_writes_nothing(store: Store) -> None:
+    with pytest.raises(InvalidMessageError, match="system topic"):
+        store.prepare([Message("Orders", b"ok"), Message("RMQ_SYS_TRANS_HALF_TOPIC", b"x")], "pg")
+    with pytest.raises(InvalidMessageError, match="producer_group"):
+        store.prepare([Message("Orders", b"ok")], "bad group!")
+    assert store.table("half").version() == 0
+
+
+def test_end_transaction_rejects_unknown_state(store: Store) -> None:
+    (p,) = store.prepare([Message("Orders", b"a")], "pg")
+    with pytest.raises(RmqSparkError, match="UNKNOWN means 'do not end it yet'"):
+        decide(store, [p], LocalTransactionState.UNKNOWN)
+
+
+def test_reopen_existing_store(store: Store) -> None:
+    store.send([Message("Orders", b"n")], "pg")
+    again = Store.open(store.root, create=False)
+    assert commitlog(again).num_rows == 1
+
+
+def test_foreign_root_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "data.csv").write_text("a,b\n")
+    with pytest.raises(NotAStoreError, match="not an rmq-spark store"):
+        Store.open(tmp_path)
+    assert (tmp_path / "data.csv").read_text() == "a,b\n"
+
+
+def test_file_root_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(NotAStoreError, match="is a file"):
+        Store.open(tmp_path / "f")
+
+
+def test_missing_root_without_create(tmp_path: Path) -> None:
+    with pytest.raises(StoreError, match="no rmq-spark store"):
+        Store.open(tmp_path / "nothing", create=False)
+
+
+def test_newer_layout_is_refused(store: Store) -> None:
+    marker = Path(store.root) / MARKER_FILE
+    marker.write_text(json.dumps({"format": "rmq-spark-store", "layout_version": 99}))
+    with pytest.raises(StoreVersionError, match="layout version 99.*upgrade rmq-spark"):
+        Store.open(store.root)
+
+
+@pytest.mark.parametrize("content", ["{not json", '{"format": "other", "layout_version": 1}', "[]"])
+def test_corrupt_marker(store: Store, content: str) -> None:
+    (Path(store.root) / MARKER_FILE).write_text(content)
+    with pytest.raises(CorruptStoreError, match="unreadable"):
+        Store.open(store.root)
+
+
+def test_foreign_table_is_refused(store: Store, tmp_path: Path) -> None:
+    write_deltalake(
+        store.table_uri("op"), pa.table({"x": [1]}), mode="overwrite", schema_mode="overwrite"
+    )
+    with pytest.raises(CorruptStoreError, match="table 'op'.*has columns \\['x'\\]"):
+        Store.open(store.root)
+
+
+def test_missing_table_is_refused(store: Store) -> None:
+    import shutil
+
+    shutil.rmtree(Path(store.root) / "half")
+    with pytest.raises(CorruptStoreError, match="table 'half'.*missing or unreadable"):
+        Store.open(store.root)
+
+
+def test_file_uri_root(tmp_path: Path) -> None:
+    uri = (tmp_path / "s").as_uri()
+    store = Store.open(uri)
+    store.send([Message("Orders", b"x")], "pg")
+    assert Store.open(uri).table("commitlog").to_pyarrow_table().num_rows == 1
