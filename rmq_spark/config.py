@@ -165,3 +165,13 @@ def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
         spark={str(k): str(v) for k, v in data.get("spark", {}).items()},
         log_level=str(logging_section.get("level", "INFO")).upper(),
     )
+
+
+def configure_logging(level: str) -> None:
+    """Log ``rmq_spark`` messages to stderr at ``level`` (jobs, CLI and demo use this)."""
+    import logging
+
+    logging.basicConfig(
+        level=logging.WARNING, format="%(asctime)s %(levelname)-7s %(name)s: %(message)s"
+    )
+    logging.getLogger("rmq_spark").setLevel(level)

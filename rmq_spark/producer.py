@@ -332,13 +332,14 @@ class TransactionMQProducer:
         assert self.listener is not None
         try:
             answer = self.listener.execute_local_transaction(view, arg)
-        except Exception:
+        except Exception as exc:
             log.warning(
-                "execute_local_transaction raised for transaction %s; treating it as UNKNOWN "
+                "execute_local_transaction raised %r for transaction %s; treating it as UNKNOWN "
                 "(the check-back job will ask check_local_transaction)",
+                exc,
                 view.transaction_id,
-                exc_info=True,
             )
+            log.debug("execute_local_transaction traceback", exc_info=True)
             return LocalTransactionState.UNKNOWN
         state = LocalTransactionState.coerce(answer)
         if state is LocalTransactionState.UNKNOWN and answer is not LocalTransactionState.UNKNOWN:

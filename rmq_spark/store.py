@@ -288,6 +288,8 @@ class Store:
             if fs.exists(root)
             else set()
         )
+        # A README (storage/ ships one) or hidden files do not make a root foreign.
+        entries = {e for e in entries if not e.startswith(".") and e != "README.md"}
         if entries - set(TABLES):
             raise NotAStoreError(
                 f"{self.root!r} holds data that is not an rmq-spark store (no {MARKER_FILE}; found "
