@@ -114,7 +114,6 @@ class TransactionSendResult:
     topic: str
     queue_id: int
     local_transaction_state: LocalTransactionState
-    half_version: int
 
 
 class _GroupCommitter(Generic[T, R]):
@@ -322,7 +321,6 @@ class TransactionMQProducer:
             msg.topic,
             prepared.queue_id,
             state,
-            prepared.half_version,
         )
         if state is not LocalTransactionState.UNKNOWN:
             self._end_async(result, state)
@@ -381,11 +379,7 @@ class TransactionMQProducer:
 
     def _decision(self, result: TransactionSendResult, state: LocalTransactionState) -> Decision:
         return Decision(
-            result.transaction_id,
-            self.producer_group,
-            LocalTransactionState(state),
-            [result.half_version],
-            "producer",
+            result.transaction_id, self.producer_group, LocalTransactionState(state), "producer"
         )
 
     def send(self, msg: Message) -> SendResult:

@@ -32,7 +32,6 @@ OP_SCHEMA = pa.schema(
         pa.field("decision", pa.string(), nullable=False),
         pa.field("decided_by", pa.string(), nullable=False),
         pa.field("decided_timestamp", TIMESTAMP, nullable=False),
-        pa.field("half_versions", pa.list_(pa.int64()), nullable=False),
     ]
 )
 
@@ -55,9 +54,18 @@ COMMITLOG_SCHEMA = pa.schema(
     ]
 )
 
-#: Table name -> (schema, partition columns).
-TABLES: dict[str, tuple[pa.Schema, list[str]]] = {
-    "half": (HALF_SCHEMA, []),
-    "op": (OP_SCHEMA, []),
-    "commitlog": (COMMITLOG_SCHEMA, ["topic"]),
+#: Table properties of the internal tables. Nobody streams from them, and removed-file
+#: tombstones kept for a week would make every commit slower (deltalake's commit cost grows
+#: with the tombstones in the snapshot), so they are kept for an hour. Do not VACUUM them with
+#: a shorter retention than your longest-running reader.
+_INTERNAL = {
+    "delta.enableChangeDataFeed": "true",
+    "delta.deletedFileRetentionDuration": "interval 1 hours",
+}
+
+#: Table name -> (schema, partition columns, table properties).
+TABLES: dict[str, tuple[pa.Schema, list[str], dict[str, str]]] = {
+    "half": (HALF_SCHEMA, [], _INTERNAL),
+    "op": (OP_SCHEMA, [], _INTERNAL),
+    "commitlog": (COMMITLOG_SCHEMA, ["topic"], {"delta.enableChangeDataFeed": "true"}),
 }

@@ -66,6 +66,10 @@ STORE_FORMAT = "rmq-spark-store"
 OP_CURSOR_APP_ID = "rmqtx.publish.op_version"
 _QUEUE_APP_ID = "rmqtx.queue.{topic}.{queue_id}"
 _MAX_COMMIT_ATTEMPTS = 200
+#: Compact a table after every this many commits: deltalake's commit cost grows with the
+#: number of files in the snapshot, and every group commit adds one.
+COMPACT_EVERY_COMMITS = 50
+_COMPACT_TARGET_BYTES = 16 * 1024 * 1024
 
 
 def queue_app_id(topic: str, queue_id: int) -> str:
@@ -96,8 +100,6 @@ class Decision:
         The group that owns it.
     state : LocalTransactionState
         ``COMMIT`` or ``ROLLBACK``.
-    half_versions : sequence of int
-        Versions of the ``half`` table holding the transaction's half messages.
     decided_by : str
         Who decides: ``producer``, ``check-back``, ``sink``... (kept in ``op`` for audits).
     """
@@ -105,7 +107,6 @@ class Decision:
     transaction_id: str
     producer_group: str
     state: LocalTransactionState
-    half_versions: Sequence[int]
     decided_by: str = "producer"
 
 
@@ -299,14 +300,14 @@ class Store:
             raise StoreError(
                 f"no rmq-spark store at {self.root!r}; open it with create=True to make one."
             )
-        for name, (schema, partition_by) in TABLES.items():
+        for name, (schema, partition_by, properties) in TABLES.items():
             DeltaTable.create(
                 self.table_uri(name),
                 schema=schema,
                 mode="ignore",
                 partition_by=partition_by or None,
                 name=f"rmqtx_{name}",
-                configuration={"delta.enableChangeDataFeed": "true"},
+                configuration=properties,
                 storage_options=self._storage_options,
             )
             self._check_table(name)
@@ -420,7 +421,41 @@ class Store:
         write_deltalake(dt, data, mode="append", partition_by=TABLES[name][1] or None)
         # After a write, the DeltaTable holds the snapshot of its own commit, even when
         # concurrent appends landed first.
-        return dt.version()
+        version = dt.version()
+        self._after_commit(name, version)
+        return version
+
+    def _after_commit(self, name: str, version: int) -> None:
+        if version % COMPACT_EVERY_COMMITS == 0:
+            self.compact(name)
+
+    def compact(self, *names: str) -> dict[str, int]:
+        """Rewrite the small files of the store's tables into larger ones.
+
+        Runs automatically every ``COMPACT_EVERY_COMMITS`` commits of a table. Compaction
+        changes no data (``dataChange=false``): consumers, including Delta's own streaming
+        source, see nothing. Losing a race with another compaction is not an error.
+
+        Parameters
+        ----------
+        *names : str
+            Tables to compact (default: all).
+
+        Returns
+        -------
+        dict
+            Files removed per table.
+        """
+        removed = {}
+        for name in names or tuple(TABLES):
+            try:
+                metrics = self.table(name).optimize.compact(target_size=_COMPACT_TARGET_BYTES)
+            except CommitFailedError:
+                log.debug("compaction of %s lost a race; the next one will do it", name)
+                continue
+            removed[name] = int(metrics.get("numFilesRemoved", 0))
+            log.debug("compacted %s: %s", name, metrics)
+        return removed
 
     # ------------------------------------------------------------------ end transaction
     def end_transactions(
@@ -447,8 +482,6 @@ class Store:
                     f"end-transaction takes COMMIT or ROLLBACK, not {d.state!s} "
                     f"(transaction {d.transaction_id!r}); UNKNOWN means 'do not end it yet'."
                 )
-            if not d.half_versions:
-                raise RmqSparkError(f"decision for {d.transaction_id!r} names no half_versions.")
         first: dict[str, Decision] = {}
         for d in decisions:
             first.setdefault(d.transaction_id, d)
@@ -497,7 +530,6 @@ class Store:
                     "decision": [d.state.value for d in fresh],
                     "decided_by": [d.decided_by for d in fresh],
                     "decided_timestamp": [decided_at] * len(fresh),
-                    "half_versions": [list(map(int, d.half_versions)) for d in fresh],
                 },
                 schema=OP_SCHEMA,
             )
@@ -521,6 +553,7 @@ class Store:
                     f"op MERGE inserted {metrics.get('num_target_rows_inserted')} rows, expected "
                     f"{len(fresh)}; the op table holds duplicate transaction ids."
                 )
+            self._after_commit("op", op.version())
             return existing
         raise StoreError(
             f"could not record {len(decisions)} decision(s) after {_MAX_COMMIT_ATTEMPTS} "
@@ -529,15 +562,7 @@ class Store:
 
     @staticmethod
     def _decisions_of(op: DeltaTable, ids: list[str]) -> dict[str, LocalTransactionState]:
-        # DataFusion prunes op files by their transaction_id statistics (ids are time-ordered).
-        rows = _read_arrow(
-            QueryBuilder()
-            .register("op", op)
-            .execute(
-                "SELECT transaction_id, decision FROM op "
-                f"WHERE transaction_id IN ({_sql_list(ids)})"
-            )
-        )
+        rows = _query(op, "op", f"transaction_id IN ({_sql_list(ids)})")
         return {
             tid: LocalTransactionState(dec)
             for tid, dec in zip(
@@ -588,6 +613,7 @@ class Store:
                 log.debug("publish lost a race (attempt %d); retrying", attempt + 1)
                 _backoff(attempt)
                 continue
+            self._after_commit("commitlog", commitlog.version())
             normal_rows = batch.filter(pc.is_null(batch.column("transaction_id")))
             sent = list(
                 zip(
@@ -623,15 +649,19 @@ class Store:
         # Publish in decision order so offsets follow commit order.
         changes = changes.sort_by([("_commit_version", "ascending")])
         txn_ids = changes.column("transaction_id")
-        versions = sorted({v for vs in changes.column("half_versions").to_pylist() for v in vs})
-        half = self.table("half")
-        parts = []
-        for version in versions:
-            part = _read_arrow(half.load_cdf(starting_version=version, ending_version=version))
-            parts.append(part.filter(pc.is_in(part.column("transaction_id"), value_set=txn_ids)))
-        halves = _conform(pa.concat_tables(parts, promote_options="permissive"), HALF_SCHEMA)
+        halves = _conform(
+            _query(
+                self.table("half"), "half", f"transaction_id IN ({_sql_list(txn_ids.to_pylist())})"
+            ),
+            HALF_SCHEMA,
+        )
+        # Decision order first, then send order (msg ids grow within a producer process).
         decision_order = pc.index_in(halves.column("transaction_id"), value_set=txn_ids)
-        halves = halves.take(pc.sort_indices(decision_order))
+        halves = (
+            halves.append_column("_order", decision_order)
+            .sort_by([("_order", "ascending"), ("msg_id", "ascending")])
+            .drop_columns(["_order"])
+        )
         now = _now()
         columns = {
             name: halves.column(name)
@@ -695,6 +725,14 @@ class Store:
         for message in messages:
             validate_message(message, self.settings.max_body_bytes)
         return self.publish([(m, producer_group) for m in messages])
+
+
+def _query(table: DeltaTable, name: str, where: str) -> pa.Table:
+    """Rows of a table matching a SQL condition. DataFusion prunes files by their column
+    statistics, and ids are time-ordered, so lookups by id read few files."""
+    return _read_arrow(
+        QueryBuilder().register(name, table).execute(f"SELECT * FROM {name} WHERE {where}")
+    )
 
 
 def _sql_list(values: Sequence[str]) -> str:

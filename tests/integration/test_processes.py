@@ -21,14 +21,12 @@ COMMIT, ROLLBACK = LocalTransactionState.COMMIT, LocalTransactionState.ROLLBACK
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _race_worker(root: str, txns: list[tuple[str, int]], state: str, barrier, out) -> None:
+def _race_worker(root: str, txns: list[str], state: str, barrier, out) -> None:
     store = Store.open(root, create=False)
     statuses = []
-    for txn, version in txns:
+    for txn in txns:
         barrier.wait(timeout=60)
-        (result,) = store.end_transactions(
-            [Decision(txn, "pg", LocalTransactionState(state), [version])]
-        )
+        (result,) = store.end_transactions([Decision(txn, "pg", LocalTransactionState(state))])
         statuses.append((txn, result.status.value, result.decision.value))
     out.put((state, statuses))
 
@@ -36,7 +34,7 @@ def _race_worker(root: str, txns: list[tuple[str, int]], state: str, barrier, ou
 def test_two_processes_racing_to_decide(store: Store) -> None:
     rounds = 25
     prepared = store.prepare([Message("Orders", str(i)) for i in range(rounds)], "pg")
-    txns = [(p.transaction_id, p.half_version) for p in prepared]
+    txns = [p.transaction_id for p in prepared]
     ctx = mp.get_context("spawn")
     barrier, out = ctx.Barrier(2), ctx.Queue()
     procs = [
@@ -50,7 +48,7 @@ def test_two_processes_racing_to_decide(store: Store) -> None:
         p.join(timeout=60)
     visible = set(commitlog(store).column("transaction_id").to_pylist())
     winners = Counter()
-    for i, (txn, _) in enumerate(txns):
+    for i, txn in enumerate(txns):
         commit_side, rollback_side = results["COMMIT"][i], results["ROLLBACK"][i]
         statuses = sorted([commit_side[1], rollback_side[1]])
         assert statuses == ["APPLIED", "REFUSED"], (i, commit_side, rollback_side)
@@ -94,16 +92,16 @@ CHILD = textwrap.dedent(
     (p,) = store.prepare([Message("Orders", b"payload")], "pg")
     if step == "after-decision":
         store.end_transactions(
-            [Decision(p.transaction_id, "pg", LocalTransactionState.COMMIT, [p.half_version])],
+            [Decision(p.transaction_id, "pg", LocalTransactionState.COMMIT)],
             publish=False,
         )
-    print(p.transaction_id, p.half_version, flush=True)
+    print(p.transaction_id, flush=True)
     time.sleep(600)
     """
 )
 
 
-def _run_child_until_killed(root: str, step: str) -> tuple[str, int]:
+def _run_child_until_killed(root: str, step: str) -> str:
     child = subprocess.Popen(
         [sys.executable, "-c", CHILD, root, step],
         stdout=subprocess.PIPE,
@@ -117,11 +115,11 @@ def _run_child_until_killed(root: str, step: str) -> tuple[str, int]:
         os.kill(child.pid, signal.SIGKILL)
         child.wait(timeout=30)
     assert child.returncode == -signal.SIGKILL
-    return line[0], int(line[1])
+    return line[0]
 
 
 def test_half_message_survives_kill_between_prepare_and_end(store: Store) -> None:
-    txn, version = _run_child_until_killed(store.root, "after-prepare")
+    txn = _run_child_until_killed(store.root, "after-prepare")
     reopened = Store.open(store.root, create=False)
     half = reopened.table("half").to_pyarrow_table()
     assert half.column("transaction_id").to_pylist() == [txn]
@@ -129,13 +127,13 @@ def test_half_message_survives_kill_between_prepare_and_end(store: Store) -> Non
     assert reopened.table("op").to_pyarrow_table().num_rows == 0
     assert commitlog(reopened).num_rows == 0
     # Whoever decides later (the check-back job) still can, exactly once.
-    reopened.end_transactions([Decision(txn, "pg", COMMIT, [version], "check-back")])
+    reopened.end_transactions([Decision(txn, "pg", COMMIT, "check-back")])
     reopened.publish()
     assert commitlog(reopened).column("transaction_id").to_pylist() == [txn]
 
 
 def test_kill_after_decision_before_publish(store: Store) -> None:
-    txn, _ = _run_child_until_killed(store.root, "after-decision")
+    txn = _run_child_until_killed(store.root, "after-decision")
     reopened = Store.open(store.root, create=False)
     assert commitlog(reopened).num_rows == 0
     assert reopened.publish().published == 1
@@ -153,7 +151,7 @@ PUBLISH_LOOP = textwrap.dedent(
     while True:
         prepared = store.prepare([Message("Orders", f"t{i}-{j}") for j in range(3)], "pg")
         store.end_transactions(
-            [Decision(p.transaction_id, "pg", LocalTransactionState.COMMIT, [p.half_version])
+            [Decision(p.transaction_id, "pg", LocalTransactionState.COMMIT)
              for p in prepared]
         )
         store.send([Message("Orders", f"n{i}")], "pg")

@@ -22,14 +22,7 @@ def test_spark_reads_every_table_as_written(spark, store: Store) -> None:
         "pg",
     )
     store.end_transactions(
-        [
-            Decision(
-                prepared[0].transaction_id,
-                "pg",
-                LocalTransactionState.COMMIT,
-                [prepared[0].half_version],
-            )
-        ]
+        [Decision(prepared[0].transaction_id, "pg", LocalTransactionState.COMMIT)]
     )
     store.send([Message("Payments", b"normal")], "svc")
 
@@ -65,6 +58,6 @@ def test_spark_reads_every_table_as_written(spark, store: Store) -> None:
     assert committed["keys"] == "k1 k2"
 
     op = spark.read.format("delta").load(store.table_uri("op")).collect()
-    assert [(r["decision"], list(r["half_versions"])) for r in op] == [
-        ("COMMIT", [prepared[0].half_version])
+    assert [(r["transaction_id"], r["decision"]) for r in op] == [
+        (prepared[0].transaction_id, "COMMIT")
     ]

@@ -1,0 +1,147 @@
+"""Producer benchmark: transactional sends per second with 1, 8 and 64 concurrent senders.
+
+Baselines measured in the same run:
+* bulk append: the same rows in one plain deltalake append (the ceiling for one writer);
+* per-message append: each sender appends its row to a plain Delta table with deltalake,
+  one commit per message (what a service writing events one by one would do). Its cost grows
+  with every commit, so it runs on the first --baseline-messages rows only.
+
+Usage: python bench/producer_bench.py [--messages 4000] [--body-bytes 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pyarrow as pa
+from deltalake import write_deltalake
+from deltalake.exceptions import CommitFailedError
+
+from rmq_spark import (
+    LocalTransactionState,
+    Message,
+    Store,
+    TransactionListener,
+    TransactionMQProducer,
+)
+from rmq_spark.schema import HALF_SCHEMA
+
+
+class CommitAll(TransactionListener):
+    def execute_local_transaction(self, msg, arg):
+        return LocalTransactionState.COMMIT
+
+    def check_local_transaction(self, msg):
+        return LocalTransactionState.COMMIT
+
+
+def run_threads(senders: int, total: int, send: Callable[[int], None]) -> float:
+    """Run ``total`` sends split over ``senders`` threads; return elapsed seconds."""
+    per = total // senders  # callers pass a multiple of senders
+
+    def worker(n: int) -> None:
+        for i in range(per):
+            send(n * per + i)
+
+    pool = [threading.Thread(target=worker, args=(n,)) for n in range(senders)]
+    start = time.perf_counter()
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    return time.perf_counter() - start
+
+
+def append_retrying(uri: str, data: pa.Table) -> None:
+    """A plain append; deltalake gives up after 15 rebases under heavy contention."""
+    while True:
+        try:
+            write_deltalake(uri, data, mode="append")
+            return
+        except CommitFailedError:
+            continue
+
+
+def rows(count: int, body: bytes) -> pa.Table:
+    now = pa.scalar(time.time_ns() // 1000, pa.timestamp("us", tz="UTC"))
+    return pa.Table.from_pydict(
+        {
+            "transaction_id": [f"t{i}" for i in range(count)],
+            "msg_id": [f"m{i}" for i in range(count)],
+            "producer_group": ["bench"] * count,
+            "topic": ["Bench"] * count,
+            "queue_id": [0] * count,
+            "keys": [f"k{i}" for i in range(count)],
+            "tags": [None] * count,
+            "body": [body] * count,
+            "properties": [[]] * count,
+            "born_timestamp": [now] * count,
+            "store_timestamp": [now] * count,
+        },
+        schema=HALF_SCHEMA,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--messages", type=int, default=4000)
+    parser.add_argument("--body-bytes", type=int, default=256)
+    parser.add_argument(
+        "--baseline-messages",
+        type=int,
+        default=400,
+        help="messages for the per-message append baseline (its cost grows with every commit)",
+    )
+    args = parser.parse_args()
+    body = b"x" * args.body_bytes
+    print(f"producer benchmark: {args.messages} messages of {args.body_bytes} B per run")
+    with tempfile.TemporaryDirectory(prefix="rmq-bench-") as tmp:
+        bulk_uri = str(Path(tmp) / "bulk")
+        start = time.perf_counter()
+        write_deltalake(bulk_uri, rows(args.messages, body))
+        bulk_rate = args.messages / (time.perf_counter() - start)
+        print(
+            f"baseline: plain deltalake bulk append of the same rows, one commit: "
+            f"{bulk_rate:,.0f} rows/s\n"
+        )
+        print(
+            f"{'senders':>7} {'transactional msg/s':>20} {'plain append/msg msg/s':>23} "
+            f"{'vs per-msg':>10} {'vs bulk':>8}"
+        )
+        for senders in (1, 8, 64):
+            total = args.messages if senders > 1 else max(200, args.messages // 10)
+            total -= total % senders
+            store = Store.open(Path(tmp) / f"store-{senders}")
+            with TransactionMQProducer("bench", CommitAll(), store=store) as producer:
+                elapsed = run_threads(
+                    senders,
+                    total,
+                    lambda i, p=producer: p.send_message_in_transaction(
+                        Message("Bench", body, keys=f"k{i}")
+                    ),
+                )
+                producer.flush()
+            published = store.table("commitlog").to_pyarrow_table().num_rows
+            assert published == total, (published, total)
+            plain_uri = str(Path(tmp) / f"plain-{senders}")
+            one = rows(1, body)
+            write_deltalake(plain_uri, one)
+            plain_total = args.baseline_messages - args.baseline_messages % senders
+            plain = run_threads(
+                senders, plain_total, lambda i, u=plain_uri, d=one: append_retrying(u, d)
+            )
+            tx_rate, plain_rate = total / elapsed, plain_total / plain
+            print(
+                f"{senders:>7} {tx_rate:>20,.0f} {plain_rate:>23,.0f} "
+                f"{tx_rate / plain_rate:>9.1f}x {tx_rate / bulk_rate:>7.2f}x",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

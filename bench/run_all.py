@@ -1,0 +1,15 @@
+"""Run every benchmark in bench/ in turn (make bench)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHES = ["producer_bench.py"]
+
+if __name__ == "__main__":
+    here = Path(__file__).parent
+    for bench in BENCHES:
+        print(f"=== {bench}", flush=True)
+        subprocess.run([sys.executable, str(here / bench)], check=True)
