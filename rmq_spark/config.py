@@ -90,6 +90,9 @@ class Settings:
     spark: dict[str, str] = field(default_factory=dict)
     #: Log level for the ``rmq_spark`` loggers in jobs and the CLI.
     log_level: str = "INFO"
+    #: ``[checkers.<producer group>]`` sections, built by
+    #: :func:`rmq_spark.checkers.checkers_from_config`.
+    checkers: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 def _section(data: dict[str, Any], cls: type, name: str, parsers: dict[str, Any]) -> Any:
@@ -127,7 +130,7 @@ def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
         data = tomllib.loads(Path(chosen).read_text(encoding="utf-8"))
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise InvalidOptionError(f"cannot read settings file {str(chosen)!r}: {exc}") from exc
-    sections = {"store", "transaction", "spark", "logging"}
+    sections = {"store", "transaction", "spark", "logging", "checkers"}
     unknown = sorted(set(data) - sections)
     if unknown:
         raise InvalidOptionError(
@@ -164,6 +167,7 @@ def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
         transaction=transaction,
         spark={str(k): str(v) for k, v in data.get("spark", {}).items()},
         log_level=str(logging_section.get("level", "INFO")).upper(),
+        checkers={str(k): dict(v) for k, v in data.get("checkers", {}).items()},
     )
 
 

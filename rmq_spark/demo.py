@@ -41,6 +41,9 @@ class Order:
 class OrderService(TransactionListener):
     """A toy order service whose local transaction is an INSERT into its own database.
 
+    It holds no live resources (each call opens its own connection), so it pickles: its
+    ``check_local_transaction`` runs on Spark's executors as a check-back checker.
+
     Parameters
     ----------
     database : str or Path
@@ -49,7 +52,6 @@ class OrderService(TransactionListener):
 
     def __init__(self, database: str | Path) -> None:
         self.database = str(database)
-        self._lock = threading.Lock()
         with self._connect() as db:
             db.execute(
                 "CREATE TABLE IF NOT EXISTS orders (order_id TEXT PRIMARY KEY, customer TEXT, "
@@ -65,7 +67,7 @@ class OrderService(TransactionListener):
             return LocalTransactionState.ROLLBACK
         if arg.fault == "timeout-before-write":
             raise TimeoutError(f"database timed out before writing order {arg.order_id}")
-        with self._lock, self._connect() as db:
+        with self._connect() as db:
             db.execute(
                 "INSERT INTO orders VALUES (?, ?, ?)", (arg.order_id, arg.customer, arg.amount)
             )

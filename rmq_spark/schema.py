@@ -54,6 +54,53 @@ COMMITLOG_SCHEMA = pa.schema(
     ]
 )
 
+#: Check-back bookkeeping: one row per pending transaction the check-back job has seen.
+#: Ages are measured on the check-back job's clock from ``first_seen``, never on producers'.
+CHECK_STATE_SCHEMA = pa.schema(
+    [
+        pa.field("transaction_id", pa.string(), nullable=False),
+        pa.field("producer_group", pa.string(), nullable=False),
+        pa.field("first_seen", TIMESTAMP, nullable=False),
+        pa.field("check_count", pa.int32(), nullable=False),
+        pa.field("last_check_timestamp", TIMESTAMP),
+        pa.field("last_error", pa.string()),
+    ]
+)
+
+#: TRANS_CHECK_MAX_TIME_TOPIC: messages rolled back after ``transaction_check_max`` checks.
+DISCARD_SCHEMA = pa.schema(
+    list(HALF_SCHEMA)
+    + [
+        pa.field("check_count", pa.int32(), nullable=False),
+        pa.field("discarded_timestamp", TIMESTAMP, nullable=False),
+        pa.field("redriven_transaction_id", pa.string()),
+    ]
+)
+
+#: One row per check-back run: what it found and decided.
+CHECK_RUNS_SCHEMA = pa.schema(
+    [
+        pa.field("run_id", pa.string(), nullable=False),
+        pa.field("started", TIMESTAMP, nullable=False),
+        pa.field("finished", TIMESTAMP, nullable=False),
+        pa.field("duration_seconds", pa.float64(), nullable=False),
+        pa.field("pending_found", pa.int64(), nullable=False),
+        pa.field("checked", pa.int64(), nullable=False),
+        pa.field("committed", pa.int64(), nullable=False),
+        pa.field("rolled_back", pa.int64(), nullable=False),
+        pa.field("unknown", pa.int64(), nullable=False),
+        pa.field("already_decided", pa.int64(), nullable=False),
+        pa.field("discarded", pa.int64(), nullable=False),
+        pa.field("skipped_for_age", pa.int64(), nullable=False),
+        pa.field("not_yet_due", pa.int64(), nullable=False),
+        pa.field("unrouted", pa.int64(), nullable=False),
+        pa.field("errors", pa.int64(), nullable=False),
+        pa.field("oldest_pending_age_seconds", pa.float64()),
+        pa.field("status", pa.string(), nullable=False),
+        pa.field("message", pa.string()),
+    ]
+)
+
 #: Table properties of the internal tables. Nobody streams from them, and removed-file
 #: tombstones kept for a week would make every commit slower (deltalake's commit cost grows
 #: with the tombstones in the snapshot), so they are kept for an hour. Do not VACUUM them with
@@ -67,5 +114,8 @@ _INTERNAL = {
 TABLES: dict[str, tuple[pa.Schema, list[str], dict[str, str]]] = {
     "half": (HALF_SCHEMA, [], _INTERNAL),
     "op": (OP_SCHEMA, [], _INTERNAL),
+    "check_state": (CHECK_STATE_SCHEMA, [], _INTERNAL),
+    "discard": (DISCARD_SCHEMA, [], _INTERNAL),
+    "check_runs": (CHECK_RUNS_SCHEMA, [], {}),
     "commitlog": (COMMITLOG_SCHEMA, ["topic"], {"delta.enableChangeDataFeed": "true"}),
 }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from pyspark.sql import SparkSession
@@ -20,6 +21,8 @@ LOCAL_SPARK_CONF = {
     "spark.ui.enabled": "false",
     "spark.ui.showConsoleProgress": "false",
     "spark.sql.shuffle.partitions": "4",
+    # Delta rebuilds table snapshots with this many tasks (default 50: slow on small tables).
+    "spark.databricks.delta.snapshotPartitions": "2",
     "spark.default.parallelism": "4",
     "spark.sql.session.timeZone": "UTC",
     "spark.sql.execution.arrow.pyspark.enabled": "true",
@@ -64,7 +67,7 @@ def get_spark(
     app_name : str
         The Spark application name.
     master : str, default ``"local[2]"``
-        The Spark master URL.
+        The Spark master URL. Under ``spark-submit``, its ``--master`` and jars are used.
     settings : Settings, optional
         Its ``spark`` section is applied over the local defaults; defaults to
         :func:`rmq_spark.config.load_settings`.
@@ -77,8 +80,14 @@ def get_spark(
     """
     settings = settings or load_settings()
     conf = {**LOCAL_SPARK_CONF, **settings.spark, **(extra_conf or {})}
-    conf["spark.jars"] = ",".join(delta_jars())
-    builder = SparkSession.builder.master(master).appName(app_name)
+    builder = SparkSession.builder.appName(app_name)
+    if os.environ.get("PYSPARK_GATEWAY_PORT") is None:
+        # Not under spark-submit, whose --master and --jars/--packages are respected as given.
+        conf["spark.jars"] = ",".join(delta_jars())
+        # Python workers run this interpreter (and so see rmq_spark), not whatever python3
+        # comes first on PATH.
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+        builder = builder.master(master)
     for key, value in conf.items():
         builder = builder.config(key, value)
     spark = builder.getOrCreate()

@@ -27,17 +27,19 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
+from typing import Any
 
 import fsspec
 import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import CommitProperties, DeltaTable, QueryBuilder, Transaction, write_deltalake
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
+from deltalake.table import TableMerger
 
 from rmq_spark.config import Settings, StoreSettings
 from rmq_spark.errors import (
@@ -193,11 +195,16 @@ class Store:
         The store root URI (absolute local path or ``scheme://`` URI).
     settings : StoreSettings
         Queue count, body size limit and storage options.
+    clock : callable, optional
+        Returns the current UTC time for the timestamps this process writes.
     """
 
-    def __init__(self, root: str, settings: StoreSettings) -> None:
+    def __init__(
+        self, root: str, settings: StoreSettings, clock: Callable[[], datetime] | None = None
+    ) -> None:
         self.root = root
         self.settings = settings
+        self.clock = clock or _now
         # DeltaTable objects are not thread-safe; each thread keeps its own, refreshed
         # incrementally instead of replaying the log on every operation.
         self._tables = threading.local()
@@ -210,6 +217,7 @@ class Store:
         *,
         settings: Settings | StoreSettings | None = None,
         create: bool = True,
+        clock: Callable[[], datetime] | None = None,
     ) -> Store:
         """Open the store at ``path``, creating it on first use.
 
@@ -222,6 +230,9 @@ class Store:
             Defaults to the built-in defaults.
         create : bool, default True
             Create an empty store when the root is empty or missing.
+        clock : callable, optional
+            Returns the current UTC time for the timestamps this process writes (the
+            default is the system clock).
 
         Raises
         ------
@@ -234,7 +245,7 @@ class Store:
         """
         store_settings = settings.store if isinstance(settings, Settings) else settings
         store_settings = store_settings or StoreSettings()
-        store = cls(_normalise_root(str(path or store_settings.path)), store_settings)
+        store = cls(_normalise_root(str(path or store_settings.path)), store_settings, clock)
         store._open_or_create(create)
         return store
 
@@ -388,8 +399,8 @@ class Store:
             raise RmqSparkError("transaction_ids must have one entry per message.")
         if not messages:
             return []
-        born = born_timestamp or _now()
-        stored = _now()
+        born = born_timestamp or self.clock()
+        stored = self.clock()
         msg_ids = [new_id() for _ in messages]
         keys = [m.keys_string for m in messages]
         queue_ids = [queue_for(k, self.settings.queue_nums) for k in keys]
@@ -409,14 +420,14 @@ class Store:
             },
             schema=HALF_SCHEMA,
         )
-        version = self._append("half", half)
+        version = self.append("half", half)
         return [
             PreparedMessage(mid, tid, qid, version, stored)
             for mid, tid, qid in zip(msg_ids, transaction_ids, queue_ids, strict=True)
         ]
 
-    def _append(self, name: str, data: pa.Table) -> int:
-        """Blind-append rows to a table; return the committed version."""
+    def append(self, name: str, data: pa.Table) -> int:
+        """Blind-append rows to one of the store's tables; return the committed version."""
         dt = self.table(name, latest=False)
         write_deltalake(dt, data, mode="append", partition_by=TABLES[name][1] or None)
         # After a write, the DeltaTable holds the snapshot of its own commit, even when
@@ -424,6 +435,36 @@ class Store:
         version = dt.version()
         self._after_commit(name, version)
         return version
+
+    def merge(
+        self,
+        name: str,
+        source: pa.Table,
+        on: str,
+        clauses: Callable[[TableMerger], TableMerger],
+    ) -> dict[str, Any]:
+        """MERGE ``source`` (alias ``s``) into a table (alias ``t``) on ``t.on = s.on``.
+
+        ``clauses`` adds the WHEN clauses to deltalake's ``TableMerger``. A commit lost to a
+        concurrent writer is retried from the new snapshot, so conditions in the clauses are
+        evaluated against what is really there.
+        """
+        for attempt in range(_MAX_COMMIT_ATTEMPTS):
+            table = self.table(name)
+            merger = table.merge(
+                source, predicate=f"t.{on} = s.{on}", source_alias="s", target_alias="t"
+            )
+            try:
+                metrics = clauses(merger).execute()
+            except CommitFailedError:
+                _backoff(attempt)
+                continue
+            self._after_commit(name, table.version())
+            return metrics
+        raise StoreError(
+            f"could not MERGE into {name} after {_MAX_COMMIT_ATTEMPTS} attempts: too many "
+            "concurrent writers."
+        )
 
     def _after_commit(self, name: str, version: int) -> None:
         if version % COMPACT_EVERY_COMMITS == 0:
@@ -522,7 +563,7 @@ class Store:
             fresh = [d for d in decisions if d.transaction_id not in existing]
             if not fresh:
                 return existing
-            decided_at = _now()
+            decided_at = self.clock()
             source = pa.Table.from_pydict(
                 {
                     "transaction_id": [d.transaction_id for d in fresh],
@@ -649,12 +690,7 @@ class Store:
         # Publish in decision order so offsets follow commit order.
         changes = changes.sort_by([("_commit_version", "ascending")])
         txn_ids = changes.column("transaction_id")
-        halves = _conform(
-            _query(
-                self.table("half"), "half", f"transaction_id IN ({_sql_list(txn_ids.to_pylist())})"
-            ),
-            HALF_SCHEMA,
-        )
+        halves = self.half_messages(txn_ids.to_pylist())
         # Decision order first, then send order (msg ids grow within a producer process).
         decision_order = pc.index_in(halves.column("transaction_id"), value_set=txn_ids)
         halves = (
@@ -662,7 +698,7 @@ class Store:
             .sort_by([("_order", "ascending"), ("msg_id", "ascending")])
             .drop_columns(["_order"])
         )
-        now = _now()
+        now = self.clock()
         columns = {
             name: halves.column(name)
             for name in COMMITLOG_SCHEMA.names
@@ -674,8 +710,22 @@ class Store:
             {name: columns[name] for name in COMMITLOG_SCHEMA.names}, schema=COMMITLOG_SCHEMA
         )
 
+    def half_messages(self, transaction_ids: Sequence[str]) -> pa.Table:
+        """The half messages of the given transactions (``half`` schema)."""
+        return _conform(
+            self.query("half", f"transaction_id IN ({_sql_list(transaction_ids)})"), HALF_SCHEMA
+        )
+
+    def query(self, name: str, where: str) -> pa.Table:
+        """Rows of one of the store's tables matching a SQL condition (DataFusion).
+
+        Files are pruned by their column statistics; ids are time-ordered, so lookups by id
+        read few files.
+        """
+        return _query(self.table(name), name, where)
+
     def _normal_rows(self, normal: Sequence[tuple[Message, str]]) -> pa.Table:
-        now = _now()
+        now = self.clock()
         keys = [m.keys_string for m, _ in normal]
         return pa.Table.from_pydict(
             {
@@ -728,8 +778,7 @@ class Store:
 
 
 def _query(table: DeltaTable, name: str, where: str) -> pa.Table:
-    """Rows of a table matching a SQL condition. DataFusion prunes files by their column
-    statistics, and ids are time-ordered, so lookups by id read few files."""
+    """Rows of a table matching a SQL condition, read with DataFusion."""
     return _read_arrow(
         QueryBuilder().register(name, table).execute(f"SELECT * FROM {name} WHERE {where}")
     )

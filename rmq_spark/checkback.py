@@ -1,0 +1,572 @@
+"""The check-back job: reconcile ``op`` against ``half`` and resolve pending transactions.
+
+RocketMQ's compensation loop (``TransactionalMessageCheckService``) as a Spark job:
+
+1. **Pending** = half messages with no op record (an anti-join; nothing already decided is
+   ever checked, unlike apache/rocketmq#1517).
+2. **Check batch**: pending transactions whose age is at least the transaction timeout and
+   their own ``CHECK_IMMUNITY_TIME_IN_SECONDS``, and at most the maximum check age (older ones
+   are skipped and reported). Ages are measured on this job's clock from when it first saw the
+   transaction (``check_state.first_seen``), never on the producer's clock
+   (apache/rocketmq#9640); immunity only delays the first check and never spends the check
+   budget (apache/rocketmq#8311).
+3. **Routing**: each producer group's checker answers COMMIT / ROLLBACK / UNKNOWN, on Spark's
+   executors. A checker that raises counts as UNKNOWN; a failing group does not stop the
+   others (apache/rocketmq#9500).
+4. **Decisions** go through the producers' end-transaction path, so the first decision wins
+   and nothing is published twice, whoever races. UNKNOWN increments the check count with a
+   conditional MERGE, so two jobs running the same batch count once. At
+   ``transaction_check_max`` the transaction is rolled back and its messages recorded in the
+   ``discard`` table (RocketMQ's ``TRANS_CHECK_MAX_TIME_TOPIC``), from where
+   :func:`redrive` puts them back into the cycle.
+
+Every run writes a row to ``check_runs`` and returns a :class:`CheckBackResult` whose
+``check_batch`` DataFrame shows what was asked and why.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
+from datetime import UTC, datetime
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+
+from rmq_spark.checkers import Checker, CheckerConfigError
+from rmq_spark.config import TransactionSettings
+from rmq_spark.model import PROPERTY_CHECK_IMMUNITY, LocalTransactionState, new_id
+from rmq_spark.report import read_table
+from rmq_spark.schema import CHECK_RUNS_SCHEMA, CHECK_STATE_SCHEMA, DISCARD_SCHEMA, HALF_SCHEMA
+from rmq_spark.store import Decision, EndTransactionStatus, Store
+
+log = logging.getLogger(__name__)
+
+#: ``op.decided_by`` of transactions rolled back for reaching the check max.
+DECIDED_BY_CHECK_MAX = "check-back:check-max"
+DECIDED_BY_CHECKER = "check-back"
+
+#: Reasons in the check batch.
+CHECK, NOT_YET_DUE, TOO_OLD, UNROUTED = (
+    "check",
+    "not yet due",
+    "older than max check age",
+    ("no checker for producer group"),
+)
+_DECISION_CHUNK = 20_000
+ANSWERS_DDL = "transaction_id string, answer string, error string"
+_ANSWERS_ARROW = pa.schema(
+    [("transaction_id", pa.string()), ("answer", pa.string()), ("error", pa.string())]
+)
+
+
+@dataclass(frozen=True)
+class CheckBackSummary:
+    """What one check-back run found and decided (also a row of ``check_runs``)."""
+
+    run_id: str
+    started: datetime
+    finished: datetime
+    duration_seconds: float
+    pending_found: int
+    checked: int
+    committed: int
+    rolled_back: int
+    unknown: int
+    already_decided: int
+    discarded: int
+    skipped_for_age: int
+    not_yet_due: int
+    unrouted: int
+    errors: int
+    oldest_pending_age_seconds: float | None
+    status: str
+    message: str | None
+
+    def format(self) -> str:
+        """A readable multi-line summary for logs and terminals."""
+        oldest = (
+            "-"
+            if self.oldest_pending_age_seconds is None
+            else f"{self.oldest_pending_age_seconds:,.1f} s"
+        )
+        rows = [
+            ("pending found", self.pending_found, f"oldest pending: {oldest}"),
+            ("checked", self.checked, "asked a checker this run"),
+            ("committed", self.committed, "checker said COMMIT; now visible"),
+            ("rolled back", self.rolled_back, "checker said ROLLBACK"),
+            ("unknown", self.unknown, "asked again next run"),
+            ("already decided", self.already_decided, "the producer decided first"),
+            ("discarded", self.discarded, "rolled back at the check max; see discard table"),
+            ("skipped for age", self.skipped_for_age, "older than the max check age"),
+            ("not yet due", self.not_yet_due, "younger than timeout or immunity"),
+            ("unrouted", self.unrouted, "no checker configured for their producer group"),
+            ("checker errors", self.errors, "checker raised; counted as unknown"),
+        ]
+        lines = [
+            f"check-back run {self.run_id} {self.status} in {self.duration_seconds:.1f} s"
+            + (f": {self.message}" if self.message else "")
+        ]
+        lines += [f"  {name:<16}{value:>10,}   {note}" for name, value, note in rows]
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class CheckBackResult:
+    """A run's summary and its check batch.
+
+    ``check_batch`` has one row per pending transaction: its representative message, the
+    ``age_seconds``, ``check_count`` before the run, the ``reason`` it was checked or not,
+    and the checker's ``answer`` and ``error`` (null when not asked).
+    """
+
+    summary: CheckBackSummary
+    check_batch: DataFrame
+
+
+def _utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class CheckBackJob:
+    """Resolve pending transactions of a store.
+
+    Parameters
+    ----------
+    spark : SparkSession
+        Session with Delta Lake (see :func:`rmq_spark.get_spark`).
+    store : Store
+        The store to reconcile.
+    checkers : mapping of producer group to Checker
+        Routing: which checker answers for which producer group.
+    settings : TransactionSettings, optional
+        Timeout, check max and max check age (RocketMQ defaults).
+    skip_unrouted : bool, default False
+        Pending transactions of groups without a checker are an error at start unless this is
+        set; then they are left pending and reported as ``unrouted``.
+    clock : callable, optional
+        Returns the current UTC time (tests move it).
+
+    Examples
+    --------
+    >>> job = CheckBackJob(spark, store, {"order-service": CallableChecker("svc:check")})
+    >>> print(job.run_once().summary.format())
+    """
+
+    def __init__(
+        self,
+        spark: SparkSession,
+        store: Store,
+        checkers: Mapping[str, Checker],
+        settings: TransactionSettings | None = None,
+        *,
+        skip_unrouted: bool = False,
+        clock: Callable[[], datetime] = _utcnow,
+    ) -> None:
+        self.spark = spark
+        self.store = store
+        self.checkers = dict(checkers)
+        self.settings = settings or TransactionSettings()
+        self.skip_unrouted = skip_unrouted
+        self.clock = clock
+
+    # ------------------------------------------------------------------ entry points
+    def validate(self) -> None:
+        """Check every checker's configuration; raise CheckerConfigError at the first fault."""
+        for group, checker in self.checkers.items():
+            try:
+                checker.validate(self.spark)
+            except CheckerConfigError as exc:
+                raise CheckerConfigError(f"producer group {group!r}: {exc.message}") from exc
+
+    def run_once(self) -> CheckBackResult:
+        """One check-back round. Always records a ``check_runs`` row, even when it fails."""
+        run_id, started = new_id(), self.clock()
+        counts: Counter[str] = Counter()
+        batch: DataFrame | None = None
+        oldest: float | None = None
+        status, message = "finished", None
+        try:
+            self.validate()
+            self.store.publish()  # finish publishes cut off by a crash, before reading state
+            self._repair_discards()
+            batch = self._check_batch(started)
+            pending = batch.drop("body", "properties").toArrow()
+            reasons = Counter(pending.column("reason").to_pylist())
+            counts["pending_found"] = pending.num_rows
+            counts["not_yet_due"] = reasons[NOT_YET_DUE]
+            counts["skipped_for_age"] = reasons[TOO_OLD]
+            counts["unrouted"] = reasons[UNROUTED]
+            oldest = pc.max(pending.column("age_seconds")).as_py()
+            self._refuse_unrouted(pending)
+            answers = self._ask_checkers(batch, pending)
+            self._apply(pending, answers, started, counts)
+            batch = batch.join(
+                self.spark.createDataFrame(answers, ANSWERS_DDL), "transaction_id", "left"
+            )
+            self.store.publish()
+        except Exception as exc:
+            status, message = "failed", f"{type(exc).__name__}: {exc}"[:1000]
+            raise
+        finally:
+            summary = self._record_run(run_id, started, counts, oldest, status, message)
+            log_level = logging.INFO if status == "finished" else logging.ERROR
+            log.log(log_level, "%s", summary.format())
+        assert batch is not None
+        return CheckBackResult(summary, batch)
+
+    def run_forever(self, interval: float, stop: threading.Event) -> int:
+        """Run a round every ``interval`` seconds until ``stop`` is set; return rounds run.
+
+        A failing round is logged and the loop goes on (the next round starts from the
+        tables, so nothing is left behind).
+        """
+        rounds = 0
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                self.run_once()
+            except CheckerConfigError:
+                raise
+            except Exception:
+                log.exception("check-back round failed; retrying in %.0f s", interval)
+            rounds += 1
+            stop.wait(max(0.0, interval - (time.monotonic() - started)))
+        log.info("check-back loop stopped after %d round(s)", rounds)
+        return rounds
+
+    # ------------------------------------------------------------------ steps
+    def _check_batch(self, now: datetime) -> DataFrame:
+        """Pending transactions, classified, frozen for the rest of the run."""
+        half = read_table(self.spark, self.store, "half")
+        op = read_table(self.spark, self.store, "op").select("transaction_id")
+        state = read_table(self.spark, self.store, "check_state").select(
+            "transaction_id", "first_seen", "check_count"
+        )
+        message_columns = [c for c in HALF_SCHEMA.names if c != "transaction_id"]
+        pending = (
+            half.join(op, "transaction_id", "left_anti")
+            .groupBy("transaction_id")
+            .agg(
+                F.min_by(F.struct(*message_columns), "msg_id").alias("m"),
+                F.count("*").alias("message_count"),
+            )
+            .select("transaction_id", "m.*", "message_count")
+        )
+        now_lit = F.lit(now).cast("timestamp")
+        first_seen = F.coalesce(F.col("first_seen"), now_lit)
+        age = F.unix_micros(now_lit) - F.unix_micros(first_seen)
+        immunity = F.coalesce(
+            F.col("properties").getItem(PROPERTY_CHECK_IMMUNITY).cast("double"), F.lit(0.0)
+        )
+        routed = list(self.checkers)
+        reason = (
+            F.when(F.col("age_seconds") > self.settings.max_check_age, TOO_OLD)
+            .when(~F.col("producer_group").isin(routed) if routed else F.lit(True), UNROUTED)
+            .when(
+                F.col("age_seconds")
+                < F.greatest(F.lit(self.settings.transaction_timeout), F.col("immunity_seconds")),
+                NOT_YET_DUE,
+            )
+            .otherwise(CHECK)
+        )
+        classified = (
+            pending.join(state, "transaction_id", "left")
+            .select(
+                "*",
+                (age / 1e6).alias("age_seconds"),
+                immunity.alias("immunity_seconds"),
+                F.col("first_seen").isNull().alias("new"),
+            )
+            .withColumn("first_seen", first_seen)
+            .withColumn("check_count", F.coalesce("check_count", F.lit(0)).cast("int"))
+            .withColumn("reason", reason)
+        )
+        # Frozen: the run writes op and check_state, which must not change what it decides.
+        return classified.localCheckpoint(eager=True)
+
+    def _refuse_unrouted(self, pending: pa.Table) -> None:
+        if self.skip_unrouted:
+            return
+        unrouted = pending.filter(pc.equal(pending.column("reason"), UNROUTED))
+        if unrouted.num_rows:
+            groups = sorted(set(unrouted.column("producer_group").to_pylist()))
+            raise CheckerConfigError(
+                f"{unrouted.num_rows} pending transaction(s) belong to producer group(s) with no "
+                f"checker: {', '.join(groups)}. Add [checkers.<group>] to conf/rmq-spark.toml (or "
+                "pass them to CheckBackJob), or run with skip_unrouted / --skip-unrouted to leave "
+                "them pending."
+            )
+
+    def _ask_checkers(self, batch: DataFrame, pending: pa.Table) -> pa.Table:
+        """Ask each group's checker; one group failing never stops the others."""
+        due = pending.filter(pc.equal(pending.column("reason"), CHECK))
+        answers = [_ANSWERS_ARROW.empty_table()]
+        for group in sorted(set(due.column("producer_group").to_pylist())):
+            checker = self.checkers[group]
+            ids = due.filter(pc.equal(due.column("producer_group"), group)).column("transaction_id")
+            log.info(
+                "asking the %s checker of %r about %d transaction(s)", checker.kind, group, len(ids)
+            )
+            group_batch = batch.where(
+                (F.col("reason") == CHECK) & (F.col("producer_group") == group)
+            )
+            try:
+                answer = checker.check(group_batch).toArrow()
+            except Exception as exc:
+                log.error(
+                    "checker of producer group %r failed: %s; its transactions count "
+                    "as UNKNOWN this run",
+                    group,
+                    str(exc).splitlines()[0],
+                )
+                error = f"checker failed: {type(exc).__name__}: {exc}"[:500]
+                answer = pa.table(
+                    {
+                        "transaction_id": ids,
+                        "state": [LocalTransactionState.UNKNOWN.value] * len(ids),
+                        "error": [error] * len(ids),
+                    }
+                )
+            answers.append(answer.rename_columns(_ANSWERS_ARROW.names).cast(_ANSWERS_ARROW))
+        return pa.concat_tables(answers)
+
+    def _apply(
+        self, pending: pa.Table, answers: pa.Table, now: datetime, counts: Counter[str]
+    ) -> None:
+        """Record decisions, check counts and discards for the answers of this run."""
+        state_columns = ["transaction_id", "producer_group", "first_seen", "check_count"]
+        by_id = {r["transaction_id"]: r for r in pending.select(state_columns).to_pylist()}
+        rows = [{**by_id[a["transaction_id"]], **a} for a in answers.to_pylist()]
+        counts["checked"] = len(rows)
+        counts["errors"] = sum(1 for r in rows if r["error"])
+        decided = [r for r in rows if r["answer"] in ("COMMIT", "ROLLBACK")]
+        undecided = [r for r in rows if r["answer"] not in ("COMMIT", "ROLLBACK")]
+        check_max = self.settings.transaction_check_max
+        at_max = [r for r in undecided if r["check_count"] + 1 >= check_max]
+        still_unknown = [r for r in undecided if r["check_count"] + 1 < check_max]
+
+        decided_now = self._decide(decided, DECIDED_BY_CHECKER, counts)
+        discarded = self._decide(
+            [{**r, "answer": "ROLLBACK"} for r in at_max], DECIDED_BY_CHECK_MAX, counts
+        )
+        counts["discarded"] = len(discarded)
+        counts["unknown"] = len(still_unknown)
+        self._insert_discards(discarded, now)
+
+        # New pending transactions start their clock; UNKNOWN ones count one more check.
+        new = pending.filter(
+            pc.and_(pending.column("new"), pc.not_equal(pending.column("reason"), CHECK))
+        )
+        self._update_check_state(
+            [
+                {**r, "new_count": r["check_count"], "checked_at": None, "error": None}
+                for r in new.select(state_columns).to_pylist()
+            ]
+            + [{**r, "new_count": r["check_count"] + 1, "checked_at": now} for r in still_unknown]
+        )
+        self._forget(set(pending.column("transaction_id").to_pylist()), decided_now + discarded)
+
+    def _decide(
+        self, rows: Sequence[Mapping[str, object]], decided_by: str, counts: Counter[str]
+    ) -> list[str]:
+        """End transactions in chunks; return the ids this run decided."""
+        applied: list[str] = []
+        for start in range(0, len(rows), _DECISION_CHUNK):
+            chunk = rows[start : start + _DECISION_CHUNK]
+            results = self.store.end_transactions(
+                [
+                    Decision(
+                        str(r["transaction_id"]),
+                        str(r["producer_group"]),
+                        LocalTransactionState(str(r["answer"])),
+                        decided_by,
+                    )
+                    for r in chunk
+                ],
+                publish=False,
+            )
+            for result in results:
+                if result.status is EndTransactionStatus.APPLIED:
+                    applied.append(result.transaction_id)
+                    if decided_by == DECIDED_BY_CHECKER:
+                        key = "committed" if result.decision == "COMMIT" else "rolled_back"
+                        counts[key] += 1
+                else:
+                    counts["already_decided"] += 1
+            if len(rows) > _DECISION_CHUNK:
+                log.info("decided %d/%d transactions", start + len(chunk), len(rows))
+        return applied
+
+    def _update_check_state(self, updates: list[dict[str, object]]) -> None:
+        if not updates:
+            return
+        source = pa.Table.from_pylist(
+            [
+                {
+                    "transaction_id": u["transaction_id"],
+                    "producer_group": u["producer_group"],
+                    "first_seen": u["first_seen"],
+                    "check_count": u["new_count"],
+                    "last_check_timestamp": u["checked_at"],
+                    "last_error": u["error"],
+                    "expected_count": u["check_count"],
+                }
+                for u in updates
+            ],
+            schema=CHECK_STATE_SCHEMA.append(pa.field("expected_count", pa.int32())),
+        )
+        self.store.merge(
+            "check_state",
+            source,
+            "transaction_id",
+            lambda m: m.when_matched_update(
+                {
+                    "check_count": "s.check_count",
+                    "last_check_timestamp": "s.last_check_timestamp",
+                    "last_error": "s.last_error",
+                },
+                # Two jobs that checked the same batch count once.
+                predicate="t.check_count = s.expected_count",
+            ).when_not_matched_insert({c: f"s.{c}" for c in CHECK_STATE_SCHEMA.names}),
+        )
+
+    def _forget(self, pending_at_start: set[str], decided_now: list[str]) -> None:
+        """Drop check_state rows of transactions that are no longer pending."""
+        known = self.store.table("check_state").to_pyarrow_table(columns=["transaction_id"])
+        gone = {t for t in known.column("transaction_id").to_pylist() if t not in pending_at_start}
+        gone.update(decided_now)
+        if gone:
+            ids = pa.table({"transaction_id": pa.array(sorted(gone), pa.string())})
+            self.store.merge(
+                "check_state", ids, "transaction_id", lambda m: m.when_matched_delete()
+            )
+
+    def _repair_discards(self) -> None:
+        """Record check-max rollbacks whose discard write was cut off by a crash."""
+        maxed = self.store.query("op", f"decided_by = '{DECIDED_BY_CHECK_MAX}'")
+        if maxed.num_rows == 0:
+            return
+        recorded = self.store.table("discard").to_pyarrow_table(columns=["transaction_id"])
+        missing = set(maxed.column("transaction_id").to_pylist()) - set(
+            recorded.column("transaction_id").to_pylist()
+        )
+        self._insert_discards(sorted(missing), self.clock())
+
+    def _insert_discards(self, transaction_ids: list[str], now: datetime) -> None:
+        if not transaction_ids:
+            return
+        half = self.store.half_messages(transaction_ids)
+        n = half.num_rows
+        rows = pa.Table.from_arrays(
+            [half.column(c) for c in HALF_SCHEMA.names]
+            + [
+                pa.array([self.settings.transaction_check_max] * n, pa.int32()),
+                pa.array([now] * n, DISCARD_SCHEMA.field("discarded_timestamp").type),
+                pa.nulls(n, pa.string()),
+            ],
+            schema=DISCARD_SCHEMA,
+        )
+        self.store.merge("discard", rows, "msg_id", lambda m: m.when_not_matched_insert_all())
+        log.warning(
+            "discarded %d message(s) after %d unanswered checks; inspect the discard "
+            "table and re-drive with 'rmqtx resume'",
+            n,
+            self.settings.transaction_check_max,
+        )
+
+    def _record_run(
+        self,
+        run_id: str,
+        started: datetime,
+        counts: Counter[str],
+        oldest: float | None,
+        status: str,
+        message: str | None,
+    ) -> CheckBackSummary:
+        finished = self.clock()
+        values = {f.name: counts[f.name] for f in fields(CheckBackSummary) if f.type == "int"}
+        summary = CheckBackSummary(
+            run_id=run_id,
+            started=started,
+            finished=finished,
+            duration_seconds=(finished - started).total_seconds(),
+            oldest_pending_age_seconds=oldest,
+            status=status,
+            message=message,
+            **values,
+        )
+        try:
+            self.store.append(
+                "check_runs", pa.Table.from_pylist([asdict(summary)], CHECK_RUNS_SCHEMA)
+            )
+        except Exception:
+            log.exception("could not record check-back run %s in check_runs", run_id)
+        return summary
+
+
+def redrive(store: Store, transaction_ids: Sequence[str] | None = None) -> list[str]:
+    """Put discarded messages back into the check-back cycle.
+
+    Each discarded message is prepared again as a half message of a new transaction (same
+    ``msg_id``, property ``REDRIVEN_FROM_TRANSACTION_ID``), with a fresh check budget.
+
+    Parameters
+    ----------
+    store : Store
+        The store.
+    transaction_ids : sequence of str, optional
+        The discarded transactions to re-drive; all not yet re-driven when omitted.
+
+    Returns
+    -------
+    list of str
+        The new transaction ids.
+    """
+    discard = store.table("discard").to_pyarrow_table()
+    rows = [r for r in discard.to_pylist() if r["redriven_transaction_id"] is None]
+    if transaction_ids is not None:
+        wanted = set(transaction_ids)
+        unknown = wanted - {r["transaction_id"] for r in rows}
+        if unknown:
+            raise CheckerConfigError(
+                f"not in the discard table (or already re-driven): {', '.join(sorted(unknown))}"
+            )
+        rows = [r for r in rows if r["transaction_id"] in wanted]
+    if not rows:
+        return []
+    new_ids = {r["transaction_id"]: new_id() for r in rows}
+    half = pa.Table.from_pylist(
+        [
+            {
+                **{c: r[c] for c in HALF_SCHEMA.names},
+                "transaction_id": new_ids[r["transaction_id"]],
+                "properties": list(dict(r["properties"] or ()).items())
+                + [("REDRIVEN_FROM_TRANSACTION_ID", r["transaction_id"])],
+                "store_timestamp": _utcnow(),
+            }
+            for r in rows
+        ],
+        schema=HALF_SCHEMA,
+    )
+    store.append("half", half)
+    marks = pa.Table.from_pylist(
+        [
+            {"msg_id": r["msg_id"], "redriven_transaction_id": new_ids[r["transaction_id"]]}
+            for r in rows
+        ]
+    )
+    store.merge(
+        "discard",
+        marks,
+        "msg_id",
+        lambda m: m.when_matched_update({"redriven_transaction_id": "s.redriven_transaction_id"}),
+    )
+    log.info("re-drove %d discarded message(s) into the check-back cycle", len(rows))
+    return sorted(set(new_ids.values()))

@@ -1,0 +1,142 @@
+"""The ``rmqtx`` command line: run the check-back job, re-drive discarded messages.
+
+Examples
+--------
+rmqtx check --once                       # one check-back round on the configured store
+rmqtx check --interval 30s               # a round every 30 s until SIGTERM / Ctrl-C
+rmqtx check --once --checker order-service=my_service.checks:check_order
+rmqtx resume                             # re-drive every discarded message
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+
+from rmq_spark.checkers import Checker, checkers_from_config
+from rmq_spark.config import Settings, configure_logging, load_settings, parse_duration
+from rmq_spark.errors import RmqSparkError
+from rmq_spark.store import Store
+
+log = logging.getLogger("rmq_spark.cli")
+
+#: Exit codes: 0 done, 1 a run failed, 2 bad usage or configuration.
+EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``rmqtx`` (all subcommands)."""
+    parser = argparse.ArgumentParser(
+        prog="rmqtx", description="rmq-spark: transactional messages on Spark and Delta Lake."
+    )
+    parser.add_argument(
+        "--conf", help="settings file (default: $RMQ_SPARK_CONF or conf/rmq-spark.toml)"
+    )
+    parser.add_argument("--path", help="store root (default: store.path of the settings)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    check = sub.add_parser("check", help="run the check-back job (resolve pending transactions)")
+    mode = check.add_mutually_exclusive_group()
+    mode.add_argument("--once", action="store_true", help="run one round and exit")
+    mode.add_argument(
+        "--interval",
+        help="pause between rounds, e.g. 30s (default: transaction.transaction_check_interval)",
+    )
+    check.add_argument(
+        "--checker",
+        action="append",
+        default=[],
+        metavar="GROUP=MODULE:FUNCTION",
+        help="route a producer group to a Python checker function (repeatable)",
+    )
+    check.add_argument(
+        "--skip-unrouted",
+        action="store_true",
+        help="leave pending transactions of groups without a checker pending instead of failing",
+    )
+
+    resume = sub.add_parser("resume", help="re-drive discarded messages into the check-back cycle")
+    resume.add_argument(
+        "--transaction-id",
+        action="append",
+        metavar="ID",
+        help="a discarded transaction to re-drive (repeatable; default: all)",
+    )
+    return parser
+
+
+def _checkers(settings: Settings, overrides: Sequence[str]) -> dict[str, Checker]:
+    checkers = checkers_from_config(settings.checkers)
+    for spec in overrides:
+        group, sep, function = spec.partition("=")
+        if not sep:
+            raise RmqSparkError(f"--checker {spec!r} is not GROUP=MODULE:FUNCTION.")
+        checkers.update(checkers_from_config({group: {"kind": "callable", "function": function}}))
+    return checkers
+
+
+def _check(args: argparse.Namespace, settings: Settings) -> int:
+    from rmq_spark.checkback import CheckBackJob
+    from rmq_spark.session import get_spark
+
+    checkers = _checkers(settings, args.checker)
+    store = Store.open(args.path, settings=settings)
+    spark = get_spark("rmqtx-check-back", settings=settings)
+    job = CheckBackJob(
+        spark, store, checkers, settings.transaction, skip_unrouted=args.skip_unrouted
+    )
+    job.validate()
+    if args.once:
+        job.run_once()
+        return EXIT_OK
+    interval = (
+        parse_duration(args.interval, "--interval")
+        if args.interval
+        else settings.transaction.transaction_check_interval
+    )
+    stop = threading.Event()
+
+    def request_stop(signum: int, _frame: object) -> None:
+        log.info("received %s; stopping after the current round", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    log.info(
+        "check-back loop every %.0f s on %s (SIGTERM or Ctrl-C stops it)", interval, store.root
+    )
+    job.run_forever(interval, stop)
+    return EXIT_OK
+
+
+def _resume(args: argparse.Namespace, settings: Settings) -> int:
+    from rmq_spark.checkback import redrive
+
+    store = Store.open(args.path, settings=settings, create=False)
+    new_ids = redrive(store, args.transaction_id)
+    print(f"re-drove {len(new_ids)} discarded message(s); the check-back job will check them again")
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``rmqtx``; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    try:
+        settings = load_settings(args.conf)
+        configure_logging(settings.log_level)
+        handler = {"check": _check, "resume": _resume}[args.command]
+        return handler(args, settings)
+    except RmqSparkError as exc:
+        print(f"rmqtx {args.command}: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except Exception:
+        log.exception("rmqtx %s failed", args.command)
+        return EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

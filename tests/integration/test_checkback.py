@@ -1,0 +1,273 @@
+"""The check-back job on real Spark and Delta: eligibility, routing, check max, races."""
+
+from __future__ import annotations
+
+import threading
+from datetime import UTC, datetime, timedelta
+
+import pyarrow as pa
+import pytest
+from deltalake import write_deltalake
+
+from rmq_spark import LocalTransactionState, Message, Store
+from rmq_spark.checkback import CheckBackJob, redrive
+from rmq_spark.checkers import CallableChecker, CheckerConfigError, TableChecker
+from rmq_spark.config import TransactionSettings
+from rmq_spark.demo import OrderService
+from tests.conftest import commitlog
+
+BY_TAG = "tests.checker_functions:by_tag"
+
+
+class Clock:
+    """A clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = datetime.now(UTC)
+
+    def __call__(self) -> datetime:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += timedelta(seconds=seconds)
+
+
+def job(spark, store, clock, checkers=None, **settings) -> CheckBackJob:
+    defaults = {"transaction_timeout": 6.0, "transaction_check_max": 3}
+    return CheckBackJob(
+        spark,
+        store,
+        checkers if checkers is not None else {"pg": CallableChecker(BY_TAG)},
+        TransactionSettings(**{**defaults, **settings}),
+        clock=clock,
+    )
+
+
+def start_clocks(spark, store, clock, checkers=None, **settings) -> None:
+    """A first round sees the pending transactions (starting their clocks), then 10 s pass."""
+    assert job(spark, store, clock, checkers, **settings).run_once().summary.checked == 0
+    clock.advance(10)
+
+
+def prepare(store: Store, *tags: str, group: str = "pg", **kw) -> list[str]:
+    prepared = store.prepare(
+        [Message("Orders", f"body-{t}", tags=t, keys=f"key-{i}", **kw) for i, t in enumerate(tags)],
+        group,
+    )
+    return [p.transaction_id for p in prepared]
+
+
+def visible_ids(store: Store) -> list[str]:
+    return commitlog(store).column("transaction_id").to_pylist()
+
+
+def pending(store: Store) -> set[str]:
+    half = set(store.table("half").to_pyarrow_table().column("transaction_id").to_pylist())
+    return half - set(store.table("op").to_pyarrow_table().column("transaction_id").to_pylist())
+
+
+def test_young_messages_wait_for_the_timeout(spark, store: Store) -> None:
+    clock = Clock()
+    ids = prepare(store, "COMMIT", "ROLLBACK")
+    first = job(spark, store, clock).run_once().summary
+    assert (first.pending_found, first.not_yet_due, first.checked) == (2, 2, 0)
+    clock.advance(5.9)
+    assert job(spark, store, clock).run_once().summary.checked == 0
+    clock.advance(0.2)
+    result = job(spark, store, clock).run_once()
+    s = result.summary
+    assert (s.checked, s.committed, s.rolled_back, s.pending_found) == (2, 1, 1, 2)
+    assert visible_ids(store) == [ids[0]]
+    assert pending(store) == set()
+    reasons = {
+        r["transaction_id"]: (r["reason"], r["answer"]) for r in result.check_batch.collect()
+    }
+    assert reasons == {ids[0]: ("check", "COMMIT"), ids[1]: ("check", "ROLLBACK")}
+    # Decided messages are never checked again (apache/rocketmq#1517).
+    clock.advance(60)
+    again = job(spark, store, clock).run_once().summary
+    assert (again.pending_found, again.checked) == (0, 0)
+    assert store.table("check_state").to_pyarrow_table().num_rows == 0
+
+
+def test_immunity_delays_the_first_check_without_spending_budget(spark, store: Store) -> None:
+    clock = Clock()
+    (tid,) = prepare(store, "UNKNOWN", properties={"CHECK_IMMUNITY_TIME_IN_SECONDS": "30"})
+    for _ in range(5):  # five rounds inside the immunity window
+        summary = job(spark, store, clock).run_once().summary
+        assert (summary.not_yet_due, summary.checked) == (1, 0)
+        clock.advance(5)
+    state = store.table("check_state").to_pyarrow_table().to_pylist()
+    assert [(s["transaction_id"], s["check_count"]) for s in state] == [(tid, 0)]
+    clock.advance(6)
+    assert job(spark, store, clock).run_once().summary.checked == 1
+
+
+def test_unknown_until_check_max_then_rolled_back_discarded_and_redriven(spark, store) -> None:
+    clock = Clock()
+    (tid,) = prepare(store, "UNKNOWN")
+    start_clocks(spark, store, clock)
+    counts = []
+    for _ in range(3):
+        s = job(spark, store, clock).run_once().summary
+        counts.append((s.checked, s.unknown, s.discarded))
+        clock.advance(10)
+    assert counts == [(1, 1, 0), (1, 1, 0), (1, 0, 1)]
+    op = store.table("op").to_pyarrow_table().to_pylist()
+    assert [(o["transaction_id"], o["decision"], o["decided_by"]) for o in op] == [
+        (tid, "ROLLBACK", "check-back:check-max")
+    ]
+    discard = store.table("discard").to_pyarrow_table().to_pylist()
+    assert [(d["transaction_id"], d["check_count"], d["body"]) for d in discard] == [
+        (tid, 3, b"body-UNKNOWN")
+    ]
+    assert visible_ids(store) == []
+    # Re-driving puts the message back into the cycle with a fresh budget.
+    (new_tid,) = redrive(store)
+    assert redrive(store) == []
+    assert pending(store) == {new_tid}
+    s = job(spark, store, clock).run_once().summary
+    assert (s.pending_found, s.not_yet_due) == (1, 1)
+    clock.advance(10)
+    assert job(spark, store, clock).run_once().summary.unknown == 1
+
+
+def test_checker_that_raises_counts_as_unknown(spark, store: Store) -> None:
+    clock = Clock()
+    prepare(store, "RAISE", "COMMIT")
+    start_clocks(spark, store, clock)
+    result = job(spark, store, clock).run_once()
+    s = result.summary
+    assert (s.checked, s.errors, s.unknown, s.committed) == (2, 1, 1, 1)
+    errors = [r["error"] for r in result.check_batch.collect() if r["error"]]
+    assert errors and "order database unreachable" in errors[0]
+    state = store.table("check_state").to_pyarrow_table().to_pylist()
+    assert [(r["check_count"], "unreachable" in r["last_error"]) for r in state] == [(1, True)]
+
+
+def test_producer_decision_during_check_wins(spark, store: Store) -> None:
+    clock = Clock()
+    prepare(store, "ANY", properties={"test_store": store.root})
+    checkers = {"pg": CallableChecker("tests.checker_functions:commit_after_producer_rollback")}
+    start_clocks(spark, store, clock, checkers)
+    s = job(spark, store, clock, checkers).run_once().summary
+    assert (s.checked, s.committed, s.already_decided) == (1, 0, 1)
+    op = store.table("op").to_pyarrow_table().to_pylist()
+    assert [(o["decision"], o["decided_by"]) for o in op] == [("ROLLBACK", "producer")]
+    assert visible_ids(store) == []
+
+
+def test_two_jobs_at_once_never_double_commit_or_double_count(spark, store: Store) -> None:
+    clock = Clock()
+    commit_ids = prepare(store, *["COMMIT"] * 6)
+    unknown_ids = prepare(store, *["UNKNOWN"] * 3)
+    start_clocks(spark, store, clock)
+    jobs = [job(spark, store, clock, transaction_check_max=10) for _ in range(2)]
+    errors: list[BaseException] = []
+
+    def run(j: CheckBackJob) -> None:
+        try:
+            j.run_once()
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(j,)) for j in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert sorted(visible_ids(store)) == sorted(commit_ids)
+    counts = {
+        r["transaction_id"]: r["check_count"]
+        for r in store.table("check_state").to_pyarrow_table().to_pylist()
+    }
+    assert counts == dict.fromkeys(unknown_ids, 1)
+    runs = store.table("check_runs").to_pyarrow_table().to_pylist()
+    assert sum(r["committed"] for r in runs) == 6
+    assert sum(r["already_decided"] for r in runs) == sum(r["checked"] for r in runs) - 6 - sum(
+        r["unknown"] for r in runs
+    )
+
+
+def test_producer_clock_skew_does_not_change_eligibility(spark, tmp_path) -> None:
+    for skew_hours in (-100, +100):
+        skewed = Store.open(
+            tmp_path / f"s{skew_hours}",
+            clock=lambda h=skew_hours: datetime.now(UTC) + timedelta(hours=h),
+        )
+        prepare(skewed, "COMMIT")
+        clock = Clock()
+        first = job(spark, skewed, clock).run_once().summary
+        assert (first.not_yet_due, first.skipped_for_age, first.checked) == (1, 0, 0)
+        clock.advance(7)
+        assert job(spark, skewed, clock).run_once().summary.committed == 1
+
+
+def test_max_check_age_skips_and_reports(spark, store: Store) -> None:
+    clock = Clock()
+    prepare(store, "UNKNOWN")
+    job(spark, store, clock, max_check_age=3600).run_once()
+    clock.advance(3601)
+    s = job(spark, store, clock, max_check_age=3600).run_once().summary
+    assert (s.skipped_for_age, s.checked, s.pending_found) == (1, 0, 1)
+    assert s.oldest_pending_age_seconds == pytest.approx(3601, abs=1)
+
+
+def test_table_checker_and_listener_checker(spark, store: Store, tmp_path) -> None:
+    business = str(tmp_path / "payments")
+    write_deltalake(business, pa.table({"payment_id": ["key-0"]}))
+    service = OrderService(tmp_path / "orders.sqlite")
+    with service._connect() as db:
+        db.execute("INSERT INTO orders VALUES ('key-1', 'ada', 1.0)")
+    clock = Clock()
+    paid = prepare(store, "x", "y", group="payments")  # key-0 found, key-1 not
+    ordered = prepare(store, "x", "y", group="orders")  # key-1 in the orders db, key-0 not
+    checkers = {
+        "payments": TableChecker(business, "payment_id", deadline=60),
+        "orders": CallableChecker(service.check_local_transaction),
+    }
+    start_clocks(spark, store, clock, checkers)
+    s = job(spark, store, clock, checkers).run_once().summary
+    assert (s.committed, s.rolled_back, s.unknown) == (2, 1, 1)
+    assert sorted(visible_ids(store)) == sorted([paid[0], ordered[1]])
+    clock.advance(60)
+    s = job(spark, store, clock, checkers).run_once().summary
+    assert (s.rolled_back, s.pending_found) == (1, 1)
+    assert pending(store) == set()
+
+
+@pytest.mark.parametrize(
+    ("checkers", "match"),
+    [
+        ({"pg": CallableChecker("no_such_module:f")}, "cannot be imported"),
+        ({"pg": CallableChecker("tests.checker_functions:nope")}, "'nope' not found"),
+        ({"pg": CallableChecker("tests.checker_functions")}, "not of the form"),
+        ({"pg": TableChecker("/no/such/table", "id", 1)}, "cannot read Delta table"),
+        ({"other": CallableChecker(BY_TAG)}, "producer group.*with no checker: pg"),
+    ],
+)
+def test_bad_checker_config_is_a_clear_error_at_start(spark, store, checkers, match) -> None:
+    prepare(store, "COMMIT")
+    with pytest.raises(CheckerConfigError, match=match):
+        job(spark, store, Clock(), checkers).run_once()
+    assert store.table("op").version() == 0
+    runs = store.table("check_runs").to_pyarrow_table().to_pylist()
+    assert [r["status"] for r in runs] == ["failed"]
+
+
+def test_unrouted_groups_can_be_left_pending(spark, store: Store) -> None:
+    clock = Clock()
+    prepare(store, "COMMIT")
+    prepare(store, "COMMIT", group="nobody")
+    j = CheckBackJob(spark, store, {"pg": CallableChecker(BY_TAG)}, clock=clock, skip_unrouted=True)
+    j.run_once()
+    clock.advance(10)
+    s = j.run_once().summary
+    assert (s.committed, s.unrouted) == (1, 1)
+
+
+def test_summary_is_readable(spark, store: Store) -> None:
+    prepare(store, "COMMIT")
+    text = job(spark, store, Clock()).run_once().summary.format()
+    assert "check-back run" in text and "pending found" in text and "not yet due" in text
