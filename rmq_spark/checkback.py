@@ -60,6 +60,7 @@ CHECK, NOT_YET_DUE, TOO_OLD, UNROUTED = (
     ("no checker for producer group"),
 )
 _DECISION_CHUNK = 20_000
+_STATE_COLUMNS = ["transaction_id", "producer_group", "first_seen", "check_count"]
 ANSWERS_DDL = "transaction_id string, answer string, error string"
 _ANSWERS_ARROW = pa.schema(
     [("transaction_id", pa.string()), ("answer", pa.string()), ("error", pa.string())]
@@ -205,8 +206,8 @@ class CheckBackJob:
             counts["unrouted"] = reasons[UNROUTED]
             oldest = pc.max(pending.column("age_seconds")).as_py()
             self._refuse_unrouted(pending)
-            answers = self._ask_checkers(batch, pending)
-            self._apply(pending, answers, started, counts)
+            answers, ended = self._check_groups(batch, pending, started, counts)
+            self._start_clocks(pending, ended)
             batch = batch.join(
                 self.spark.createDataFrame(answers, ANSWERS_DDL), "transaction_id", "left"
             )
@@ -304,74 +305,84 @@ class CheckBackJob:
                 "them pending."
             )
 
-    def _ask_checkers(self, batch: DataFrame, pending: pa.Table) -> pa.Table:
-        """Ask each group's checker; one group failing never stops the others."""
+    def _check_groups(
+        self, batch: DataFrame, pending: pa.Table, now: datetime, counts: Counter[str]
+    ) -> tuple[pa.Table, set[str]]:
+        """Ask each group's checker and apply its answers before the next group, so one
+        group failing (or the job dying) never holds back the groups already done.
+
+        Returns the answers and the transactions that are now decided."""
         due = pending.filter(pc.equal(pending.column("reason"), CHECK))
         answers = [_ANSWERS_ARROW.empty_table()]
+        ended: set[str] = set()
         for group in sorted(set(due.column("producer_group").to_pylist())):
-            checker = self.checkers[group]
-            ids = due.filter(pc.equal(due.column("producer_group"), group)).column("transaction_id")
-            log.info(
-                "asking the %s checker of %r about %d transaction(s)", checker.kind, group, len(ids)
-            )
-            group_batch = batch.where(
-                (F.col("reason") == CHECK) & (F.col("producer_group") == group)
-            )
-            try:
-                answer = checker.check(group_batch).toArrow()
-            except Exception as exc:
-                log.error(
-                    "checker of producer group %r failed: %s; its transactions count "
-                    "as UNKNOWN this run",
-                    group,
-                    str(exc).splitlines()[0],
-                )
-                error = f"checker failed: {type(exc).__name__}: {exc}"[:500]
-                answer = pa.table(
-                    {
-                        "transaction_id": ids,
-                        "state": [LocalTransactionState.UNKNOWN.value] * len(ids),
-                        "error": [error] * len(ids),
-                    }
-                )
-            answers.append(answer.rename_columns(_ANSWERS_ARROW.names).cast(_ANSWERS_ARROW))
-        return pa.concat_tables(answers)
+            mine = due.filter(pc.equal(due.column("producer_group"), group))
+            answer = self._ask(group, batch, mine.column("transaction_id"))
+            ended |= self._apply(mine, answer, now, counts)
+            answers.append(answer)
+        return pa.concat_tables(answers), ended
 
-    def _apply(
-        self, pending: pa.Table, answers: pa.Table, now: datetime, counts: Counter[str]
-    ) -> None:
-        """Record decisions, check counts and discards for the answers of this run."""
-        state_columns = ["transaction_id", "producer_group", "first_seen", "check_count"]
-        by_id = {r["transaction_id"]: r for r in pending.select(state_columns).to_pylist()}
+    def _ask(self, group: str, batch: DataFrame, ids: pa.ChunkedArray) -> pa.Table:
+        checker = self.checkers[group]
+        log.info(
+            "asking the %s checker of %r about %d transaction(s)", checker.kind, group, len(ids)
+        )
+        group_batch = batch.where((F.col("reason") == CHECK) & (F.col("producer_group") == group))
+        try:
+            answer = checker.check(group_batch).toArrow()
+        except Exception as exc:
+            log.error(
+                "checker of producer group %r failed: %s; its transactions count "
+                "as UNKNOWN this run",
+                group,
+                str(exc).splitlines()[0],
+            )
+            error = f"checker failed: {type(exc).__name__}: {exc}"[:500]
+            answer = pa.table(
+                {
+                    "transaction_id": ids,
+                    "state": [LocalTransactionState.UNKNOWN.value] * len(ids),
+                    "error": [error] * len(ids),
+                }
+            )
+        return answer.rename_columns(_ANSWERS_ARROW.names).cast(_ANSWERS_ARROW)
+
+    def _apply(self, due: pa.Table, answers: pa.Table, now: datetime, counts: Counter[str]) -> None:
+        """Record decisions, check counts and discards for one group's answers."""
+        by_id = {r["transaction_id"]: r for r in due.select(_STATE_COLUMNS).to_pylist()}
         rows = [{**by_id[a["transaction_id"]], **a} for a in answers.to_pylist()]
-        counts["checked"] = len(rows)
-        counts["errors"] = sum(1 for r in rows if r["error"])
+        counts["checked"] += len(rows)
+        counts["errors"] += sum(1 for r in rows if r["error"])
         decided = [r for r in rows if r["answer"] in ("COMMIT", "ROLLBACK")]
         undecided = [r for r in rows if r["answer"] not in ("COMMIT", "ROLLBACK")]
         check_max = self.settings.transaction_check_max
         at_max = [r for r in undecided if r["check_count"] + 1 >= check_max]
         still_unknown = [r for r in undecided if r["check_count"] + 1 < check_max]
 
-        decided_now = self._decide(decided, DECIDED_BY_CHECKER, counts)
+        self._decide(decided, DECIDED_BY_CHECKER, counts)
         discarded = self._decide(
             [{**r, "answer": "ROLLBACK"} for r in at_max], DECIDED_BY_CHECK_MAX, counts
         )
-        counts["discarded"] = len(discarded)
-        counts["unknown"] = len(still_unknown)
+        counts["discarded"] += len(discarded)
+        counts["unknown"] += len(still_unknown)
         self._insert_discards(discarded, now)
+        self._update_check_state(
+            [{**r, "new_count": r["check_count"] + 1, "checked_at": now} for r in still_unknown]
+        )
+        return {r["transaction_id"] for r in decided + at_max}
 
-        # New pending transactions start their clock; UNKNOWN ones count one more check.
+    def _start_clocks(self, pending: pa.Table, ended: set[str]) -> None:
+        """Record when pending transactions were first seen; forget decided ones."""
         new = pending.filter(
             pc.and_(pending.column("new"), pc.not_equal(pending.column("reason"), CHECK))
         )
         self._update_check_state(
             [
                 {**r, "new_count": r["check_count"], "checked_at": None, "error": None}
-                for r in new.select(state_columns).to_pylist()
+                for r in new.select(_STATE_COLUMNS).to_pylist()
             ]
-            + [{**r, "new_count": r["check_count"] + 1, "checked_at": now} for r in still_unknown]
         )
-        self._forget(set(pending.column("transaction_id").to_pylist()), decided_now + discarded)
+        self._forget(set(pending.column("transaction_id").to_pylist()), ended)
 
     def _decide(
         self, rows: Sequence[Mapping[str, object]], decided_by: str, counts: Counter[str]
@@ -437,11 +448,11 @@ class CheckBackJob:
             ).when_not_matched_insert({c: f"s.{c}" for c in CHECK_STATE_SCHEMA.names}),
         )
 
-    def _forget(self, pending_at_start: set[str], decided_now: list[str]) -> None:
+    def _forget(self, pending_at_start: set[str], ended: set[str]) -> None:
         """Drop check_state rows of transactions that are no longer pending."""
         known = self.store.table("check_state").to_pyarrow_table(columns=["transaction_id"])
         gone = {t for t in known.column("transaction_id").to_pylist() if t not in pending_at_start}
-        gone.update(decided_now)
+        gone |= ended
         if gone:
             ids = pa.table({"transaction_id": pa.array(sorted(gone), pa.string())})
             self.store.merge(

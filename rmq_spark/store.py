@@ -603,7 +603,7 @@ class Store:
 
     @staticmethod
     def _decisions_of(op: DeltaTable, ids: list[str]) -> dict[str, LocalTransactionState]:
-        rows = _query(op, "op", f"transaction_id IN ({_sql_list(ids)})")
+        rows = _query(op, "op", f"transaction_id IN ({sql_list(ids)})")
         return {
             tid: LocalTransactionState(dec)
             for tid, dec in zip(
@@ -713,7 +713,7 @@ class Store:
     def half_messages(self, transaction_ids: Sequence[str]) -> pa.Table:
         """The half messages of the given transactions (``half`` schema)."""
         return _conform(
-            self.query("half", f"transaction_id IN ({_sql_list(transaction_ids)})"), HALF_SCHEMA
+            self.query("half", f"transaction_id IN ({sql_list(transaction_ids)})"), HALF_SCHEMA
         )
 
     def query(self, name: str, where: str) -> pa.Table:
@@ -784,8 +784,8 @@ def _query(table: DeltaTable, name: str, where: str) -> pa.Table:
     )
 
 
-def _sql_list(values: Sequence[str]) -> str:
-    """A SQL list of string literals."""
+def sql_list(values: Sequence[str]) -> str:
+    """A SQL list of string literals (quotes escaped)."""
     return ", ".join("'" + v.replace("'", "''") + "'" for v in values)
 
 

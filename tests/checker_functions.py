@@ -32,3 +32,8 @@ def slow_commit(msg: MessageExt) -> LocalTransactionState:
 
         time.sleep(float(os.environ.get("RMQ_TEST_SLOW_SECONDS", "600")))
     return LocalTransactionState.COMMIT
+
+
+def always_commit(msg: MessageExt) -> LocalTransactionState:
+    """COMMIT everything."""
+    return LocalTransactionState.COMMIT

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pytest
 from deltalake import write_deltalake
 
-from rmq_spark import LocalTransactionState, Message, Store
+from rmq_spark import Message, Store
 from rmq_spark.checkback import CheckBackJob, redrive
 from rmq_spark.checkers import CallableChecker, CheckerConfigError, TableChecker
 from rmq_spark.config import TransactionSettings
