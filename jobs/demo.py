@@ -1,22 +1,26 @@
 """End-to-end demo on the embedded default store: `make demo` (or python jobs/demo.py --help).
 
 An order service sends OrderCreated events in transactions; some commit, some roll back, some
-end UNKNOWN. The summary is read back from the Delta tables with Spark (delta-spark).
+end UNKNOWN. The check-back job then asks the order service about the UNKNOWN ones and
+resolves them. Every summary is read back from the Delta tables with Spark (delta-spark).
 """
 
 from __future__ import annotations
 
 import argparse
 import tempfile
+import time
 from collections import Counter
 from pathlib import Path
 
 from pyspark.sql import functions as F
 
 from rmq_spark import Store, get_spark, load_settings
+from rmq_spark.checkback import CheckBackJob
+from rmq_spark.checkers import CallableChecker
 from rmq_spark.config import configure_logging
 from rmq_spark.demo import PRODUCER_GROUP, OrderService, make_orders, place_orders
-from rmq_spark.report import state_counts, transaction_states
+from rmq_spark.report import read_table, state_counts, transaction_states
 
 
 def main() -> None:
@@ -33,28 +37,50 @@ def main() -> None:
         service = OrderService(Path(tmp) / "orders.sqlite")
         orders = make_orders(args.orders)
         results = place_orders(store, service, orders)
-    answers = Counter(r.local_transaction_state.value for r in results)
-    print(
-        f"order service sent {len(results)} transactional messages; local transactions "
-        f"answered {dict(sorted(answers.items()))}\n"
-    )
+        answers = Counter(r.local_transaction_state.value for r in results)
+        print(
+            f"order service sent {len(results)} transactional messages; local transactions "
+            f"answered {dict(sorted(answers.items()))}\n"
+        )
 
-    spark = get_spark("rmq-spark-demo", settings=settings)
-    run_ids = spark.createDataFrame([(r.transaction_id,) for r in results], "transaction_id string")
-    states = transaction_states(spark, store).join(run_ids, "transaction_id")
-    print("This run, read back from the Delta tables with Spark:")
-    state_counts(states).show(truncate=False)
+        spark = get_spark("rmq-spark-demo", settings=settings)
+        run_ids = spark.createDataFrame(
+            [(r.transaction_id,) for r in results], "transaction_id string"
+        )
+
+        def show_states(title: str) -> None:
+            states = transaction_states(spark, store).join(run_ids, "transaction_id")
+            print(title)
+            state_counts(states).show(truncate=False)
+
+        show_states("This run, read back from the Delta tables with Spark:")
+        # The check-back job asks the order service about the UNKNOWN ones. Its first round
+        # starts their clocks; after transactionTimeOut they are due.
+        job = CheckBackJob(
+            spark,
+            store,
+            {PRODUCER_GROUP: CallableChecker(service.check_local_transaction)},
+            settings.transaction,
+            skip_unrouted=True,
+        )
+        job.run_once()
+        wait = settings.transaction.transaction_timeout
+        print(f"waiting {wait:.0f} s (transactionTimeOut) before checking back ...\n")
+        time.sleep(wait)
+        job.run_once()  # logs its summary
+        show_states("\nThis run after check-back:")
+
     print("Committed events, as consumers see them in the CommitLog:")
     (
-        states.where("visible")
-        .select("keys", "topic", "queue_offset", "state")
+        read_table(spark, store, "commitlog")
+        .join(run_ids, "transaction_id")
+        .select("keys", "topic", "queue_id", "queue_offset", "tags", "store_timestamp")
         .orderBy("keys")
         .show(5, truncate=False)
     )
     totals = transaction_states(spark, store).groupBy("state").agg(F.count("*").alias("messages"))
     print("Whole store (all runs):")
     totals.orderBy("state").show(truncate=False)
-    print(f"Producer group {PRODUCER_GROUP!r}: PENDING messages wait for the check-back job.")
     spark.stop()
 
 

@@ -37,6 +37,8 @@ from typing import Any
 import fsspec
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.dataset as pads
+import pyarrow.fs as pafs
 from deltalake import CommitProperties, DeltaTable, QueryBuilder, Transaction, write_deltalake
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 from deltalake.table import TableMerger
@@ -72,6 +74,7 @@ _MAX_COMMIT_ATTEMPTS = 200
 #: number of files in the snapshot, and every group commit adds one.
 COMPACT_EVERY_COMMITS = 50
 _COMPACT_TARGET_BYTES = 16 * 1024 * 1024
+_MAX_SQL_IN_LIST = 1000
 
 
 def queue_app_id(topic: str, queue_id: int) -> str:
@@ -601,9 +604,8 @@ class Store:
             "attempts: too many concurrent writers on the op table."
         )
 
-    @staticmethod
-    def _decisions_of(op: DeltaTable, ids: list[str]) -> dict[str, LocalTransactionState]:
-        rows = _query(op, "op", f"transaction_id IN ({sql_list(ids)})")
+    def _decisions_of(self, op: DeltaTable, ids: list[str]) -> dict[str, LocalTransactionState]:
+        rows = self._rows_by_id(op, "op", ids)
         return {
             tid: LocalTransactionState(dec)
             for tid, dec in zip(
@@ -712,9 +714,26 @@ class Store:
 
     def half_messages(self, transaction_ids: Sequence[str]) -> pa.Table:
         """The half messages of the given transactions (``half`` schema)."""
-        return _conform(
-            self.query("half", f"transaction_id IN ({sql_list(transaction_ids)})"), HALF_SCHEMA
+        return _conform(self._rows_by_id(self.table("half"), "half", transaction_ids), HALF_SCHEMA)
+
+    def _rows_by_id(self, table: DeltaTable, name: str, ids: Sequence[str]) -> pa.Table:
+        """Rows whose ``transaction_id`` is in ``ids``, in the table's snapshot.
+
+        Few ids: a DataFusion query, pruning files by statistics. Many ids: one scan of the
+        snapshot's files (a SQL IN list of thousands of literals overflows DataFusion's
+        planner stack).
+        """
+        if len(ids) <= _MAX_SQL_IN_LIST:
+            return _query(table, name, f"transaction_id IN ({sql_list(ids)})")
+        fs, _ = fsspec.core.url_to_fs(self.root, **self.settings.storage_options)
+        paths = [fs._strip_protocol(uri) for uri in table.file_uris()]
+        dataset = pads.dataset(
+            paths,
+            schema=TABLES[name][0],
+            format="parquet",
+            filesystem=pafs.PyFileSystem(pafs.FSSpecHandler(fs)),
         )
+        return dataset.to_table(filter=pc.field("transaction_id").isin(pa.array(ids, pa.string())))
 
     def query(self, name: str, where: str) -> pa.Table:
         """Rows of one of the store's tables matching a SQL condition (DataFusion).

@@ -45,8 +45,9 @@ def conf_file(tmp_path: Path) -> Path:
 
 def test_loop_stops_cleanly_on_sigterm(store: Store, tmp_path: Path) -> None:
     (p,) = store.prepare([Message("Orders", b"x", tags="COMMIT")], "pg")
-    proc = rmqtx(conf_file(tmp_path), store, "check", "--interval", "1s",
-                 "--checker", f"pg={FUNCS}:by_tag")
+    proc = rmqtx(
+        conf_file(tmp_path), store, "check", "--interval", "1s", "--checker", f"pg={FUNCS}:by_tag"
+    )
     try:
         wait_for(lambda: store.table("check_runs").to_pyarrow_table().num_rows >= 2)
         proc.send_signal(signal.SIGTERM)
@@ -59,11 +60,20 @@ def test_loop_stops_cleanly_on_sigterm(store: Store, tmp_path: Path) -> None:
 
 
 def test_kill_mid_run_leaves_nothing_half_done(spark, store: Store, tmp_path: Path) -> None:
-    a = store.prepare([Message("Orders", b"a1"), Message("Orders", b"a2")], "a",
-                      transaction_ids=["tx-a", "tx-a"])
+    a = store.prepare(
+        [Message("Orders", b"a1"), Message("Orders", b"a2")], "a", transaction_ids=["tx-a", "tx-a"]
+    )
     store.prepare([Message("Orders", b"b", tags="SLOW")], "b", transaction_ids=["tx-b"])
-    proc = rmqtx(conf_file(tmp_path), store, "check", "--once",
-                 "--checker", f"a={FUNCS}:slow_commit", "--checker", f"b={FUNCS}:slow_commit")
+    proc = rmqtx(
+        conf_file(tmp_path),
+        store,
+        "check",
+        "--once",
+        "--checker",
+        f"a={FUNCS}:slow_commit",
+        "--checker",
+        f"b={FUNCS}:slow_commit",
+    )
     try:
         # Group a is decided before group b's (slow) checker answers: kill the job then.
         wait_for(lambda: store.table("op").to_pyarrow_table().num_rows == 1)
@@ -78,8 +88,11 @@ def test_kill_mid_run_leaves_nothing_half_done(spark, store: Store, tmp_path: Pa
     # The next run publishes a (exactly once) and finishes b.
     later = datetime.now(UTC) + timedelta(seconds=10)
     job = CheckBackJob(
-        spark, store, {g: CallableChecker(f"{FUNCS}:always_commit") for g in "ab"},
-        TransactionSettings(transaction_timeout=0), clock=lambda: later,
+        spark,
+        store,
+        {g: CallableChecker(f"{FUNCS}:always_commit") for g in "ab"},
+        TransactionSettings(transaction_timeout=0),
+        clock=lambda: later,
     )
     summary = job.run_once().summary
     assert (summary.committed, summary.pending_found) == (1, 1)

@@ -1,0 +1,126 @@
+"""Check-back benchmark: one run over N half messages of which 90% are already decided.
+
+Builds the store directly with deltalake (half: N rows; op: 0.9 N decisions, marked as
+published), then times one CheckBackJob.run_once() with a transaction timeout of 0 so every
+pending transaction is due: a third commits, a third rolls back, a third stays UNKNOWN.
+Prints seconds and half messages reconciled per second for each N, and the cost ratio
+between sizes (linear growth means time ratio ~ size ratio).
+
+Usage: python bench/checkback_bench.py [--sizes 250000,1000000,4000000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pyarrow as pa
+from deltalake import CommitProperties, Transaction, write_deltalake
+
+from rmq_spark import LocalTransactionState, MessageExt, Store, get_spark
+from rmq_spark.checkback import CheckBackJob
+from rmq_spark.checkers import CallableChecker
+from rmq_spark.config import TransactionSettings
+from rmq_spark.schema import HALF_SCHEMA, OP_SCHEMA
+from rmq_spark.store import OP_CURSOR_APP_ID
+
+CHUNK = 250_000
+
+
+def by_tag(msg: MessageExt) -> LocalTransactionState:
+    return LocalTransactionState.coerce(msg.tags)
+
+
+def build(store: Store, size: int) -> None:
+    now = datetime.now(UTC)
+    for start in range(0, size, CHUNK):
+        ids = [f"{i:016d}" for i in range(start, min(size, start + CHUNK))]
+        n = len(ids)
+        tags = [("COMMIT", "ROLLBACK", "UNKNOWN")[int(i) % 3] for i in ids]
+        write_deltalake(
+            store.table_uri("half"),
+            pa.Table.from_pydict(
+                {
+                    "transaction_id": ids,
+                    "msg_id": ids,
+                    "producer_group": ["bench"] * n,
+                    "topic": ["Bench"] * n,
+                    "queue_id": [int(i) % 4 for i in ids],
+                    "keys": ids,
+                    "tags": tags,
+                    "body": [b"x" * 100] * n,
+                    "properties": [[]] * n,
+                    "born_timestamp": [now] * n,
+                    "store_timestamp": [now] * n,
+                },
+                schema=HALF_SCHEMA,
+            ),
+            mode="append",
+        )
+        decided = [i for i in ids if int(i) % 10 != 0]  # 90% decided
+        write_deltalake(
+            store.table_uri("op"),
+            pa.Table.from_pydict(
+                {
+                    "transaction_id": decided,
+                    "producer_group": ["bench"] * len(decided),
+                    "decision": ["COMMIT" if int(i) % 2 else "ROLLBACK" for i in decided],
+                    "decided_by": ["producer"] * len(decided),
+                    "decided_timestamp": [now] * len(decided),
+                },
+                schema=OP_SCHEMA,
+            ),
+            mode="append",
+        )
+    # Those decisions count as already published: record the cursor as the publisher would.
+    write_deltalake(
+        store.table_uri("commitlog"),
+        store.table("commitlog").schema().to_arrow().empty_table(),
+        mode="append",
+        commit_properties=CommitProperties(
+            app_transactions=[Transaction(OP_CURSOR_APP_ID, store.table("op").version())]
+        ),
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sizes", default="250000,1000000,4000000")
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    logging.basicConfig(level=logging.WARNING)
+    spark = get_spark("rmq-checkback-bench")
+    print(
+        f"{'half msgs':>10} {'pending':>8} {'seconds':>8} {'msgs/s':>10} {'time ratio':>10} "
+        f"{'size ratio':>10}"
+    )
+    first: tuple[int, float] | None = None
+    with tempfile.TemporaryDirectory(prefix="rmq-cb-bench-") as tmp:
+        for size in sizes:
+            store = Store.open(Path(tmp) / f"s{size}")
+            build(store, size)
+            job = CheckBackJob(
+                spark,
+                store,
+                {"bench": CallableChecker(by_tag)},
+                TransactionSettings(transaction_timeout=0),
+            )
+            start = time.perf_counter()
+            summary = job.run_once().summary
+            elapsed = time.perf_counter() - start
+            first = first or (size, elapsed)
+            print(
+                f"{size:>10,} {summary.pending_found:>8,} {elapsed:>8.1f} {size / elapsed:>10,.0f} "
+                f"{elapsed / first[1]:>10.2f} {size / first[0]:>10.2f}",
+                flush=True,
+            )
+            assert summary.checked == summary.pending_found == size // 10
+    spark.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+from __future__ import annotations
+
+import pytest
+
+from rmq_spark.checkers import (
+    CallableChecker,
+    CheckerConfigError,
+    TableChecker,
+    checkers_from_config,
+    resolve_function,
+)
+
+
+def test_config_builds_each_kind() -> None:
+    checkers = checkers_from_config(
+        {
+            "orders": {"kind": "callable", "function": "json:dumps"},
+            "payments": {"kind": "table", "table": "/t", "column": "id", "deadline": "2h"},
+        }
+    )
+    assert isinstance(checkers["orders"], CallableChecker)
+    payments = checkers["payments"]
+    assert isinstance(payments, TableChecker) and payments.deadline == 7200
+
+
+@pytest.mark.parametrize(
+    ("config", "match"),
+    [
+        (
+            {"bad group!": {"kind": "callable", "function": "json:dumps"}},
+            r"\[checkers.bad group!\]",
+        ),
+        ({"g": {"kind": "rpc"}}, "kind = 'rpc'; valid kinds: callable, table"),
+        ({"g": {"kind": "callable"}}, "misses function"),
+        (
+            {"g": {"kind": "table", "table": "/t", "column": "c", "colour": 1}},
+            "unknown key.*colour",
+        ),
+    ],
+)
+def test_bad_config(config: dict, match: str) -> None:
+    with pytest.raises(CheckerConfigError, match=match):
+        checkers_from_config(config)
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ("json", "not of the form"),
+        ("no_such_module_xyz:f", "cannot be imported"),
+        ("json:no_such_function", "'no_such_function' not found in module 'json'"),
+        ("json:__doc__", "not callable"),
+    ],
+)
+def test_resolve_function_errors(spec: str, match: str) -> None:
+    with pytest.raises(CheckerConfigError, match=match):
+        resolve_function(spec)
+
+
+def test_resolve_function() -> None:
+    import json
+
+    assert resolve_function("json:dumps") is json.dumps
