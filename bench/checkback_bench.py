@@ -87,6 +87,20 @@ def build(store: Store, size: int) -> None:
     )
 
 
+def timed_run(spark, root: Path, size: int) -> tuple[int, float]:
+    """Build a store of ``size`` half messages and time one check-back run over it."""
+    store = Store.open(root)
+    build(store, size)
+    job = CheckBackJob(
+        spark, store, {"bench": CallableChecker(by_tag)}, TransactionSettings(transaction_timeout=0)
+    )
+    start = time.perf_counter()
+    summary = job.run_once().summary
+    elapsed = time.perf_counter() - start
+    assert summary.checked == summary.pending_found == size // 10
+    return summary.pending_found, elapsed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", default="250000,1000000,4000000")
@@ -94,31 +108,21 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     logging.basicConfig(level=logging.WARNING)
     spark = get_spark("rmq-checkback-bench")
-    print(
-        f"{'half msgs':>10} {'pending':>8} {'seconds':>8} {'msgs/s':>10} {'time ratio':>10} "
-        f"{'size ratio':>10}"
-    )
-    first: tuple[int, float] | None = None
     with tempfile.TemporaryDirectory(prefix="rmq-cb-bench-") as tmp:
+        timed_run(spark, Path(tmp) / "warm-up", 20_000)  # JVM warm-up, not reported
+        print(
+            f"{'half msgs':>10} {'pending':>8} {'seconds':>8} {'msgs/s':>10} "
+            f"{'time ratio':>10} {'size ratio':>10}"
+        )
+        base_size, base_time = sizes[0], 0.0
         for size in sizes:
-            store = Store.open(Path(tmp) / f"s{size}")
-            build(store, size)
-            job = CheckBackJob(
-                spark,
-                store,
-                {"bench": CallableChecker(by_tag)},
-                TransactionSettings(transaction_timeout=0),
-            )
-            start = time.perf_counter()
-            summary = job.run_once().summary
-            elapsed = time.perf_counter() - start
-            first = first or (size, elapsed)
+            pending, elapsed = timed_run(spark, Path(tmp) / f"s{size}", size)
+            base_time = base_time or elapsed
             print(
-                f"{size:>10,} {summary.pending_found:>8,} {elapsed:>8.1f} {size / elapsed:>10,.0f} "
-                f"{elapsed / first[1]:>10.2f} {size / first[0]:>10.2f}",
+                f"{size:>10,} {pending:>8,} {elapsed:>8.1f} {size / elapsed:>10,.0f} "
+                f"{elapsed / base_time:>10.2f} {size / base_size:>10.2f}",
                 flush=True,
             )
-            assert summary.checked == summary.pending_found == size // 10
     spark.stop()
 
 

@@ -47,6 +47,10 @@ log = logging.getLogger(__name__)
 #: End-transactions are oneway (asynchronous) for senders, so their commits can wait a little
 #: to gather more decisions per Delta commit, leaving CPU to the half-message commits.
 _PUBLISH_LINGER_SECONDS = 0.05
+#: Concurrent senders come back in waves (all of one commit's senders at once); waiting this
+#: long for the wave merges it into the next commit instead of splitting senders into two
+#: alternating half-size batches.
+_PREPARE_LINGER_SECONDS = 0.003
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -119,8 +123,10 @@ class TransactionSendResult:
 class _GroupCommitter(Generic[T, R]):
     """Hands items submitted from many threads to ``handler`` in batches, on one thread.
 
-    ``handler`` gets a list of items and returns one result per item, in order. ``linger``
-    waits that many seconds after the first item so more items share the batch.
+    ``handler`` gets a list of items and returns one result per item, in order. When the
+    last batch had several items (callers are concurrent), the committer waits ``linger``
+    seconds after the first item so the callers that are about to submit share the batch;
+    a lone caller never waits.
     """
 
     _STOP = object()
@@ -150,11 +156,12 @@ class _GroupCommitter(Generic[T, R]):
 
     def _run(self) -> None:
         stopping = False
+        last_batch_size = 0
         while not stopping:
             first = self._queue.get()
             if first is self._STOP:
                 return
-            if self._linger:
+            if self._linger and last_batch_size > 1:
                 time.sleep(self._linger)
             batch = [first]
             while len(batch) < self._max_batch:
@@ -166,6 +173,7 @@ class _GroupCommitter(Generic[T, R]):
                     stopping = True
                     break
                 batch.append(nxt)
+            last_batch_size = len(batch)
             try:
                 results = self._handler([item for item, _ in batch])
             except BaseException as exc:  # handed to every waiting caller
@@ -226,7 +234,10 @@ class TransactionMQProducer:
         with self._lock:
             if self._prepare is None:
                 self._prepare = _GroupCommitter(
-                    f"rmqtx-prepare-{self.producer_group}", self._prepare_batch, self._max_batch
+                    f"rmqtx-prepare-{self.producer_group}",
+                    self._prepare_batch,
+                    self._max_batch,
+                    linger=_PREPARE_LINGER_SECONDS,
                 )
                 self._publish = _GroupCommitter(
                     f"rmqtx-publish-{self.producer_group}",
