@@ -16,7 +16,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.11,<3.12",
     packages=find_packages(include=["rmq_spark", "rmq_spark.*"]),
-    package_data={"rmq_spark": ["py.typed"]},
+    package_data={"rmq_spark": ["py.typed", "log4j2.properties"]},
     install_requires=[
         "pyspark==4.2.0",
         "delta-spark==4.4.1",

@@ -12,6 +12,7 @@ from rmq_spark.config import Settings, load_settings
 from rmq_spark.errors import RmqSparkError
 
 JARS_ENV = "RMQ_SPARK_JARS"
+_LOG4J2_CONF = Path(__file__).with_name("log4j2.properties")
 _REQUIRED_JARS = ("delta-spark_", "delta-storage-")
 
 #: Local-mode defaults: small machines, no UI, few shuffle partitions.
@@ -84,6 +85,9 @@ def get_spark(
     if os.environ.get("PYSPARK_GATEWAY_PORT") is None:
         # Not under spark-submit, whose --master and --jars/--packages are respected as given.
         conf["spark.jars"] = ",".join(delta_jars())
+        conf.setdefault(
+            "spark.driver.extraJavaOptions", f"-Dlog4j2.configurationFile=file:{_LOG4J2_CONF}"
+        )
         # Python workers run this interpreter (and so see rmq_spark), not whatever python3
         # comes first on PATH.
         os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
