@@ -7,6 +7,16 @@ import pyarrow as pa
 TIMESTAMP = pa.timestamp("us", tz="UTC")
 PROPERTIES = pa.map_(pa.string(), pa.string())
 
+#: What every stored message carries after its ids and routing columns.
+_MESSAGE_PAYLOAD = [
+    pa.field("keys", pa.string()),
+    pa.field("tags", pa.string()),
+    pa.field("body", pa.binary(), nullable=False),
+    pa.field("properties", PROPERTIES),
+    pa.field("born_timestamp", TIMESTAMP, nullable=False),
+    pa.field("store_timestamp", TIMESTAMP, nullable=False),
+]
+
 #: RMQ_SYS_TRANS_HALF_TOPIC: prepared messages, durable and invisible to consumers.
 HALF_SCHEMA = pa.schema(
     [
@@ -15,12 +25,7 @@ HALF_SCHEMA = pa.schema(
         pa.field("producer_group", pa.string(), nullable=False),
         pa.field("topic", pa.string(), nullable=False),
         pa.field("queue_id", pa.int32(), nullable=False),
-        pa.field("keys", pa.string()),
-        pa.field("tags", pa.string()),
-        pa.field("body", pa.binary(), nullable=False),
-        pa.field("properties", PROPERTIES),
-        pa.field("born_timestamp", TIMESTAMP, nullable=False),
-        pa.field("store_timestamp", TIMESTAMP, nullable=False),
+        *_MESSAGE_PAYLOAD,
     ]
 )
 
@@ -45,12 +50,7 @@ COMMITLOG_SCHEMA = pa.schema(
         pa.field("msg_id", pa.string(), nullable=False),
         pa.field("transaction_id", pa.string()),
         pa.field("producer_group", pa.string()),
-        pa.field("keys", pa.string()),
-        pa.field("tags", pa.string()),
-        pa.field("body", pa.binary(), nullable=False),
-        pa.field("properties", PROPERTIES),
-        pa.field("born_timestamp", TIMESTAMP, nullable=False),
-        pa.field("store_timestamp", TIMESTAMP, nullable=False),
+        *_MESSAGE_PAYLOAD,
     ]
 )
 
