@@ -41,6 +41,7 @@ from pyspark.sql import functions as F
 
 from rmq_spark.checkers import Checker, CheckerConfigError
 from rmq_spark.config import TransactionSettings
+from rmq_spark.errors import InvalidOptionError
 from rmq_spark.model import PROPERTY_CHECK_IMMUNITY, LocalTransactionState, new_id
 from rmq_spark.report import read_table
 from rmq_spark.schema import CHECK_RUNS_SCHEMA, CHECK_STATE_SCHEMA, DISCARD_SCHEMA, HALF_SCHEMA
@@ -546,7 +547,7 @@ def redrive(store: Store, transaction_ids: Sequence[str] | None = None) -> list[
         wanted = set(transaction_ids)
         unknown = wanted - {r["transaction_id"] for r in rows}
         if unknown:
-            raise CheckerConfigError(
+            raise InvalidOptionError(
                 f"not in the discard table (or already re-driven): {', '.join(sorted(unknown))}"
             )
         rows = [r for r in rows if r["transaction_id"] in wanted]

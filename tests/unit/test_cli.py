@@ -1,0 +1,59 @@
+"""`rmqtx` commands that need no Spark: resume, and argument errors."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import pyarrow as pa
+import pytest
+
+from rmq_spark import Message, Store
+from rmq_spark.cli import EXIT_CONFIG, EXIT_OK, main
+from rmq_spark.schema import DISCARD_SCHEMA
+
+
+def discard(store: Store) -> str:
+    (p,) = store.prepare([Message("Orders", b"lost", keys="o-1")], "pg")
+    half = store.half_messages([p.transaction_id])
+    rows = half.append_column("check_count", pa.array([15], pa.int32()))
+    rows = rows.append_column(
+        "discarded_timestamp",
+        pa.array([datetime.now(UTC)], DISCARD_SCHEMA.field("discarded_timestamp").type),
+    ).append_column("redriven_transaction_id", pa.nulls(1, pa.string()))
+    store.append("discard", rows.cast(DISCARD_SCHEMA))
+    return p.transaction_id
+
+
+def test_resume_redrives_discarded_messages(store: Store, capsys) -> None:
+    old = discard(store)
+    assert main(["--path", store.root, "resume"]) == EXIT_OK
+    assert "re-drove 1 discarded message(s)" in capsys.readouterr().out
+    half = store.table("half").to_pyarrow_table().to_pylist()
+    redriven = [h for h in half if h["transaction_id"] != old]
+    assert len(redriven) == 1
+    assert dict(redriven[0]["properties"]) == {"REDRIVEN_FROM_TRANSACTION_ID": old}
+    assert redriven[0]["body"] == b"lost" and redriven[0]["keys"] == "o-1"
+    assert main(["--path", store.root, "resume"]) == EXIT_OK  # nothing left: a no-op
+    assert "re-drove 0" in capsys.readouterr().out
+
+
+def test_resume_unknown_transaction_is_a_clear_error(store: Store, capsys) -> None:
+    discard(store)
+    code = main(["--path", store.root, "resume", "--transaction-id", "nope"])
+    assert code == EXIT_CONFIG
+    assert "not in the discard table (or already re-driven): nope" in capsys.readouterr().err
+
+
+def test_resume_on_a_missing_store(tmp_path, capsys) -> None:
+    assert main(["--path", str(tmp_path / "none"), "resume"]) == EXIT_CONFIG
+    assert "no rmq-spark store" in capsys.readouterr().err
+
+
+def test_bad_checker_option(store: Store, capsys) -> None:
+    assert main(["--path", store.root, "check", "--once", "--checker", "no-equals"]) == EXIT_CONFIG
+    assert "is not GROUP=MODULE:FUNCTION" in capsys.readouterr().err
+
+
+def test_unknown_command() -> None:
+    with pytest.raises(SystemExit):
+        main(["launch"])
