@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 
 export RMQ_SPARK_JARS := $(abspath $(JARS))
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint bench check-back clean
 setup: $(VENV)/.installed $(JARS)/.fetched
 
 $(VENV)/.installed: setup.py
@@ -32,6 +32,13 @@ demo: setup
 # pytest exits 5 when it collects no test; that is not a failure of the suite.
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+
+# The check-back job through spark-submit, e.g. make check-back ARGS="--once".
+check-back: setup
+	PATH="$(abspath $(VENV))/bin:$$PATH" spark-submit \
+	    --jars $$(ls $(JARS)/delta-spark_*.jar $(JARS)/delta-storage-*.jar | paste -sd, -) \
+	    --driver-java-options -Dlog4j2.configurationFile=file:$(abspath rmq_spark/log4j2.properties) \
+	    jobs/check_back.py $(ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .
