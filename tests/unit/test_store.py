@@ -204,3 +204,27 @@ def test_file_uri_root(tmp_path: Path) -> None:
     store = Store.open(uri)
     store.send([Message("Orders", b"x")], "pg")
     assert Store.open(uri).table("commitlog").to_pyarrow_table().num_rows == 1
+
+
+def test_compaction_changes_no_data_and_publishing_goes_on(store: Store) -> None:
+    for i in range(6):
+        (p,) = store.prepare([Message("Orders", f"m{i}", keys="k")], "pg")
+        decide(store, [p], COMMIT if i % 2 == 0 else ROLLBACK)
+    before = {
+        name: store.table(name)
+        .to_pyarrow_table()
+        .sort_by("msg_id" if name != "op" else "transaction_id")
+        for name in ("half", "op", "commitlog")
+    }
+    files_before = len(store.table("half").file_uris())
+    removed = store.compact()
+    assert removed["half"] == files_before and len(store.table("half").file_uris()) == 1
+    for name, table in before.items():
+        key = "msg_id" if name != "op" else "transaction_id"
+        assert store.table(name).to_pyarrow_table().sort_by(key).equals(table), name
+    # The publisher reads op's change feed across the compaction commit, and goes on.
+    (p,) = store.prepare([Message("Orders", "after", keys="k")], "pg")
+    decide(store, [p], COMMIT)
+    rows = commitlog(store).to_pylist()
+    assert [r["body"] for r in rows] == [b"m0", b"m2", b"m4", b"after"]
+    assert [r["queue_offset"] for r in rows] == [0, 1, 2, 3]
