@@ -6,6 +6,7 @@ The public API at a glance:
 * :class:`TransactionMQProducer` and :class:`TransactionListener` - the producer API.
 * :class:`Message`, :class:`MessageExt`, :class:`LocalTransactionState` - the message model.
 * :func:`get_spark` - a local SparkSession with Delta Lake configured.
+* :func:`register` - registers ``format("rmqtx")``, the batch source of committed messages.
 """
 
 from rmq_spark._version import __version__
@@ -29,6 +30,7 @@ from rmq_spark.producer import (
     TransactionSendResult,
 )
 from rmq_spark.session import get_spark
+from rmq_spark.source import register
 from rmq_spark.store import (
     Decision,
     EndTransactionResult,
@@ -63,4 +65,5 @@ __all__ = [
     "__version__",
     "get_spark",
     "load_settings",
+    "register",
 ]

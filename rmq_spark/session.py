@@ -10,6 +10,7 @@ from pyspark.sql import SparkSession
 
 from rmq_spark.config import Settings, load_settings
 from rmq_spark.errors import RmqSparkError
+from rmq_spark.source import register
 
 JARS_ENV = "RMQ_SPARK_JARS"
 _LOG4J2_CONF = Path(__file__).with_name("log4j2.properties")
@@ -61,7 +62,7 @@ def get_spark(
     settings: Settings | None = None,
     extra_conf: dict[str, str] | None = None,
 ) -> SparkSession:
-    """Get or create a SparkSession with Delta Lake and the ``rmqtx`` data source.
+    """Get or create a SparkSession with Delta Lake, with ``format("rmqtx")`` registered.
 
     Parameters
     ----------
@@ -96,4 +97,5 @@ def get_spark(
         builder = builder.config(key, value)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("WARN")
+    register(spark)
     return spark

@@ -172,7 +172,7 @@ def _plain_type(dtype: pa.DataType) -> pa.DataType:
     return dtype
 
 
-def _read_arrow(stream: object) -> pa.Table:
+def read_arrow(stream: object) -> pa.Table:
     """Read an Arrow C stream (deltalake returns arro3 objects, with view types) as plain
     pyarrow types, which every compute kernel supports."""
     table = pa.RecordBatchReader.from_stream(stream).read_all()
@@ -678,7 +678,7 @@ class Store:
         """Half messages of transactions committed in op versions (cursor, op_version]."""
         if op_version <= cursor:
             return COMMITLOG_SCHEMA.empty_table()
-        changes = _read_arrow(
+        changes = read_arrow(
             self.table("op").load_cdf(starting_version=cursor + 1, ending_version=op_version)
         )
         changes = changes.filter(
@@ -798,7 +798,7 @@ class Store:
 
 def _query(table: DeltaTable, name: str, where: str) -> pa.Table:
     """Rows of a table matching a SQL condition, read with DataFusion."""
-    return _read_arrow(
+    return read_arrow(
         QueryBuilder().register(name, table).execute(f"SELECT * FROM {name} WHERE {where}")
     )
 

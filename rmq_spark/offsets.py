@@ -1,0 +1,98 @@
+"""Source offsets: ``{topic: {queue_id: offset}}``, as Spark's Kafka source writes them.
+
+An offset is the next ``queue_offset`` to read in a queue; in JSON, -2 means earliest and -1
+latest (Kafka's convention). Queue offsets are dense and only grow, and a queue's latest
+offset is the version of a Delta application transaction committed atomically with its rows,
+so reading up to it never skips or duplicates a message, whatever writers do meanwhile.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+
+import pyarrow.compute as pc
+
+from rmq_spark.errors import InvalidOptionError
+from rmq_spark.store import Store, queue_app_id, read_arrow
+
+#: Per-topic, per-queue offsets. Queue ids are strings in JSON, ints here.
+Offsets = dict[str, dict[int, int]]
+
+EARLIEST, LATEST = -2, -1
+OFFSETS_EXAMPLE = '{"OrderEvents": {"0": 42, "1": -2}}'
+
+
+def latest_offsets(store: Store, topics: Sequence[str]) -> Offsets:
+    """The next offset of every queue of ``topics`` (queues that have messages)."""
+    commitlog = store.table("commitlog")
+    files = read_arrow(commitlog.get_add_actions(flatten=True))
+    result: Offsets = {}
+    for topic in topics:
+        mine = files.filter(pc.equal(files.column("partition.topic"), topic))
+        top = pc.max(mine.column("max.queue_id")).as_py() if mine.num_rows else None
+        queues = {}
+        for queue_id in range(0 if top is None else top + 1):
+            version = commitlog.transaction_version(queue_app_id(topic, queue_id))
+            if version is not None:
+                queues[queue_id] = version
+        result[topic] = queues
+    return result
+
+
+def parse_offsets(text: str, option: str, topics: Sequence[str]) -> str | Offsets:
+    """Parse ``earliest``, ``latest`` or an offsets JSON naming only subscribed topics."""
+    word = text.strip().lower()
+    if word in ("earliest", "latest"):
+        return word
+    try:
+        raw = json.loads(text)
+        if not isinstance(raw, Mapping):
+            raise ValueError("not a JSON object")
+        parsed: Offsets = {
+            str(topic): {int(q): int(o) for q, o in dict(queues).items()}
+            for topic, queues in raw.items()
+        }
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise InvalidOptionError(
+            f"option {option!r} needs 'earliest', 'latest' or a JSON object of per-topic, "
+            f"per-queue offsets. Expected e.g. {OFFSETS_EXAMPLE}, got {text!r}."
+        ) from exc
+    unknown = sorted(set(parsed) - set(topics))
+    if unknown:
+        raise InvalidOptionError(
+            f"option {option!r} names topic(s) {', '.join(unknown)} that are not in option "
+            f"'topic' ({', '.join(topics)})."
+        )
+    for topic, queues in parsed.items():
+        for queue_id, offset in queues.items():
+            if queue_id < 0 or offset < LATEST - 1:
+                raise InvalidOptionError(
+                    f"option {option!r}: queue {queue_id} of topic {topic!r} has offset {offset}; "
+                    "offsets are >= 0, or -2 (earliest) / -1 (latest)."
+                )
+    return parsed
+
+
+def resolve(spec: str | Offsets, latest: Offsets) -> Offsets:
+    """Concrete offsets for every queue of ``latest``: ``spec`` where it says, else its rule.
+
+    Queues a JSON spec does not name start at the earliest offset, as in the Kafka source.
+    """
+    resolved: Offsets = {}
+    for topic, queues in latest.items():
+        named = spec.get(topic, {}) if isinstance(spec, dict) else {}
+        resolved[topic] = {}
+        for queue_id, end in queues.items():
+            wanted = named.get(queue_id, LATEST if spec == "latest" else EARLIEST)
+            offset = end if wanted == LATEST else 0 if wanted == EARLIEST else min(wanted, end)
+            resolved[topic][queue_id] = offset
+    return resolved
+
+
+def to_json(offsets: Offsets) -> dict[str, dict[str, int]]:
+    """Offsets as Spark wants them: plain dicts, string keys, sorted for determinism."""
+    return {
+        topic: {str(q): offsets[topic][q] for q in sorted(offsets[topic])}
+        for topic in sorted(offsets)
+    }

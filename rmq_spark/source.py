@@ -1,0 +1,242 @@
+"""``format("rmqtx")``: committed messages of an rmq-spark store as a Spark data source.
+
+>>> rmq_spark.register(spark)          # get_spark() does it for you
+>>> df = (spark.read.format("rmqtx")
+...       .option("path", "storage").option("topic", "OrderEvents")
+...       .option("tags", "OrderCreated || OrderPaid")
+...       .load())
+
+Output schema (fixed): ``topic`` string, ``queue_id`` int, ``queue_offset`` long, ``msg_id``
+string, ``transaction_id`` string (null for normal messages), ``producer_group`` string,
+``keys`` string, ``tags`` string, ``body`` binary, ``properties`` map<string,string>,
+``born_timestamp`` timestamp, ``store_timestamp`` timestamp (when the message became visible).
+
+Batch options (case-insensitive; an unknown option is an error listing the valid ones):
+
+=====================  ==========  =========  ==================================================
+option                 required    default    meaning
+=====================  ==========  =========  ==================================================
+``path``               no          conf       store root (``store.path`` of conf/rmq-spark.toml)
+``topic``              yes                    one topic, or several separated by commas
+``startingOffsets``    no          earliest   ``earliest``, ``latest`` or ``{"T": {"0": 42}}``
+``endingOffsets``      no          latest     ``latest`` or a JSON like ``startingOffsets``
+``startingTimestamp``  no                     ms since epoch: start at the first message stored
+                                              at or after it (overrides ``startingOffsets``)
+``tags``               no          ``*``      RocketMQ subscription: ``*`` or ``TagA || TagB``
+=====================  ==========  =========  ==================================================
+
+Only committed messages exist in the CommitLog, so nothing pending or rolled back can appear.
+Offsets are per (topic, queue) and dense; each queue is read by its own task, in offset order.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from pyspark.sql import SparkSession
+from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
+
+from rmq_spark.config import load_settings, parse_int
+from rmq_spark.errors import InvalidMessageError, InvalidOptionError
+from rmq_spark.model import check_topic
+from rmq_spark.offsets import Offsets, latest_offsets, parse_offsets, resolve
+from rmq_spark.schema import COMMITLOG_SCHEMA
+from rmq_spark.store import Store, sql_list
+
+#: The source's output schema, as Spark DDL (nullability as in the CommitLog).
+SOURCE_SCHEMA = (
+    "topic string not null, queue_id int not null, queue_offset bigint not null, "
+    "msg_id string not null, transaction_id string, producer_group string, keys string, "
+    "tags string, body binary not null, properties map<string,string>, "
+    "born_timestamp timestamp not null, store_timestamp timestamp not null"
+)
+
+PATH, TOPIC, STARTING_OFFSETS, ENDING_OFFSETS, STARTING_TIMESTAMP, TAGS = (
+    "path",
+    "topic",
+    "startingOffsets",
+    "endingOffsets",
+    "startingTimestamp",
+    "tags",
+)
+BATCH_OPTIONS = (PATH, TOPIC, STARTING_OFFSETS, ENDING_OFFSETS, STARTING_TIMESTAMP, TAGS)
+_TAG = re.compile(r"^[^|\s][^|]*$")
+
+
+@dataclass(frozen=True)
+class ReaderOptions:
+    """Validated options of an ``rmqtx`` read."""
+
+    path: str
+    topics: tuple[str, ...]
+    starting: str | Offsets
+    ending: str | Offsets
+    starting_timestamp: int | None
+    #: None means every tag (``*``).
+    tags: frozenset[str] | None
+
+    @classmethod
+    def parse(cls, options: Mapping[str, str]) -> ReaderOptions:
+        """Validate the options of a batch read (keys are case-insensitive)."""
+        given = {k.lower(): v for k, v in options.items()}
+        valid = {o.lower(): o for o in BATCH_OPTIONS}
+        unknown = sorted(set(given) - set(valid))
+        if unknown:
+            raise InvalidOptionError(
+                f"unknown option(s) {', '.join(repr(u) for u in unknown)} for format('rmqtx'); "
+                f"valid options: {', '.join(BATCH_OPTIONS)}."
+            )
+        topic_text = given.get(TOPIC.lower())
+        if not topic_text or not topic_text.strip():
+            raise InvalidOptionError(
+                "option 'topic' is required: one topic, or several separated by commas "
+                "(e.g. .option('topic', 'OrderEvents'))."
+            )
+        topics = tuple(_checked_topic(t.strip()) for t in topic_text.split(","))
+        starting = parse_offsets(
+            given.get(STARTING_OFFSETS.lower(), "earliest"), STARTING_OFFSETS, topics
+        )
+        ending = parse_offsets(given.get(ENDING_OFFSETS.lower(), "latest"), ENDING_OFFSETS, topics)
+        if ending == "earliest":
+            raise InvalidOptionError(
+                "option 'endingOffsets' cannot be 'earliest'; use 'latest' or per-queue offsets."
+            )
+        timestamp = given.get(STARTING_TIMESTAMP.lower())
+        return cls(
+            path=given.get(PATH.lower()) or load_settings().store.path,
+            topics=topics,
+            starting=starting,
+            ending=ending,
+            starting_timestamp=None
+            if timestamp is None
+            else parse_int(timestamp, STARTING_TIMESTAMP, 0),
+            tags=parse_tags(given.get(TAGS.lower(), "*")),
+        )
+
+
+def _checked_topic(topic: str) -> str:
+    try:
+        return check_topic(topic)
+    except InvalidMessageError as exc:
+        raise InvalidOptionError(f"option 'topic': {exc.message}") from exc
+
+
+def parse_tags(expression: str) -> frozenset[str] | None:
+    """A RocketMQ subscription expression: ``*`` (all) or ``TagA || TagB``."""
+    text = expression.strip()
+    if text in ("", "*"):
+        return None
+    tags = [t.strip() for t in text.split("||")]
+    if not all(tags) or not all(_TAG.match(t) for t in tags):
+        raise InvalidOptionError(
+            f"option 'tags' {expression!r} is not a subscription expression; use '*' or "
+            "'TagA || TagB'."
+        )
+    return frozenset(tags)
+
+
+@dataclass(frozen=True)
+class QueueRange(InputPartition):
+    """One task: offsets [start, end) of one queue."""
+
+    path: str
+    topic: str
+    queue_id: int
+    start: int
+    end: int
+    tags: frozenset[str] | None
+
+
+def queue_ranges(options: ReaderOptions, start: Offsets, end: Offsets) -> list[QueueRange]:
+    """One partition per queue with something to read between ``start`` and ``end``."""
+    return [
+        QueueRange(options.path, topic, queue_id, start[topic][queue_id], stop, options.tags)
+        for topic in sorted(end)
+        for queue_id, stop in sorted(end[topic].items())
+        if stop > start[topic].get(queue_id, 0)
+    ]
+
+
+def read_range(partition: QueueRange) -> Iterator[pa.RecordBatch]:
+    """The committed messages of one queue range, in offset order, as Arrow batches."""
+    store = Store.open(partition.path, create=False)
+    where = (
+        f"topic = {sql_list([partition.topic])} AND queue_id = {partition.queue_id} "
+        f"AND queue_offset >= {partition.start} AND queue_offset < {partition.end}"
+    )
+    rows = store.query("commitlog", where).sort_by("queue_offset")
+    if partition.tags is not None:
+        rows = rows.filter(pc.is_in(rows.column("tags"), pa.array(sorted(partition.tags))))
+    columns = [rows.column(f.name).cast(f.type) for f in COMMITLOG_SCHEMA]
+    yield from pa.Table.from_arrays(columns, schema=COMMITLOG_SCHEMA).to_batches()
+
+
+def timestamp_offsets(store: Store, topics: tuple[str, ...], millis: int, end: Offsets) -> Offsets:
+    """Per queue, the first offset stored at or after ``millis`` (the end when none is)."""
+    rows = store.table("commitlog").to_pyarrow_table(
+        columns=["topic", "queue_id", "queue_offset", "store_timestamp"]
+    )
+    since = pa.scalar(millis * 1000, COMMITLOG_SCHEMA.field("store_timestamp").type)
+    rows = rows.filter(
+        pc.and_(
+            pc.is_in(rows.column("topic"), pa.array(list(topics))),
+            pc.greater_equal(rows.column("store_timestamp"), since),
+        )
+    )
+    first: dict[tuple[str, int], int] = {}
+    for topic, queue_id, offset in zip(
+        rows.column("topic").to_pylist(),
+        rows.column("queue_id").to_pylist(),
+        rows.column("queue_offset").to_pylist(),
+        strict=True,
+    ):
+        key = (topic, queue_id)
+        first[key] = min(offset, first.get(key, offset))
+    return {t: {q: first.get((t, q), stop) for q, stop in end[t].items()} for t in end}
+
+
+class RmqTxBatchReader(DataSourceReader):
+    """Batch reader: resolves offsets once on the driver, one task per queue range."""
+
+    def __init__(self, options: ReaderOptions) -> None:
+        self.options = options
+        store = Store.open(options.path, create=False)
+        latest = latest_offsets(store, options.topics)
+        self.end = resolve(options.ending, latest)
+        if options.starting_timestamp is not None:
+            self.start = timestamp_offsets(
+                store, options.topics, options.starting_timestamp, self.end
+            )
+        else:
+            self.start = resolve(options.starting, self.end)
+
+    def partitions(self) -> list[QueueRange]:
+        return queue_ranges(self.options, self.start, self.end)
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        # With nothing to read, partitions() is empty and Spark still runs one task with a
+        # placeholder partition.
+        return read_range(partition) if isinstance(partition, QueueRange) else iter(())
+
+
+class RmqTxDataSource(DataSource):
+    """The ``rmqtx`` data source (see the module docstring for schema and options)."""
+
+    @classmethod
+    def name(cls) -> str:
+        return "rmqtx"
+
+    def schema(self) -> str:
+        return SOURCE_SCHEMA
+
+    def reader(self, schema: object) -> RmqTxBatchReader:
+        return RmqTxBatchReader(ReaderOptions.parse(self.options))
+
+
+def register(spark: SparkSession) -> None:
+    """Register ``format("rmqtx")`` with a SparkSession (``get_spark`` does it for you)."""
+    spark.dataSource.register(RmqTxDataSource)
