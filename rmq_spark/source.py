@@ -1,4 +1,4 @@
-"""``format("rmqtx")``: committed messages of an rmq-spark store as a Spark data source.
+"""``format("rmqtx")``: committed messages of an rmq-spark store as a batch and streaming source.
 
 >>> rmq_spark.register(spark)          # get_spark() does it for you
 >>> df = (spark.read.format("rmqtx")
@@ -11,7 +11,14 @@ string, ``transaction_id`` string (null for normal messages), ``producer_group``
 ``keys`` string, ``tags`` string, ``body`` binary, ``properties`` map<string,string>,
 ``born_timestamp`` timestamp, ``store_timestamp`` timestamp (when the message became visible).
 
-Batch options (case-insensitive; an unknown option is an error listing the valid ones):
+Streaming:
+
+>>> stream = (spark.readStream.format("rmqtx")
+...           .option("path", "storage").option("topic", "OrderEvents")
+...           .option("maxMessagesPerTrigger", 10000)
+...           .load())
+
+Options (case-insensitive; an unknown option is an error listing the valid ones):
 
 =====================  ==========  =========  ==================================================
 option                 required    default    meaning
@@ -23,7 +30,13 @@ option                 required    default    meaning
 ``startingTimestamp``  no                     ms since epoch: start at the first message stored
                                               at or after it (overrides ``startingOffsets``)
 ``tags``               no          ``*``      RocketMQ subscription: ``*`` or ``TagA || TagB``
+``maxMessagesPerTrigger`` no       none       streaming only: most messages per micro-batch,
+                                              shared fairly over queues (AvailableNow honours it)
 =====================  ==========  =========  ==================================================
+
+``endingOffsets`` is batch-only (an error on a stream); ``maxMessagesPerTrigger`` on a batch
+read is ignored with a warning. Streaming offsets carry a format version and the CommitLog's
+table id, so a checkpoint restarted against another store fails instead of misreading.
 
 Only committed messages exist in the CommitLog, so nothing pending or rolled back can appear.
 Offsets are per (topic, queue) and dense; each queue is read by its own task, in offset order.
@@ -31,6 +44,7 @@ Offsets are per (topic, queue) and dense; each queue is read by its own task, in
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -38,12 +52,23 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql import SparkSession
-from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceReader,
+    DataSourceStreamReader,
+    InputPartition,
+)
+from pyspark.sql.streaming.datasource import (
+    ReadAllAvailable,
+    ReadLimit,
+    ReadMaxRows,
+    SupportsTriggerAvailableNow,
+)
 
 from rmq_spark.config import load_settings, parse_int
 from rmq_spark.errors import InvalidMessageError, InvalidOptionError
 from rmq_spark.model import check_topic
-from rmq_spark.offsets import Offsets, latest_offsets, parse_offsets, resolve
+from rmq_spark.offsets import Offsets, latest_offsets, parse_offsets, resolve, to_json
 from rmq_spark.schema import COMMITLOG_SCHEMA
 from rmq_spark.store import Store, sql_list
 
@@ -55,6 +80,8 @@ SOURCE_SCHEMA = (
     "born_timestamp timestamp not null, store_timestamp timestamp not null"
 )
 
+log = logging.getLogger(__name__)
+
 PATH, TOPIC, STARTING_OFFSETS, ENDING_OFFSETS, STARTING_TIMESTAMP, TAGS = (
     "path",
     "topic",
@@ -63,7 +90,11 @@ PATH, TOPIC, STARTING_OFFSETS, ENDING_OFFSETS, STARTING_TIMESTAMP, TAGS = (
     "startingTimestamp",
     "tags",
 )
+MAX_MESSAGES_PER_TRIGGER = "maxMessagesPerTrigger"
 BATCH_OPTIONS = (PATH, TOPIC, STARTING_OFFSETS, ENDING_OFFSETS, STARTING_TIMESTAMP, TAGS)
+STREAM_OPTIONS = (PATH, TOPIC, STARTING_OFFSETS, STARTING_TIMESTAMP, TAGS, MAX_MESSAGES_PER_TRIGGER)
+#: Version of the offset format this source writes into checkpoints.
+OFFSET_FORMAT_VERSION = 1
 _TAG = re.compile(r"^[^|\s][^|]*$")
 
 
@@ -78,17 +109,27 @@ class ReaderOptions:
     starting_timestamp: int | None
     #: None means every tag (``*``).
     tags: frozenset[str] | None
+    #: Streaming admission control; None means no limit.
+    max_messages_per_trigger: int | None = None
 
     @classmethod
-    def parse(cls, options: Mapping[str, str]) -> ReaderOptions:
-        """Validate the options of a batch read (keys are case-insensitive)."""
+    def parse(cls, options: Mapping[str, str], *, streaming: bool = False) -> ReaderOptions:
+        """Validate the options of a batch or streaming read (keys are case-insensitive)."""
         given = {k.lower(): v for k, v in options.items()}
-        valid = {o.lower(): o for o in BATCH_OPTIONS}
-        unknown = sorted(set(given) - set(valid))
+        allowed = STREAM_OPTIONS if streaming else BATCH_OPTIONS
+        if streaming and ENDING_OFFSETS.lower() in given:
+            raise InvalidOptionError(
+                "option 'endingOffsets' is for batch reads only; a stream reads on as messages "
+                "are committed (use Trigger.AvailableNow to stop at the latest offsets)."
+            )
+        if not streaming and MAX_MESSAGES_PER_TRIGGER.lower() in given:
+            log.warning("option 'maxMessagesPerTrigger' only applies to streaming reads; ignored")
+            given.pop(MAX_MESSAGES_PER_TRIGGER.lower())
+        unknown = sorted(set(given) - {o.lower() for o in allowed})
         if unknown:
             raise InvalidOptionError(
                 f"unknown option(s) {', '.join(repr(u) for u in unknown)} for format('rmqtx'); "
-                f"valid options: {', '.join(BATCH_OPTIONS)}."
+                f"valid options: {', '.join(allowed)}."
             )
         topic_text = given.get(TOPIC.lower())
         if not topic_text or not topic_text.strip():
@@ -115,6 +156,9 @@ class ReaderOptions:
             if timestamp is None
             else parse_int(timestamp, STARTING_TIMESTAMP, 0),
             tags=parse_tags(given.get(TAGS.lower(), "*")),
+            max_messages_per_trigger=None
+            if MAX_MESSAGES_PER_TRIGGER.lower() not in given
+            else parse_int(given[MAX_MESSAGES_PER_TRIGGER.lower()], MAX_MESSAGES_PER_TRIGGER, 1),
         )
 
 
@@ -223,6 +267,105 @@ class RmqTxBatchReader(DataSourceReader):
         return read_range(partition) if isinstance(partition, QueueRange) else iter(())
 
 
+class RmqTxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """Streaming reader: offsets are ``{"version", "store", "offsets": {topic: {queue: n}}}``.
+
+    ``store`` is the CommitLog's Delta table id, so a checkpoint restarted against another
+    store fails instead of reading wrong offsets. Queues that appear later start at offset 0.
+    """
+
+    def __init__(self, options: ReaderOptions) -> None:
+        self.options = options
+        self.max_per_trigger = options.max_messages_per_trigger
+        self._target: Offsets | None = None
+        store = Store.open(options.path, create=False)
+        self._store_id = store.table("commitlog").metadata().id
+
+    def _latest(self) -> Offsets:
+        return latest_offsets(Store.open(self.options.path, create=False), self.options.topics)
+
+    def _encode(self, offsets: Offsets) -> dict:
+        return {
+            "version": OFFSET_FORMAT_VERSION,
+            "store": self._store_id,
+            "offsets": to_json(offsets),
+        }
+
+    def _decode(self, offset: dict) -> Offsets:
+        if offset.get("version") != OFFSET_FORMAT_VERSION or offset.get("store") != self._store_id:
+            raise InvalidOptionError(
+                f"the checkpoint's offset {offset!r} was written for another store or offset "
+                f"format (this store's CommitLog id is {self._store_id!r}, format "
+                f"{OFFSET_FORMAT_VERSION}); use a new checkpoint location for this store."
+            )
+        return {t: {int(q): int(o) for q, o in qs.items()} for t, qs in offset["offsets"].items()}
+
+    def initialOffset(self) -> dict:
+        latest = self._latest()
+        if self.options.starting_timestamp is not None:
+            store = Store.open(self.options.path, create=False)
+            start = timestamp_offsets(
+                store, self.options.topics, self.options.starting_timestamp, latest
+            )
+        else:
+            start = resolve(self.options.starting, latest)
+        return self._encode(start)
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        if self.max_per_trigger is None:
+            return ReadAllAvailable()
+        return ReadMaxRows(self.max_per_trigger)
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        self._target = self._latest()
+
+    def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
+        begin = self._decode(start)
+        latest = self._target if self._target is not None else self._latest()
+        available = {
+            (t, q): max(0, end - begin.get(t, {}).get(q, 0))
+            for t, queues in latest.items()
+            for q, end in queues.items()
+        }
+        budget = limit.max_rows if isinstance(limit, ReadMaxRows) else None
+        grant = _share(available, budget)
+        end: Offsets = {t: dict(qs) for t, qs in begin.items()}
+        for (t, q), n in grant.items():
+            end.setdefault(t, {})[q] = begin.get(t, {}).get(q, 0) + n
+        return self._encode(end)
+
+    def partitions(self, start: dict, end: dict) -> list[QueueRange]:
+        return queue_ranges(self.options, self._decode(start), self._decode(end))
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        return read_range(partition) if isinstance(partition, QueueRange) else iter(())
+
+    def commit(self, end: dict) -> None:
+        """Nothing to release: the CommitLog is append-only and read by offset."""
+
+
+def _share(available: Mapping[tuple[str, int], int], budget: int | None) -> dict:
+    """Split a row budget fairly over queues (water-filling); None means everything."""
+    if budget is None:
+        return dict(available)
+    grant = dict.fromkeys(available, 0)
+    left = budget
+    open_queues = sorted(k for k, n in available.items() if n > 0)
+    while left > 0 and open_queues:
+        share = max(1, left // len(open_queues))
+        still_open = []
+        for key in open_queues:
+            take = min(share, available[key] - grant[key], left)
+            grant[key] += take
+            left -= take
+            if grant[key] < available[key]:
+                still_open.append(key)
+            if left == 0:
+                break
+        open_queues = still_open
+    return grant
+
+
 class RmqTxDataSource(DataSource):
     """The ``rmqtx`` data source (see the module docstring for schema and options)."""
 
@@ -235,6 +378,9 @@ class RmqTxDataSource(DataSource):
 
     def reader(self, schema: object) -> RmqTxBatchReader:
         return RmqTxBatchReader(ReaderOptions.parse(self.options))
+
+    def streamReader(self, schema: object) -> RmqTxStreamReader:
+        return RmqTxStreamReader(ReaderOptions.parse(self.options, streaming=True))
 
 
 def register(spark: SparkSession) -> None:

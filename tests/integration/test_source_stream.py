@@ -1,0 +1,142 @@
+"""`spark.readStream.format("rmqtx")`: visibility, admission control, checkpoint replay."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import pytest
+
+from rmq_spark import Decision, LocalTransactionState, Message, Store
+
+COMMIT, ROLLBACK = LocalTransactionState.COMMIT, LocalTransactionState.ROLLBACK
+
+
+def stream(spark, store: Store, **options):
+    reader = spark.readStream.format("rmqtx").option("path", store.root).option("topic", "Orders")
+    for key, value in options.items():
+        reader = reader.option(key, value)
+    return reader.load()
+
+
+def commit(store: Store, bodies: list[str], state=COMMIT) -> list[str]:
+    prepared = store.prepare([Message("Orders", b, keys=b) for b in bodies], "pg")
+    store.end_transactions([Decision(p.transaction_id, "pg", state) for p in prepared])
+    return [p.msg_id for p in prepared]
+
+
+def run_batches(df, checkpoint: Path) -> list[tuple[int, list[str]]]:
+    """Run to the latest offsets with Trigger.AvailableNow; return (batch id, msg ids)."""
+    batches: list[tuple[int, list[str]]] = []
+
+    def collect(batch_df, batch_id: int) -> None:
+        batches.append((batch_id, sorted(r["msg_id"] for r in batch_df.collect())))
+
+    query = (
+        df.writeStream.foreachBatch(collect)
+        .option("checkpointLocation", str(checkpoint))
+        .trigger(availableNow=True)
+        .start()
+    )
+    try:
+        assert query.awaitTermination(300)
+    finally:
+        query.stop()
+    return batches
+
+
+def test_only_committed_and_later_commits_arrive(spark, store: Store) -> None:
+    first = commit(store, ["a", "b"])
+    commit(store, ["rolled-back"], ROLLBACK)
+    (pending,) = store.prepare([Message("Orders", b"late", keys="late")], "pg")
+    name = f"rmqtx_{uuid.uuid4().hex}"
+    query = stream(spark, store).writeStream.format("memory").queryName(name).start()
+    try:
+        query.processAllAvailable()
+        assert sorted(r["msg_id"] for r in spark.table(name).collect()) == sorted(first)
+        store.end_transactions([Decision(pending.transaction_id, "pg", COMMIT)])
+        query.processAllAvailable()
+        rows = spark.table(name).collect()
+    finally:
+        query.stop()
+    assert sorted(r["msg_id"] for r in rows) == sorted([*first, pending.msg_id])
+    assert b"rolled-back" not in {bytes(r["body"]) for r in rows}
+
+
+def test_max_messages_per_trigger_with_available_now(spark, store: Store, tmp_path) -> None:
+    ids = commit(store, [f"m{i}" for i in range(10)])
+    batches = run_batches(stream(spark, store, maxMessagesPerTrigger="3"), tmp_path / "cp")
+    assert [len(b) for _, b in batches] == [3, 3, 3, 1]
+    assert sorted(i for _, b in batches for i in b) == sorted(ids)
+
+
+def test_restart_replays_the_same_batch_then_goes_on(spark, store: Store, tmp_path) -> None:
+    checkpoint = tmp_path / "cp"
+    commit(store, [f"m{i}" for i in range(5)])
+    df = stream(spark, store, maxMessagesPerTrigger="2")
+    first = run_batches(df, checkpoint)
+    assert [len(b) for _, b in first] == [2, 2, 1]
+    # As in Spark's own exactly-once tests: forget the last batch's commit, add data, restart.
+    last_id, last_rows = first[-1]
+    (checkpoint / "commits" / str(last_id)).unlink()
+    (checkpoint / "commits" / f".{last_id}.crc").unlink(missing_ok=True)
+    more = commit(store, ["n1", "n2", "n3"])
+    second = run_batches(df, checkpoint)
+    assert second[0] == (last_id, last_rows)  # the same offsets, so the same messages
+    seen = [i for _, b in first[:-1] + second for i in b]
+    assert len(seen) == len(set(seen)) == 8
+    assert set(more) <= set(seen)
+
+
+def test_concurrent_producer_while_streaming_loses_nothing(spark, store: Store, tmp_path) -> None:
+    import threading
+
+    sent: list[str] = []
+    done = threading.Event()
+
+    def produce() -> None:
+        for i in range(20):
+            sent.extend(commit(store, [f"c{i}-{j}" for j in range(3)]))
+        done.set()
+
+    name = f"rmqtx_{uuid.uuid4().hex}"
+    query = (
+        stream(spark, store, maxMessagesPerTrigger="7")
+        .writeStream.format("memory")
+        .queryName(name)
+        .trigger(processingTime="200 milliseconds")
+        .start()
+    )
+    producer = threading.Thread(target=produce)
+    try:
+        producer.start()
+        producer.join(timeout=300)
+        assert done.is_set()
+        query.processAllAvailable()
+        seen = [r["msg_id"] for r in spark.table(name).collect()]
+    finally:
+        query.stop()
+    assert len(seen) == len(set(seen))
+    assert sorted(seen) == sorted(sent)
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"endingOffsets": "latest"}, "'endingOffsets' is for batch reads only"),
+        ({"maxMessagesPerTrigger": "0"}, "maxMessagesPerTrigger needs to be an integer >= 1"),
+        ({"maxOffsetsPerTrigger": "5"}, r"unknown option\(s\) 'maxoffsetspertrigger'"),
+    ],
+)
+def test_bad_stream_options(spark, store: Store, options, match) -> None:
+    with pytest.raises(Exception, match=match):
+        query = (
+            stream(spark, store, **options)
+            .writeStream.format("memory")
+            .queryName(f"rmqtx_{uuid.uuid4().hex}")
+            .start()
+        )
+        try:
+            query.processAllAvailable()
+        finally:
+            query.stop()
