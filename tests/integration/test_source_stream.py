@@ -140,3 +140,18 @@ def test_bad_stream_options(spark, store: Store, options, match) -> None:
             query.processAllAvailable()
         finally:
             query.stop()
+
+
+def test_delta_streaming_source_sees_the_same_messages(spark, store: Store, tmp_path) -> None:
+    commit(store, [f"m{i}" for i in range(6)])
+    commit(store, ["x"], ROLLBACK)
+    store.send([Message("Other", b"o")], "pg")
+    via_rmqtx = {i for _, b in run_batches(stream(spark, store), tmp_path / "a") for i in b}
+    delta = (
+        spark.readStream.format("delta")
+        .load(store.table_uri("commitlog"))
+        .where("topic = 'Orders'")
+    )
+    via_delta = {i for _, b in run_batches(delta, tmp_path / "b") for i in b}
+    assert via_rmqtx == via_delta and len(via_delta) == 6
+    assert delta.columns == stream(spark, store).columns
