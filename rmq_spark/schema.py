@@ -101,6 +101,18 @@ CHECK_RUNS_SCHEMA = pa.schema(
     ]
 )
 
+#: Progress of consumer groups reading with ``format("rmqtx")``: the next offset per queue,
+#: recorded when a streaming micro-batch commits (for lag; never used to choose offsets).
+CONSUMER_OFFSETS_SCHEMA = pa.schema(
+    [
+        pa.field("consumer_group", pa.string(), nullable=False),
+        pa.field("topic", pa.string(), nullable=False),
+        pa.field("queue_id", pa.int32(), nullable=False),
+        pa.field("next_offset", pa.int64(), nullable=False),
+        pa.field("updated_timestamp", TIMESTAMP, nullable=False),
+    ]
+)
+
 #: Table properties of the internal tables. Nobody streams from them, and removed-file
 #: tombstones kept for a week would make every commit slower (deltalake's commit cost grows
 #: with the tombstones in the snapshot), so they are kept for an hour. Do not VACUUM them with
@@ -117,5 +129,6 @@ TABLES: dict[str, tuple[pa.Schema, list[str], dict[str, str]]] = {
     "check_state": (CHECK_STATE_SCHEMA, [], _INTERNAL),
     "discard": (DISCARD_SCHEMA, [], _INTERNAL),
     "check_runs": (CHECK_RUNS_SCHEMA, [], {}),
+    "consumer_offsets": (CONSUMER_OFFSETS_SCHEMA, [], _INTERNAL),
     "commitlog": (COMMITLOG_SCHEMA, ["topic"], {"delta.enableChangeDataFeed": "true"}),
 }

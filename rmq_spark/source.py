@@ -32,6 +32,8 @@ option                 required    default    meaning
 ``tags``               no          ``*``      RocketMQ subscription: ``*`` or ``TagA || TagB``
 ``maxMessagesPerTrigger`` no       none       streaming only: most messages per micro-batch,
                                               shared fairly over queues (AvailableNow honours it)
+``consumerGroup``      no                     streaming only: record the group's progress in
+                                              the ``consumer_offsets`` table (for lag)
 =====================  ==========  =========  ==================================================
 
 ``endingOffsets`` is batch-only (an error on a stream); ``maxMessagesPerTrigger`` on a batch
@@ -48,6 +50,7 @@ import logging
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -67,9 +70,9 @@ from pyspark.sql.streaming.datasource import (
 
 from rmq_spark.config import load_settings, parse_int
 from rmq_spark.errors import InvalidMessageError, InvalidOptionError
-from rmq_spark.model import check_topic
+from rmq_spark.model import check_group, check_topic
 from rmq_spark.offsets import Offsets, latest_offsets, parse_offsets, resolve, to_json
-from rmq_spark.schema import COMMITLOG_SCHEMA
+from rmq_spark.schema import COMMITLOG_SCHEMA, CONSUMER_OFFSETS_SCHEMA
 from rmq_spark.store import Store, sql_list
 
 #: The source's output schema, as Spark DDL (nullability as in the CommitLog).
@@ -90,9 +93,17 @@ PATH, TOPIC, STARTING_OFFSETS, ENDING_OFFSETS, STARTING_TIMESTAMP, TAGS = (
     "startingTimestamp",
     "tags",
 )
-MAX_MESSAGES_PER_TRIGGER = "maxMessagesPerTrigger"
+MAX_MESSAGES_PER_TRIGGER, CONSUMER_GROUP = "maxMessagesPerTrigger", "consumerGroup"
 BATCH_OPTIONS = (PATH, TOPIC, STARTING_OFFSETS, ENDING_OFFSETS, STARTING_TIMESTAMP, TAGS)
-STREAM_OPTIONS = (PATH, TOPIC, STARTING_OFFSETS, STARTING_TIMESTAMP, TAGS, MAX_MESSAGES_PER_TRIGGER)
+STREAM_OPTIONS = (
+    PATH,
+    TOPIC,
+    STARTING_OFFSETS,
+    STARTING_TIMESTAMP,
+    TAGS,
+    MAX_MESSAGES_PER_TRIGGER,
+    CONSUMER_GROUP,
+)
 #: Version of the offset format this source writes into checkpoints.
 OFFSET_FORMAT_VERSION = 1
 _TAG = re.compile(r"^[^|\s][^|]*$")
@@ -111,6 +122,8 @@ class ReaderOptions:
     tags: frozenset[str] | None
     #: Streaming admission control; None means no limit.
     max_messages_per_trigger: int | None = None
+    #: Streaming only: record this group's progress for lag reporting.
+    consumer_group: str | None = None
 
     @classmethod
     def parse(cls, options: Mapping[str, str], *, streaming: bool = False) -> ReaderOptions:
@@ -122,9 +135,10 @@ class ReaderOptions:
                 "option 'endingOffsets' is for batch reads only; a stream reads on as messages "
                 "are committed (use Trigger.AvailableNow to stop at the latest offsets)."
             )
-        if not streaming and MAX_MESSAGES_PER_TRIGGER.lower() in given:
-            log.warning("option 'maxMessagesPerTrigger' only applies to streaming reads; ignored")
-            given.pop(MAX_MESSAGES_PER_TRIGGER.lower())
+        for stream_only in (MAX_MESSAGES_PER_TRIGGER, CONSUMER_GROUP):
+            if not streaming and stream_only.lower() in given:
+                log.warning("option %r only applies to streaming reads; ignored", stream_only)
+                given.pop(stream_only.lower())
         unknown = sorted(set(given) - {o.lower() for o in allowed})
         if unknown:
             raise InvalidOptionError(
@@ -159,6 +173,7 @@ class ReaderOptions:
             max_messages_per_trigger=None
             if MAX_MESSAGES_PER_TRIGGER.lower() not in given
             else parse_int(given[MAX_MESSAGES_PER_TRIGGER.lower()], MAX_MESSAGES_PER_TRIGGER, 1),
+            consumer_group=_checked_group(given.get(CONSUMER_GROUP.lower())),
         )
 
 
@@ -167,6 +182,15 @@ def _checked_topic(topic: str) -> str:
         return check_topic(topic)
     except InvalidMessageError as exc:
         raise InvalidOptionError(f"option 'topic': {exc.message}") from exc
+
+
+def _checked_group(group: str | None) -> str | None:
+    if group is None:
+        return None
+    try:
+        return check_group(group, "consumerGroup")
+    except InvalidMessageError as exc:
+        raise InvalidOptionError(f"option {exc.message}") from exc
 
 
 def parse_tags(expression: str) -> frozenset[str] | None:
@@ -341,7 +365,35 @@ class RmqTxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return read_range(partition) if isinstance(partition, QueueRange) else iter(())
 
     def commit(self, end: dict) -> None:
-        """Nothing to release: the CommitLog is append-only and read by offset."""
+        """Record the consumer group's progress (``consumerGroup``); never used for reading:
+        the checkpoint alone decides what a query reads. Spark commits a batch's offsets when
+        the next batch starts, so the recorded progress trails the query by one batch."""
+        group = self.options.consumer_group
+        if group is None:
+            return
+        offsets = self._decode(end)
+        now = datetime.now(UTC)
+        rows = pa.Table.from_pylist(
+            [
+                {
+                    "consumer_group": group,
+                    "topic": t,
+                    "queue_id": q,
+                    "next_offset": o,
+                    "updated_timestamp": now,
+                }
+                for t, queues in offsets.items()
+                for q, o in queues.items()
+            ],
+            schema=CONSUMER_OFFSETS_SCHEMA,
+        )
+        if rows.num_rows:
+            Store.open(self.options.path, create=False).merge(
+                "consumer_offsets",
+                rows,
+                ["consumer_group", "topic", "queue_id"],
+                lambda m: m.when_matched_update_all().when_not_matched_insert_all(),
+            )
 
 
 def _share(available: Mapping[tuple[str, int], int], budget: int | None) -> dict:

@@ -443,10 +443,11 @@ class Store:
         self,
         name: str,
         source: pa.Table,
-        on: str,
+        on: str | Sequence[str],
         clauses: Callable[[TableMerger], TableMerger],
     ) -> dict[str, Any]:
-        """MERGE ``source`` (alias ``s``) into a table (alias ``t``) on ``t.on = s.on``.
+        """MERGE ``source`` (alias ``s``) into a table (alias ``t``) where the ``on`` columns
+        are equal.
 
         ``clauses`` adds the WHEN clauses to deltalake's ``TableMerger``. A commit lost to a
         concurrent writer is retried from the new snapshot, so conditions in the clauses are
@@ -454,8 +455,12 @@ class Store:
         """
         for attempt in range(_MAX_COMMIT_ATTEMPTS):
             table = self.table(name)
+            keys = [on] if isinstance(on, str) else list(on)
             merger = table.merge(
-                source, predicate=f"t.{on} = s.{on}", source_alias="s", target_alias="t"
+                source,
+                predicate=" AND ".join(f"t.{k} = s.{k}" for k in keys),
+                source_alias="s",
+                target_alias="t",
             )
             try:
                 metrics = clauses(merger).execute()

@@ -155,3 +155,17 @@ def test_delta_streaming_source_sees_the_same_messages(spark, store: Store, tmp_
     via_delta = {i for _, b in run_batches(delta, tmp_path / "b") for i in b}
     assert via_rmqtx == via_delta and len(via_delta) == 6
     assert delta.columns == stream(spark, store).columns
+
+
+def test_consumer_group_progress_is_recorded(spark, store: Store, tmp_path) -> None:
+    commit(store, [f"m{i}" for i in range(5)])
+    df = stream(spark, store, consumerGroup="billing", maxMessagesPerTrigger="2")
+    batches = run_batches(df, tmp_path / "cp")
+    assert [len(b) for _, b in batches] == [2, 2, 1]
+    progress = store.table("consumer_offsets").to_pyarrow_table().to_pylist()
+    assert {r["consumer_group"] for r in progress} == {"billing"}
+    # Spark commits a batch's source offsets when the next batch starts, so the recorded
+    # progress covers every batch but the last one of the run.
+    assert sum(r["next_offset"] for r in progress) == 4
+    with pytest.raises(Exception, match="option consumerGroup 'bad group!' is not valid"):
+        run_batches(stream(spark, store, consumerGroup="bad group!"), tmp_path / "cp2")
