@@ -1,0 +1,113 @@
+"""Source benchmark: stream N committed messages (1 KiB bodies) with Trigger.AvailableNow.
+
+Builds a store whose CommitLog holds N committed messages on one topic (4 queues), written
+directly with deltalake the way the publisher writes them, then reads them to Spark's `noop`
+sink twice in the same run:
+* `readStream.format("rmqtx")` (this project's Python data source);
+* `readStream.format("delta")` on the same CommitLog table (Delta's own streaming source),
+  the baseline.
+Prints messages/s for both and their ratio.
+
+Usage: python bench/source_bench.py [--messages 1000000] [--body-bytes 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pyarrow as pa
+from deltalake import CommitProperties, Transaction, write_deltalake
+
+from rmq_spark import Store, get_spark
+from rmq_spark.schema import COMMITLOG_SCHEMA
+from rmq_spark.store import queue_app_id
+
+QUEUES = 4
+CHUNK = 100_000
+
+
+def build(store: Store, count: int, body: bytes) -> None:
+    now = datetime.now(UTC)
+    next_offset = [0] * QUEUES
+    for start in range(0, count, CHUNK):
+        n = min(CHUNK, count - start)
+        queues = [(start + i) % QUEUES for i in range(n)]
+        offsets = []
+        for q in queues:
+            offsets.append(next_offset[q])
+            next_offset[q] += 1
+        ids = [f"{start + i:032d}" for i in range(n)]
+        write_deltalake(
+            store.table_uri("commitlog"),
+            pa.Table.from_pydict(
+                {
+                    "topic": ["Bench"] * n,
+                    "queue_id": queues,
+                    "queue_offset": offsets,
+                    "msg_id": ids,
+                    "transaction_id": ids,
+                    "producer_group": ["bench"] * n,
+                    "keys": ids,
+                    "tags": ["TagA"] * n,
+                    "body": [body] * n,
+                    "properties": [[]] * n,
+                    "born_timestamp": [now] * n,
+                    "store_timestamp": [now] * n,
+                },
+                schema=COMMITLOG_SCHEMA,
+            ),
+            mode="append",
+            partition_by=["topic"],
+            commit_properties=CommitProperties(
+                app_transactions=[
+                    Transaction(queue_app_id("Bench", q), next_offset[q]) for q in range(QUEUES)
+                ]
+            ),
+        )
+
+
+def timed_stream(df, checkpoint: Path) -> float:
+    start = time.perf_counter()
+    query = (
+        df.writeStream.format("noop")
+        .option("checkpointLocation", str(checkpoint))
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--messages", type=int, default=1_000_000)
+    parser.add_argument("--body-bytes", type=int, default=1024)
+    args = parser.parse_args()
+    spark = get_spark("rmq-source-bench")
+    with tempfile.TemporaryDirectory(prefix="rmq-src-bench-") as tmp:
+        store = Store.open(Path(tmp) / "store")
+        build(store, args.messages, b"x" * args.body_bytes)
+        print(f"source benchmark: {args.messages:,} committed messages of {args.body_bytes} B")
+        rmqtx = (
+            spark.readStream.format("rmqtx")
+            .option("path", store.root)
+            .option("topic", "Bench")
+            .load()
+        )
+        delta = spark.readStream.format("delta").load(store.table_uri("commitlog"))
+        timed_stream(delta, Path(tmp) / "warm")  # JVM warm-up, not reported
+        delta_s = timed_stream(delta, Path(tmp) / "delta")
+        rmqtx_s = timed_stream(rmqtx, Path(tmp) / "rmqtx")
+        n = args.messages
+        print(f"  readStream.format('delta'): {delta_s:6.1f} s  {n / delta_s:>10,.0f} msg/s")
+        print(f"  readStream.format('rmqtx'): {rmqtx_s:6.1f} s  {n / rmqtx_s:>10,.0f} msg/s")
+        print(f"  ratio rmqtx / delta: {delta_s / rmqtx_s:.2f}x (goal 0.5x)")
+    spark.stop()
+
+
+if __name__ == "__main__":
+    main()
