@@ -27,6 +27,7 @@ import importlib
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import fields
 from typing import Any
 
 import pyarrow as pa
@@ -209,19 +210,9 @@ class TableChecker(Checker):
 
 
 # --------------------------------------------------------------------------- helpers
-_MESSAGE_COLUMNS = (
-    "topic",
-    "queue_id",
-    "msg_id",
-    "transaction_id",
-    "producer_group",
-    "keys",
-    "tags",
-    "body",
-    "properties",
-    "born_timestamp",
-    "store_timestamp",
-)
+#: The check batch columns a checker function sees, as MessageExt fields (a pending message
+#: has no queue offset yet).
+_MESSAGE_COLUMNS = tuple(f.name for f in fields(MessageExt) if f.name != "queue_offset")
 
 
 def _message_of(row: Mapping[str, Any]) -> MessageExt:

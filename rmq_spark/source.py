@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -151,7 +151,10 @@ class ReaderOptions:
                 "option 'topic' is required: one topic, or several separated by commas "
                 "(e.g. .option('topic', 'OrderEvents'))."
             )
-        topics = tuple(_checked_topic(t.strip()) for t in topic_text.split(","))
+        topics = tuple(
+            _option_value(check_topic, t.strip(), prefix="option 'topic': ")
+            for t in topic_text.split(",")
+        )
         starting = parse_offsets(
             given.get(STARTING_OFFSETS.lower(), "earliest"), STARTING_OFFSETS, topics
         )
@@ -173,24 +176,20 @@ class ReaderOptions:
             max_messages_per_trigger=None
             if MAX_MESSAGES_PER_TRIGGER.lower() not in given
             else parse_int(given[MAX_MESSAGES_PER_TRIGGER.lower()], MAX_MESSAGES_PER_TRIGGER, 1),
-            consumer_group=_checked_group(given.get(CONSUMER_GROUP.lower())),
+            consumer_group=None
+            if CONSUMER_GROUP.lower() not in given
+            else _option_value(
+                check_group, given[CONSUMER_GROUP.lower()], CONSUMER_GROUP, prefix="option "
+            ),
         )
 
 
-def _checked_topic(topic: str) -> str:
+def _option_value(check: Callable[..., str], value: str, *args: str, prefix: str) -> str:
+    """Run a message-model check on an option's value; its error becomes an option error."""
     try:
-        return check_topic(topic)
+        return check(value, *args)
     except InvalidMessageError as exc:
-        raise InvalidOptionError(f"option 'topic': {exc.message}") from exc
-
-
-def _checked_group(group: str | None) -> str | None:
-    if group is None:
-        return None
-    try:
-        return check_group(group, "consumerGroup")
-    except InvalidMessageError as exc:
-        raise InvalidOptionError(f"option {exc.message}") from exc
+        raise InvalidOptionError(f"{prefix}{exc.message}") from exc
 
 
 def parse_tags(expression: str) -> frozenset[str] | None:

@@ -638,8 +638,9 @@ class Store:
             commitlog = self.table("commitlog")
             cursor = commitlog.transaction_version(OP_CURSOR_APP_ID)
             cursor = -1 if cursor is None else cursor
-            op_version = self.table("op").version()
-            rows = [self._committed_since(cursor, op_version)]
+            op = self.table("op")
+            op_version = op.version()
+            rows = [self._committed_since(op, cursor, op_version)]
             rows.append(self._normal_rows(normal))
             batch = pa.concat_tables(rows)
             if batch.num_rows == 0 and op_version <= cursor:
@@ -679,13 +680,11 @@ class Store:
             "publishers on the commitlog table."
         )
 
-    def _committed_since(self, cursor: int, op_version: int) -> pa.Table:
+    def _committed_since(self, op: DeltaTable, cursor: int, op_version: int) -> pa.Table:
         """Half messages of transactions committed in op versions (cursor, op_version]."""
         if op_version <= cursor:
             return COMMITLOG_SCHEMA.empty_table()
-        changes = read_arrow(
-            self.table("op").load_cdf(starting_version=cursor + 1, ending_version=op_version)
-        )
+        changes = read_arrow(op.load_cdf(starting_version=cursor + 1, ending_version=op_version))
         changes = changes.filter(
             pc.and_(
                 pc.equal(changes.column("_change_type"), "insert"),
