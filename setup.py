@@ -24,6 +24,7 @@ setup(
         "pyarrow>=17",
         "pandas>=2.2,<3",  # pyspark 4.2 warns it does not fully support pandas 3
         "fsspec>=2024.6",
+        "numpy>=1.26",
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6"],

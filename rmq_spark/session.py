@@ -28,7 +28,6 @@ LOCAL_SPARK_CONF = {
     "spark.default.parallelism": "4",
     "spark.sql.session.timeZone": "UTC",
     "spark.sql.execution.arrow.pyspark.enabled": "true",
-    "spark.sql.python.filterPushdown.enabled": "true",
     "spark.driver.memory": "4g",
 }
 

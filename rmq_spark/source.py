@@ -29,6 +29,8 @@ option                 required    default    meaning
 ``endingOffsets``      no          latest     ``latest`` or a JSON like ``startingOffsets``
 ``startingTimestamp``  no                     ms since epoch: start at the first message stored
                                               at or after it (overrides ``startingOffsets``)
+``endingTimestamp``    no                     batch only, ms since epoch: stop before the first
+                                              message stored at or after it
 ``tags``               no          ``*``      RocketMQ subscription: ``*`` or ``TagA || TagB``
 ``maxMessagesPerTrigger`` no       none       streaming only: most messages per micro-batch,
                                               shared fairly over queues (AvailableNow honours it)
@@ -36,12 +38,22 @@ option                 required    default    meaning
                                               the ``consumer_offsets`` table (for lag)
 =====================  ==========  =========  ==================================================
 
-``endingOffsets`` is batch-only (an error on a stream); ``maxMessagesPerTrigger`` on a batch
-read is ignored with a warning. Streaming offsets carry a format version and the CommitLog's
-table id, so a checkpoint restarted against another store fails instead of misreading.
+``endingOffsets`` and ``endingTimestamp`` are batch-only (an error on a stream);
+``maxMessagesPerTrigger`` on a batch read is ignored with a warning. Streaming offsets carry a
+format version and the CommitLog's table id, so a checkpoint restarted against another store
+fails instead of misreading.
 
 Only committed messages exist in the CommitLog, so nothing pending or rolled back can appear.
-Offsets are per (topic, queue) and dense; each queue is read by its own task, in offset order.
+Offsets are per (topic, queue) and dense. Tasks split the CommitLog by data file (each file is
+read once; ``topic``, the offset range and the timestamps skip files by their statistics);
+within a task every queue's rows come in offset order.
+
+Filters are not pushed into the reader: Spark 4.2.0 keeps a Python data source's read plan,
+pushed filters included, on the DataFrame and reuses it for later queries of that DataFrame
+(``df.where(...).count()`` then ``df.count()`` would count the filtered rows). Select what to
+read with the options (``topic``, ``tags``, offsets and timestamps), which prune files just
+the same. Spark also plans a DataFrame's read once: call ``load()`` again to see messages
+committed since.
 """
 
 from __future__ import annotations
@@ -72,8 +84,9 @@ from rmq_spark.config import load_settings, parse_int
 from rmq_spark.errors import InvalidMessageError, InvalidOptionError
 from rmq_spark.model import check_group, check_topic
 from rmq_spark.offsets import Offsets, latest_offsets, parse_offsets, resolve, to_json
-from rmq_spark.schema import COMMITLOG_SCHEMA, CONSUMER_OFFSETS_SCHEMA
-from rmq_spark.store import Store, sql_list
+from rmq_spark.reading import FILE_SCHEMA, CommitLogSlice, plan_slices, read_slice
+from rmq_spark.schema import CONSUMER_OFFSETS_SCHEMA
+from rmq_spark.store import Store, read_files
 
 #: The source's output schema, as Spark DDL (nullability as in the CommitLog).
 SOURCE_SCHEMA = (
@@ -93,8 +106,17 @@ PATH, TOPIC, STARTING_OFFSETS, ENDING_OFFSETS, STARTING_TIMESTAMP, TAGS = (
     "startingTimestamp",
     "tags",
 )
+ENDING_TIMESTAMP = "endingTimestamp"
 MAX_MESSAGES_PER_TRIGGER, CONSUMER_GROUP = "maxMessagesPerTrigger", "consumerGroup"
-BATCH_OPTIONS = (PATH, TOPIC, STARTING_OFFSETS, ENDING_OFFSETS, STARTING_TIMESTAMP, TAGS)
+BATCH_OPTIONS = (
+    PATH,
+    TOPIC,
+    STARTING_OFFSETS,
+    ENDING_OFFSETS,
+    STARTING_TIMESTAMP,
+    ENDING_TIMESTAMP,
+    TAGS,
+)
 STREAM_OPTIONS = (
     PATH,
     TOPIC,
@@ -106,6 +128,7 @@ STREAM_OPTIONS = (
 )
 #: Version of the offset format this source writes into checkpoints.
 OFFSET_FORMAT_VERSION = 1
+TIMESTAMP_COLUMNS = ("queue_id", "queue_offset", "store_timestamp")
 _TAG = re.compile(r"^[^|\s][^|]*$")
 
 
@@ -118,6 +141,8 @@ class ReaderOptions:
     starting: str | Offsets
     ending: str | Offsets
     starting_timestamp: int | None
+    #: Batch only: stop before the first message stored at or after it (ms since epoch).
+    ending_timestamp: int | None
     #: None means every tag (``*``).
     tags: frozenset[str] | None
     #: Streaming admission control; None means no limit.
@@ -130,11 +155,13 @@ class ReaderOptions:
         """Validate the options of a batch or streaming read (keys are case-insensitive)."""
         given = {k.lower(): v for k, v in options.items()}
         allowed = STREAM_OPTIONS if streaming else BATCH_OPTIONS
-        if streaming and ENDING_OFFSETS.lower() in given:
-            raise InvalidOptionError(
-                "option 'endingOffsets' is for batch reads only; a stream reads on as messages "
-                "are committed (use Trigger.AvailableNow to stop at the latest offsets)."
-            )
+        for batch_only in (ENDING_OFFSETS, ENDING_TIMESTAMP):
+            if streaming and batch_only.lower() in given:
+                raise InvalidOptionError(
+                    f"option {batch_only!r} is for batch reads only; a stream reads on as "
+                    "messages are committed (use Trigger.AvailableNow to stop at the latest "
+                    "offsets)."
+                )
         for stream_only in (MAX_MESSAGES_PER_TRIGGER, CONSUMER_GROUP):
             if not streaming and stream_only.lower() in given:
                 log.warning("option %r only applies to streaming reads; ignored", stream_only)
@@ -163,15 +190,13 @@ class ReaderOptions:
             raise InvalidOptionError(
                 "option 'endingOffsets' cannot be 'earliest'; use 'latest' or per-queue offsets."
             )
-        timestamp = given.get(STARTING_TIMESTAMP.lower())
         return cls(
             path=given.get(PATH.lower()) or load_settings().store.path,
             topics=topics,
             starting=starting,
             ending=ending,
-            starting_timestamp=None
-            if timestamp is None
-            else parse_int(timestamp, STARTING_TIMESTAMP, 0),
+            starting_timestamp=_timestamp(given, STARTING_TIMESTAMP),
+            ending_timestamp=_timestamp(given, ENDING_TIMESTAMP),
             tags=parse_tags(given.get(TAGS.lower(), "*")),
             max_messages_per_trigger=None
             if MAX_MESSAGES_PER_TRIGGER.lower() not in given
@@ -182,6 +207,11 @@ class ReaderOptions:
                 check_group, given[CONSUMER_GROUP.lower()], CONSUMER_GROUP, prefix="option "
             ),
         )
+
+
+def _timestamp(given: Mapping[str, str], option: str) -> int | None:
+    value = given.get(option.lower())
+    return None if value is None else parse_int(value, option, 0)
 
 
 def _option_value(check: Callable[..., str], value: str, *args: str, prefix: str) -> str:
@@ -206,74 +236,41 @@ def parse_tags(expression: str) -> frozenset[str] | None:
     return frozenset(tags)
 
 
-@dataclass(frozen=True)
-class QueueRange(InputPartition):
-    """One task: offsets [start, end) of one queue."""
-
-    path: str
-    topic: str
-    queue_id: int
-    start: int
-    end: int
-    tags: frozenset[str] | None
-
-
-def queue_ranges(options: ReaderOptions, start: Offsets, end: Offsets) -> list[QueueRange]:
-    """One partition per queue with something to read between ``start`` and ``end``."""
-    return [
-        QueueRange(options.path, topic, queue_id, start[topic][queue_id], stop, options.tags)
-        for topic in sorted(end)
-        for queue_id, stop in sorted(end[topic].items())
-        if stop > start[topic].get(queue_id, 0)
-    ]
-
-
-def read_range(partition: QueueRange) -> Iterator[pa.RecordBatch]:
-    """The committed messages of one queue range, in offset order, as Arrow batches."""
-    store = Store.open(partition.path, create=False)
-    where = (
-        f"topic = {sql_list([partition.topic])} AND queue_id = {partition.queue_id} "
-        f"AND queue_offset >= {partition.start} AND queue_offset < {partition.end}"
-    )
-    rows = store.query("commitlog", where).sort_by("queue_offset")
-    if partition.tags is not None:
-        rows = rows.filter(pc.is_in(rows.column("tags"), pa.array(sorted(partition.tags))))
-    columns = [rows.column(f.name).cast(f.type) for f in COMMITLOG_SCHEMA]
-    yield from pa.Table.from_arrays(columns, schema=COMMITLOG_SCHEMA).to_batches()
-
-
 def timestamp_offsets(store: Store, topics: tuple[str, ...], millis: int, end: Offsets) -> Offsets:
-    """Per queue, the first offset stored at or after ``millis`` (the end when none is)."""
-    rows = store.table("commitlog").to_pyarrow_table(
-        columns=["topic", "queue_id", "queue_offset", "store_timestamp"]
-    )
-    since = pa.scalar(millis * 1000, COMMITLOG_SCHEMA.field("store_timestamp").type)
-    rows = rows.filter(
-        pc.and_(
-            pc.is_in(rows.column("topic"), pa.array(list(topics))),
-            pc.greater_equal(rows.column("store_timestamp"), since),
+    """Per queue, the first offset stored at or after ``millis`` (capped at ``end``).
+
+    Only files whose newest ``store_timestamp`` reaches ``millis`` are read, two columns each.
+    """
+    since = datetime.fromtimestamp(millis / 1000, UTC)
+    files: dict[str, list[str]] = {}
+    for f in store.data_files("commitlog").to_pylist():
+        newest = f["max.store_timestamp"]
+        if f["partition.topic"] in topics and (newest is None or newest >= since):
+            files.setdefault(f["partition.topic"], []).append(f["uri"])
+    columns = pa.schema([FILE_SCHEMA.field(c) for c in TIMESTAMP_COLUMNS])
+    stored_since = pc.field("store_timestamp") >= pa.scalar(since, columns.field(2).type)
+    result: Offsets = {}
+    for topic, queues in end.items():
+        rows = read_files(
+            files.get(topic, []), columns, store.settings.storage_options, stored_since
         )
-    )
-    first: dict[tuple[str, int], int] = {}
-    for topic, queue_id, offset in zip(
-        rows.column("topic").to_pylist(),
-        rows.column("queue_id").to_pylist(),
-        rows.column("queue_offset").to_pylist(),
-        strict=True,
-    ):
-        key = (topic, queue_id)
-        first[key] = min(offset, first.get(key, offset))
-    return {t: {q: first.get((t, q), stop) for q, stop in end[t].items()} for t in end}
+        first = rows.group_by("queue_id").aggregate([("queue_offset", "min")]).to_pylist()
+        found = {r["queue_id"]: r["queue_offset_min"] for r in first}
+        result[topic] = {q: min(found.get(q, stop), stop) for q, stop in queues.items()}
+    return result
 
 
 class RmqTxBatchReader(DataSourceReader):
-    """Batch reader: resolves offsets once on the driver, one task per queue range."""
+    """Batch reader: resolves offsets once on the driver, then reads only the CommitLog files
+    whose statistics overlap them (``topic``, offsets and timestamps prune files)."""
 
     def __init__(self, options: ReaderOptions) -> None:
         self.options = options
         store = Store.open(options.path, create=False)
         latest = latest_offsets(store, options.topics)
         self.end = resolve(options.ending, latest)
+        if options.ending_timestamp is not None:
+            self.end = timestamp_offsets(store, options.topics, options.ending_timestamp, self.end)
         if options.starting_timestamp is not None:
             self.start = timestamp_offsets(
                 store, options.topics, options.starting_timestamp, self.end
@@ -281,13 +278,12 @@ class RmqTxBatchReader(DataSourceReader):
         else:
             self.start = resolve(options.starting, self.end)
 
-    def partitions(self) -> list[QueueRange]:
-        return queue_ranges(self.options, self.start, self.end)
+    def partitions(self) -> list[CommitLogSlice]:
+        store = Store.open(self.options.path, create=False)
+        return plan_slices(store, self.start, self.end, self.options.tags)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        # With nothing to read, partitions() is empty and Spark still runs one task with a
-        # placeholder partition.
-        return read_range(partition) if isinstance(partition, QueueRange) else iter(())
+        return _read(partition)
 
 
 class RmqTxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
@@ -357,11 +353,12 @@ class RmqTxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             end.setdefault(t, {})[q] = begin.get(t, {}).get(q, 0) + n
         return self._encode(end)
 
-    def partitions(self, start: dict, end: dict) -> list[QueueRange]:
-        return queue_ranges(self.options, self._decode(start), self._decode(end))
+    def partitions(self, start: dict, end: dict) -> list[CommitLogSlice]:
+        store = Store.open(self.options.path, create=False)
+        return plan_slices(store, self._decode(start), self._decode(end), self.options.tags)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        return read_range(partition) if isinstance(partition, QueueRange) else iter(())
+        return _read(partition)
 
     def commit(self, end: dict) -> None:
         """Record the consumer group's progress (``consumerGroup``); never used for reading:
@@ -393,6 +390,12 @@ class RmqTxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 ["consumer_group", "topic", "queue_id"],
                 lambda m: m.when_matched_update_all().when_not_matched_insert_all(),
             )
+
+
+def _read(partition: InputPartition) -> Iterator[pa.RecordBatch]:
+    # With nothing to read, partitions() is empty and Spark still runs one task with a
+    # placeholder partition.
+    return read_slice(partition) if isinstance(partition, CommitLogSlice) else iter(())
 
 
 def _share(available: Mapping[tuple[str, int], int], budget: int | None) -> dict:

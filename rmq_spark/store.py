@@ -27,12 +27,13 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 import fsspec
 import pyarrow as pa
@@ -42,6 +43,7 @@ import pyarrow.fs as pafs
 from deltalake import CommitProperties, DeltaTable, QueryBuilder, Transaction, write_deltalake
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 from deltalake.table import TableMerger
+from fsspec.implementations.local import LocalFileSystem
 
 from rmq_spark.config import Settings, StoreSettings
 from rmq_spark.errors import (
@@ -728,16 +730,23 @@ class Store:
         planner stack).
         """
         if len(ids) <= _MAX_SQL_IN_LIST:
-            return _query(table, name, f"transaction_id IN ({sql_list(ids)})")
-        fs, _ = fsspec.core.url_to_fs(self.root, **self.settings.storage_options)
-        paths = [fs._strip_protocol(uri) for uri in table.file_uris()]
-        dataset = pads.dataset(
-            paths,
-            schema=TABLES[name][0],
-            format="parquet",
-            filesystem=pafs.PyFileSystem(pafs.FSSpecHandler(fs)),
+            return _query(table, name, f"transaction_id IN ({_sql_list(ids)})")
+        return read_files(
+            table.file_uris(),
+            TABLES[name][0],
+            self.settings.storage_options,
+            pc.field("transaction_id").isin(pa.array(ids, pa.string())),
         )
-        return dataset.to_table(filter=pc.field("transaction_id").isin(pa.array(ids, pa.string())))
+
+    def data_files(self, name: str) -> pa.Table:
+        """The data files of a table's latest snapshot: Delta's add actions (path, size,
+        partition values, per-column min/max) plus each file's ``uri``."""
+        table = self.table(name)
+        files = read_arrow(table.get_add_actions(flatten=True))
+        base = self.table_uri(name).rstrip("/")
+        # An add action's path is a relative, percent-encoded URI (Delta protocol).
+        uris = [f"{base}/{unquote(p)}" for p in files.column("path").to_pylist()]
+        return files.append_column("uri", pa.array(uris, pa.string()))
 
     def query(self, name: str, where: str) -> pa.Table:
         """Rows of one of the store's tables matching a SQL condition (DataFusion).
@@ -800,6 +809,38 @@ class Store:
         return self.publish([(m, producer_group) for m in messages])
 
 
+def read_files(
+    uris: Sequence[str],
+    schema: pa.Schema,
+    storage_options: Mapping[str, str],
+    where: pc.Expression | None = None,
+) -> pa.Table:
+    """Read Parquet data files of a table directly with pyarrow (multi-threaded).
+
+    Parameters
+    ----------
+    uris : sequence of str
+        File URIs, as ``DeltaTable.file_uris()`` or :meth:`Store.data_files` give them.
+    schema : pyarrow.Schema
+        The files' schema (partition columns are not in the files).
+    storage_options : mapping
+        The store's ``storage_options`` (fsspec) for object stores.
+    where : pyarrow.compute.Expression, optional
+        Row filter; row groups are skipped by their statistics where possible.
+    """
+    if not uris:
+        return schema.empty_table()
+    fs, _ = fsspec.core.url_to_fs(uris[0], **storage_options)
+    filesystem = (
+        pafs.LocalFileSystem()
+        if isinstance(fs, LocalFileSystem)
+        else pafs.PyFileSystem(pafs.FSSpecHandler(fs))
+    )
+    paths = [fsspec.core.strip_protocol(uri) for uri in uris]
+    dataset = pads.dataset(paths, schema=schema, format="parquet", filesystem=filesystem)
+    return dataset.to_table(filter=where)
+
+
 def _query(table: DeltaTable, name: str, where: str) -> pa.Table:
     """Rows of a table matching a SQL condition, read with DataFusion."""
     return read_arrow(
@@ -807,7 +848,7 @@ def _query(table: DeltaTable, name: str, where: str) -> pa.Table:
     )
 
 
-def sql_list(values: Sequence[str]) -> str:
+def _sql_list(values: Sequence[str]) -> str:
     """A SQL list of string literals (quotes escaped)."""
     return ", ".join("'" + v.replace("'", "''") + "'" for v in values)
 

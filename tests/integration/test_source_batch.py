@@ -8,6 +8,7 @@ import time
 import pytest
 
 from rmq_spark import Decision, LocalTransactionState, Message, Store
+from rmq_spark.config import StoreSettings
 from rmq_spark.offsets import latest_offsets, to_json
 
 COMMIT, ROLLBACK = LocalTransactionState.COMMIT, LocalTransactionState.ROLLBACK
@@ -98,3 +99,61 @@ def test_not_a_store(spark, tmp_path) -> None:
         spark.read.format("rmqtx").option("path", str(tmp_path / "x")).option(
             "topic", "Orders"
         ).load().collect()
+
+
+def test_ending_timestamp_and_a_time_window(spark, store: Store) -> None:
+    publish(store, "Orders", ["before"])
+    time.sleep(0.05)
+    start = int(time.time() * 1000)
+    publish(store, "Orders", ["inside1", "inside2"])
+    time.sleep(0.05)
+    stop = int(time.time() * 1000)
+    time.sleep(0.05)
+    publish(store, "Orders", ["after"])
+    window = {"startingTimestamp": str(start), "endingTimestamp": str(stop)}
+    assert bodies(read(spark, store, topic="Orders", **window)) == [b"inside1", b"inside2"]
+    assert bodies(read(spark, store, topic="Orders", endingTimestamp=str(start))) == [b"before"]
+    assert bodies(read(spark, store, topic="Orders", endingTimestamp="0")) == []
+
+
+def test_offsets_skip_files_by_their_statistics(store: Store) -> None:
+    from rmq_spark.reading import plan_slices
+
+    for batch in range(3):
+        publish(store, "Orders", [f"b{batch}-{i}" for i in range(4)])
+    end = latest_offsets(store, ["Orders"])
+    (queue,) = end["Orders"]
+    assert sum(len(s.files) for s in plan_slices(store, {}, end)) == 3
+    newest = plan_slices(store, {"Orders": {queue: 8}}, end)
+    assert sum(len(s.files) for s in newest) == 1
+    assert plan_slices(store, end, end) == []
+
+
+def test_reusing_a_dataframe_after_a_filter_reads_everything(spark, store: Store) -> None:
+    """No filter pushdown: Spark 4.2.0 would reuse a pushed-down read plan for df.count()."""
+    publish(store, "Orders", ["a"], tags="TagA")
+    publish(store, "Orders", ["b"], tags="TagB")
+    df = read(spark, store, topic="Orders")
+    assert df.where("tags = 'TagA'").count() == 1
+    assert df.count() == 2
+    publish(store, "Orders", ["c"])
+    assert read(spark, store, topic="Orders").count() == 3  # load() again sees new commits
+
+
+def test_many_files_many_tasks_each_queue_in_order(spark, tmp_path) -> None:
+    from rmq_spark.reading import plan_slices, read_slice
+
+    store = Store.open(tmp_path / "wide", settings=StoreSettings(queue_nums=4))
+    for i in range(6):
+        publish(store, "Odd%|Topic", [f"m{i}-{j}" for j in range(8)])
+    end = latest_offsets(store, ["Odd%|Topic"])
+    slices = plan_slices(store, {}, end, task_rows=16)
+    assert len(slices) == 3
+    seen = [r for s in slices for b in read_slice(s) for r in b.to_pylist()]
+    assert len(seen) == 48 and len({r["msg_id"] for r in seen}) == 48
+    for queue in {r["queue_id"] for r in seen}:
+        offsets = [r["queue_offset"] for r in seen if r["queue_id"] == queue]
+        assert offsets == sorted(offsets) == list(range(len(offsets)))
+    df = read(spark, store, topic="Odd%|Topic")
+    assert df.count() == 48
+    assert df.rdd.getNumPartitions() == 1  # 6 small files, far under one task's size

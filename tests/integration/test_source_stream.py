@@ -124,6 +124,7 @@ def test_concurrent_producer_while_streaming_loses_nothing(spark, store: Store, 
     ("options", "match"),
     [
         ({"endingOffsets": "latest"}, "'endingOffsets' is for batch reads only"),
+        ({"endingTimestamp": "0"}, "'endingTimestamp' is for batch reads only"),
         ({"maxMessagesPerTrigger": "0"}, "maxMessagesPerTrigger needs to be an integer >= 1"),
         ({"maxOffsetsPerTrigger": "5"}, r"unknown option\(s\) 'maxoffsetspertrigger'"),
     ],

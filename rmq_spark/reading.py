@@ -1,0 +1,160 @@
+"""Reading committed messages straight from the CommitLog's data files.
+
+The driver plans tasks from the Delta snapshot's add actions: it keeps the files whose
+statistics overlap the offset ranges, then cuts them, in offset order, into tasks of about
+``TASK_BYTES``. Each file is read by one task only. A task reads
+its files with pyarrow (multi-threaded, row groups pruned by statistics), keeps the rows in
+its offset ranges, and returns them with every queue's rows in offset order, as Arrow record
+batches (files as the publisher writes them already are; others are sorted).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from itertools import groupby
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from pyspark.sql.datasource import InputPartition
+
+from rmq_spark.offsets import Offsets
+from rmq_spark.schema import COMMITLOG_SCHEMA
+from rmq_spark.store import Store, read_files
+
+#: One task reads files of at most this many bytes and rows (a larger single file is one
+#: task): Parquet sizes are compressed, so rows bound the work for compressible bodies.
+TASK_BYTES = 128 * 1024 * 1024
+TASK_ROWS = 128 * 1024
+#: Rows per Arrow batch handed to Spark (Spark's own default for Arrow batches).
+BATCH_ROWS = 10_000
+#: The CommitLog's data file schema: ``topic`` is the partition column, not in the files.
+FILE_SCHEMA = pa.schema([f for f in COMMITLOG_SCHEMA if f.name != "topic"])
+
+
+@dataclass(frozen=True)
+class CommitLogSlice(InputPartition):
+    """One read task: some CommitLog data files and what to keep from them."""
+
+    #: (topic, file URI), in offset order.
+    files: tuple[tuple[str, str], ...]
+    #: (topic, queue id, first offset, end offset) ranges to keep.
+    ranges: tuple[tuple[str, int, int, int], ...]
+    #: Subscription tags to keep (None: every tag).
+    tags: frozenset[str] | None
+    storage_options: tuple[tuple[str, str], ...]
+
+
+def plan_slices(
+    store: Store,
+    start: Offsets,
+    end: Offsets,
+    tags: frozenset[str] | None = None,
+    task_bytes: int = TASK_BYTES,
+    task_rows: int = TASK_ROWS,
+) -> list[CommitLogSlice]:
+    """The read tasks for offsets ``[start, end)`` of every queue in ``end``."""
+    ranges = tuple(
+        (topic, queue_id, start.get(topic, {}).get(queue_id, 0), stop)
+        for topic in sorted(end)
+        for queue_id, stop in sorted(end[topic].items())
+        if stop > start.get(topic, {}).get(queue_id, 0)
+    )
+    if not ranges:
+        return []
+    wanted = {(t, q): (s, e) for t, q, s, e in ranges}
+    files = [f for f in store.data_files("commitlog").to_pylist() if _overlaps(f, wanted)]
+    files.sort(key=lambda f: (f["partition.topic"], f["min.queue_offset"] or 0, f["uri"]))
+    options = tuple(sorted(store.settings.storage_options.items()))
+    slices: list[CommitLogSlice] = []
+    batch: list[tuple[str, str]] = []
+    size = rows = 0
+    for f in files:
+        if batch and (size + f["size_bytes"] > task_bytes or rows + f["num_records"] > task_rows):
+            slices.append(CommitLogSlice(tuple(batch), ranges, tags, options))
+            batch, size, rows = [], 0, 0
+        batch.append((f["partition.topic"], f["uri"]))
+        size += f["size_bytes"]
+        rows += f["num_records"]
+    if batch:
+        slices.append(CommitLogSlice(tuple(batch), ranges, tags, options))
+    return slices
+
+
+def _overlaps(file: Mapping[str, object], wanted: Mapping[tuple[str, int], tuple]) -> bool:
+    """Whether a file's statistics admit a row of a wanted (topic, queue) offset range."""
+    topic = file["partition.topic"]
+    q_low, q_high = file["min.queue_id"], file["max.queue_id"]
+    o_low, o_high = file["min.queue_offset"], file["max.queue_offset"]
+    for (t, q), (s, e) in wanted.items():
+        if t != topic:
+            continue
+        if q_low is not None and q_high is not None and not q_low <= q <= q_high:
+            continue
+        if o_low is None or o_high is None or (o_high >= s and o_low < e):
+            return True
+    return False
+
+
+def read_slice(task: CommitLogSlice) -> Iterator[pa.RecordBatch]:
+    """The rows of one task in the source schema; each queue's rows in offset order."""
+    options = dict(task.storage_options)
+    for topic, files in groupby(task.files, key=lambda f: f[0]):
+        keep = _all(
+            [
+                _any(
+                    [
+                        (pc.field("queue_id") == q)
+                        & (pc.field("queue_offset") >= s)
+                        & (pc.field("queue_offset") < e)
+                        for t, q, s, e in task.ranges
+                        if t == topic
+                    ]
+                ),
+                None
+                if task.tags is None
+                else pc.field("tags").isin(pa.array(sorted(task.tags), pa.string())),
+            ]
+        )
+        rows = read_files([uri for _, uri in files], FILE_SCHEMA, options, keep)
+        if not rows.num_rows:
+            continue
+        rows = _in_queue_order(rows)
+        columns = [
+            pa.repeat(pa.scalar(topic, pa.string()), rows.num_rows)
+            if f.name == "topic"
+            else rows.column(f.name)
+            for f in COMMITLOG_SCHEMA
+        ]
+        table = pa.Table.from_arrays(columns, schema=COMMITLOG_SCHEMA)
+        yield from table.to_batches(max_chunksize=BATCH_ROWS)
+
+
+def _in_queue_order(rows: pa.Table) -> pa.Table:
+    """``rows`` with every queue's rows in offset order. Files as the publisher writes them
+    already are (queues interleave, each in order), so the common case copies nothing."""
+    queues = rows.column("queue_id").to_numpy()
+    offsets = rows.column("queue_offset").to_numpy()
+    grouped = np.lexsort((np.arange(len(queues)), queues))  # stable: by queue, then position
+    same_queue = queues[grouped][1:] == queues[grouped][:-1]
+    if np.all(np.diff(offsets[grouped])[same_queue] > 0):
+        return rows
+    return rows.take(np.lexsort((offsets, queues)))
+
+
+def _all(parts: list[pc.Expression | None]) -> pc.Expression | None:
+    present = [p for p in parts if p is not None]
+    if not present:
+        return None
+    result = present[0]
+    for part in present[1:]:
+        result = result & part
+    return result
+
+
+def _any(parts: list[pc.Expression]) -> pc.Expression:
+    result = parts[0]
+    for part in parts[1:]:
+        result = result | part
+    return result
