@@ -30,6 +30,7 @@ from rmq_spark.producer import (
     TransactionSendResult,
 )
 from rmq_spark.session import get_spark
+from rmq_spark.sink import publish_with_delta_write
 from rmq_spark.source import register
 from rmq_spark.store import (
     Decision,
@@ -40,6 +41,7 @@ from rmq_spark.store import (
 )
 
 __all__ = [
+    "publish_with_delta_write",
     "CorruptStoreError",
     "Decision",
     "EndTransactionResult",

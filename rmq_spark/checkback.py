@@ -41,8 +41,9 @@ from pyspark.sql import functions as F
 
 from rmq_spark.checkers import Checker, CheckerConfigError
 from rmq_spark.config import TransactionSettings
+from rmq_spark.epochs import EpochChecker
 from rmq_spark.errors import InvalidOptionError
-from rmq_spark.model import PROPERTY_CHECK_IMMUNITY, LocalTransactionState, new_id
+from rmq_spark.model import PROPERTY_CHECK_IMMUNITY, PROPERTY_SINK_ID, LocalTransactionState, new_id
 from rmq_spark.report import read_table
 from rmq_spark.schema import CHECK_RUNS_SCHEMA, CHECK_STATE_SCHEMA, DISCARD_SCHEMA, HALF_SCHEMA
 from rmq_spark.store import Decision, EndTransactionStatus, Store
@@ -268,9 +269,10 @@ class CheckBackJob:
             F.col("properties").getItem(PROPERTY_CHECK_IMMUNITY).cast("double"), F.lit(0.0)
         )
         routed = list(self.checkers)
+        group_routed = F.col("producer_group").isin(routed) if routed else F.lit(False)
         reason = (
             F.when(F.col("age_seconds") > self.settings.max_check_age, TOO_OLD)
-            .when(~F.col("producer_group").isin(routed) if routed else F.lit(True), UNROUTED)
+            .when(~(group_routed | F.col("epoch_message")), UNROUTED)
             .when(
                 F.col("age_seconds")
                 < F.greatest(F.lit(self.settings.transaction_timeout), F.col("immunity_seconds")),
@@ -285,6 +287,7 @@ class CheckBackJob:
                 (age / 1e6).alias("age_seconds"),
                 immunity.alias("immunity_seconds"),
                 F.col("first_seen").isNull().alias("new"),
+                F.col("properties").getItem(PROPERTY_SINK_ID).isNotNull().alias("epoch_message"),
             )
             .withColumn("first_seen", first_seen)
             .withColumn("check_count", F.coalesce("check_count", F.lit(0)).cast("int"))
@@ -318,17 +321,27 @@ class CheckBackJob:
         ended: set[str] = set()
         for group in sorted(set(due.column("producer_group").to_pylist())):
             mine = due.filter(pc.equal(due.column("producer_group"), group))
-            answer = self._ask(group, batch, mine.column("transaction_id"))
-            ended |= self._apply(mine, answer, now, counts)
-            answers.append(answer)
+            # Messages staged by transactional writers go to the built-in epoch checker.
+            for epoch_message in (False, True):
+                part = mine.filter(pc.equal(mine.column("epoch_message"), epoch_message))
+                if part.num_rows:
+                    answer = self._ask(group, epoch_message, batch, part.column("transaction_id"))
+                    ended |= self._apply(part, answer, now, counts)
+                    answers.append(answer)
         return pa.concat_tables(answers), ended
 
-    def _ask(self, group: str, batch: DataFrame, ids: pa.ChunkedArray) -> pa.Table:
-        checker = self.checkers[group]
+    def _ask(
+        self, group: str, epoch_message: bool, batch: DataFrame, ids: pa.ChunkedArray
+    ) -> pa.Table:
+        checker = EpochChecker(self.store) if epoch_message else self.checkers[group]
         log.info(
             "asking the %s checker of %r about %d transaction(s)", checker.kind, group, len(ids)
         )
-        group_batch = batch.where((F.col("reason") == CHECK) & (F.col("producer_group") == group))
+        group_batch = batch.where(
+            (F.col("reason") == CHECK)
+            & (F.col("producer_group") == group)
+            & (F.col("epoch_message") == epoch_message)
+        )
         try:
             answer = checker.check(group_batch).toArrow()
         except Exception as exc:

@@ -113,6 +113,19 @@ CONSUMER_OFFSETS_SCHEMA = pa.schema(
     ]
 )
 
+#: Closed epochs of transactional writers (the ``rmqtx`` sink, ``publish_with_delta_write``):
+#: one row per (sink, epoch), inserted once by whoever closes it first (a MERGE that inserts
+#: when not matched); its transactions are COMMITted, every other attempt's are rolled back.
+EPOCHS_SCHEMA = pa.schema(
+    [
+        pa.field("sink_id", pa.string(), nullable=False),
+        pa.field("epoch", pa.int64(), nullable=False),
+        pa.field("transaction_ids", pa.list_(pa.field("element", pa.string(), nullable=False))),
+        pa.field("closed_by", pa.string(), nullable=False),
+        pa.field("closed_timestamp", TIMESTAMP, nullable=False),
+    ]
+)
+
 #: Table properties of the internal tables. Nobody streams from them, and removed-file
 #: tombstones kept for a week would make every commit slower (deltalake's commit cost grows
 #: with the tombstones in the snapshot), so they are kept for an hour. Do not VACUUM them with
@@ -130,5 +143,6 @@ TABLES: dict[str, tuple[pa.Schema, list[str], dict[str, str]]] = {
     "discard": (DISCARD_SCHEMA, [], _INTERNAL),
     "check_runs": (CHECK_RUNS_SCHEMA, [], {}),
     "consumer_offsets": (CONSUMER_OFFSETS_SCHEMA, [], _INTERNAL),
+    "epochs": (EPOCHS_SCHEMA, [], _INTERNAL),
     "commitlog": (COMMITLOG_SCHEMA, ["topic"], {"delta.enableChangeDataFeed": "true"}),
 }

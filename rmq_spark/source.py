@@ -79,6 +79,7 @@ from pyspark.sql.streaming.datasource import (
     ReadMaxRows,
     SupportsTriggerAvailableNow,
 )
+from pyspark.sql.types import StructType
 
 from rmq_spark.config import load_settings, parse_int
 from rmq_spark.errors import InvalidMessageError, InvalidOptionError
@@ -86,6 +87,7 @@ from rmq_spark.model import check_group, check_topic
 from rmq_spark.offsets import Offsets, latest_offsets, parse_offsets, resolve, to_json
 from rmq_spark.reading import FILE_SCHEMA, CommitLogSlice, plan_slices, read_slice
 from rmq_spark.schema import CONSUMER_OFFSETS_SCHEMA
+from rmq_spark.sink import RmqTxBatchWriter, RmqTxStreamWriter, WriterOptions
 from rmq_spark.store import Store, read_files
 
 #: The source's output schema, as Spark DDL (nullability as in the CommitLog).
@@ -421,7 +423,8 @@ def _share(available: Mapping[tuple[str, int], int], budget: int | None) -> dict
 
 
 class RmqTxDataSource(DataSource):
-    """The ``rmqtx`` data source (see the module docstring for schema and options)."""
+    """The ``rmqtx`` data source: reads committed messages (see the module docstring for
+    schema and options) and writes transactionally (see :mod:`rmq_spark.sink`)."""
 
     @classmethod
     def name(cls) -> str:
@@ -435,6 +438,23 @@ class RmqTxDataSource(DataSource):
 
     def streamReader(self, schema: object) -> RmqTxStreamReader:
         return RmqTxStreamReader(ReaderOptions.parse(self.options, streaming=True))
+
+    def writer(self, schema: StructType, overwrite: bool) -> RmqTxBatchWriter:
+        return RmqTxBatchWriter(_writer_options(self.options, schema, overwrite))
+
+    def streamWriter(self, schema: StructType, overwrite: bool) -> RmqTxStreamWriter:
+        return RmqTxStreamWriter(_writer_options(self.options, schema, overwrite))
+
+
+def _writer_options(
+    options: Mapping[str, str], schema: StructType, overwrite: bool
+) -> WriterOptions:
+    if overwrite:
+        raise InvalidOptionError(
+            "format('rmqtx') only appends: a topic's messages are never overwritten. Use "
+            "mode('append') (or outputMode('append') on a stream)."
+        )
+    return WriterOptions.parse(options, schema)
 
 
 def register(spark: SparkSession) -> None:

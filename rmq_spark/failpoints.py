@@ -1,0 +1,22 @@
+"""Crash points for fault tests: ``RMQ_SPARK_FAILPOINT=<name>`` makes the process group die
+with SIGKILL when the code reaches that point (the driver, its JVM and every Python worker,
+as when a machine is lost). Unset, a failpoint costs one environment lookup.
+
+Names: ``sink.staged`` (a task's half messages are durable), ``sink.closed`` (the epoch's
+row is in ``epochs``, nothing decided yet), ``sink.published`` (the epoch is published, Spark
+has not recorded the batch yet), ``delta.staged``, ``delta.written`` and ``delta.closed``
+(the same steps of :func:`rmq_spark.sink.publish_with_delta_write`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+ENV = "RMQ_SPARK_FAILPOINT"
+
+
+def failpoint(name: str) -> None:
+    """Die here (SIGKILL to the whole process group) if ``RMQ_SPARK_FAILPOINT`` names it."""
+    if os.environ.get(ENV) == name:
+        os.killpg(os.getpgid(0), signal.SIGKILL)

@@ -1,0 +1,446 @@
+"""Transactional writes: ``df.write.format("rmqtx")``, ``df.writeStream.format("rmqtx")`` and
+:func:`publish_with_delta_write`.
+
+>>> (df.select("body", "keys", "tags")
+...    .write.format("rmqtx").mode("append")
+...    .option("path", "storage").option("topic", "OrderEvents")
+...    .option("producerGroup", "order-pipeline")
+...    .save())
+
+Input columns: ``body`` (binary or string, required), and optionally ``topic`` (per row; else
+the ``topic`` option), ``keys``, ``tags`` (strings) and ``properties`` (map<string,string>).
+Any other column is an error unless ``extraColumnsAsProperties`` is true, which carries them
+as string properties.
+
+=============================  ========  =========  =============================================
+option                         required  default    meaning
+=============================  ========  =========  =============================================
+``path``                       no        conf       store root
+``producerGroup``              yes                  producer group of the staged transactions
+``topic``                      no                   topic of rows without a ``topic`` column
+``sinkId``                     no        see below  names the writer in ``epochs``; a stream
+                                                    defaults to its query id (kept by the
+                                                    checkpoint), a batch write to a new id
+``extraColumnsAsProperties``   no        false      carry unknown columns as properties
+=============================  ========  =========  =============================================
+
+Protocol: every task writes its rows as half messages (durable, invisible) in one
+transaction and reports it; Spark's commit of the job or micro-batch closes the epoch with
+the reported transactions (see :mod:`rmq_spark.epochs`), COMMITs them and publishes; abort
+rolls them back. Halves of failed task attempts, of a replayed micro-batch, or of a driver
+that died before committing are resolved by the check-back job's built-in epoch checker:
+committed only if they are on the epoch's list, rolled back otherwise; never twice.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from pyspark import TaskContext
+from pyspark.sql import DataFrame
+from pyspark.sql.datasource import (
+    DataSourceArrowWriter,
+    DataSourceStreamArrowWriter,
+    WriterCommitMessage,
+)
+from pyspark.sql.types import BinaryType, MapType, StringType, StructType
+
+from rmq_spark.config import StoreSettings, configure_logging, load_settings
+from rmq_spark.epochs import EpochOutcome, close_epoch, closed_epoch, finish_epoch
+from rmq_spark.errors import InvalidMessageError, InvalidOptionError
+from rmq_spark.failpoints import failpoint
+from rmq_spark.model import (
+    PROPERTY_DELTA_TABLE,
+    PROPERTY_EPOCH,
+    PROPERTY_SINK_ID,
+    LocalTransactionState,
+    check_group,
+    check_topic,
+    new_id,
+    queue_for,
+)
+from rmq_spark.schema import HALF_SCHEMA, TIMESTAMP
+from rmq_spark.store import Decision, Store
+
+log = logging.getLogger(__name__)
+
+PATH, TOPIC, PRODUCER_GROUP, SINK_ID, EXTRA_COLUMNS = (
+    "path",
+    "topic",
+    "producerGroup",
+    "sinkId",
+    "extraColumnsAsProperties",
+)
+WRITE_OPTIONS = (PATH, TOPIC, PRODUCER_GROUP, SINK_ID, EXTRA_COLUMNS)
+#: Spark passes these to every stream writer; they are Spark's, not ours.
+_SPARK_OPTIONS = frozenset({"checkpointlocation", "queryname"})
+#: Input columns and the Spark types they may have.
+INPUT_COLUMNS: dict[str, tuple[type, ...]] = {
+    "body": (BinaryType, StringType),
+    "topic": (StringType,),
+    "keys": (StringType,),
+    "tags": (StringType,),
+    "properties": (MapType,),
+}
+
+
+@dataclass(frozen=True)
+class WriterOptions:
+    """Validated options and input layout of an ``rmqtx`` write."""
+
+    path: str
+    producer_group: str
+    topic: str | None
+    sink_id: str | None
+    #: Input columns carried as properties (``extraColumnsAsProperties``).
+    extra_columns: tuple[str, ...]
+    settings: StoreSettings
+
+    @classmethod
+    def parse(cls, options: Mapping[str, str], schema: StructType) -> WriterOptions:
+        """Validate the options and the input columns (keys are case-insensitive)."""
+        given = {k.lower(): v for k, v in options.items() if k.lower() not in _SPARK_OPTIONS}
+        unknown = sorted(set(given) - {o.lower() for o in WRITE_OPTIONS})
+        if unknown:
+            raise InvalidOptionError(
+                f"unknown option(s) {', '.join(repr(u) for u in unknown)} for writing "
+                f"format('rmqtx'); valid options: {', '.join(WRITE_OPTIONS)}."
+            )
+        group = given.get(PRODUCER_GROUP.lower())
+        if not group:
+            raise InvalidOptionError(
+                "option 'producerGroup' is required: the producer group the staged "
+                "transactions belong to (e.g. .option('producerGroup', 'order-pipeline'))."
+            )
+        topic = given.get(TOPIC.lower())
+        extra_flag = given.get(EXTRA_COLUMNS.lower(), "false").strip().lower()
+        if extra_flag not in ("true", "false"):
+            raise InvalidOptionError(
+                f"option 'extraColumnsAsProperties' is 'true' or 'false', not {extra_flag!r}."
+            )
+        extra = _check_columns(schema, carry_extra=extra_flag == "true")
+        if topic is None and "topic" not in schema.names:
+            raise InvalidOptionError(
+                "no topic: give option 'topic', or a 'topic' column for per-row topics."
+            )
+        settings = load_settings()
+        try:
+            return cls(
+                path=given.get(PATH.lower()) or settings.store.path,
+                producer_group=check_group(group),
+                topic=None if topic is None else check_topic(topic),
+                sink_id=given.get(SINK_ID.lower()),
+                extra_columns=extra,
+                settings=settings.store,
+            )
+        except InvalidMessageError as exc:
+            raise InvalidOptionError(f"write option: {exc.message}") from exc
+
+
+def _check_columns(schema: StructType, *, carry_extra: bool) -> tuple[str, ...]:
+    if "body" not in schema.names:
+        raise InvalidOptionError(
+            f"the input has no 'body' column (columns: {', '.join(schema.names)}); select or "
+            "alias the message payload as 'body' (binary or string)."
+        )
+    extra = []
+    for field in schema.fields:
+        allowed = INPUT_COLUMNS.get(field.name)
+        if allowed is None:
+            extra.append(field.name)
+        elif not isinstance(field.dataType, allowed):
+            raise InvalidOptionError(
+                f"column {field.name!r} has type {field.dataType.simpleString()}; it needs "
+                f"{' or '.join(t.typeName() for t in allowed)}."
+            )
+    if extra and not carry_extra:
+        raise InvalidOptionError(
+            f"unexpected input column(s) {', '.join(repr(c) for c in extra)}; the sink takes "
+            f"{', '.join(INPUT_COLUMNS)}. Drop them, or set option "
+            "'extraColumnsAsProperties' to 'true' to carry them as message properties."
+        )
+    return tuple(extra)
+
+
+@dataclass(frozen=True)
+class Staged(WriterCommitMessage):
+    """What one task attempt staged: one transaction of ``count`` half messages."""
+
+    sink_id: str
+    epoch: int
+    transaction_id: str | None
+    count: int
+
+
+def stage(
+    store: Store,
+    batches: Iterable[pa.RecordBatch],
+    options: WriterOptions,
+    sink_id: str,
+    epoch: int,
+    extra_properties: Mapping[str, str] | None = None,
+) -> Staged:
+    """Validate rows and write them as half messages of one new transaction (one commit).
+
+    Raises InvalidMessageError, naming the problem, before anything is written.
+    """
+    table = pa.Table.from_batches(list(batches)) if batches else None
+    if table is None or table.num_rows == 0:
+        return Staged(sink_id, epoch, None, 0)
+    txn = new_id()
+    system = {PROPERTY_SINK_ID: sink_id, PROPERTY_EPOCH: str(epoch), **(extra_properties or {})}
+    half = _half_rows(table, options, txn, system)
+    store.append("half", half)
+    failpoint("sink.staged")
+    return Staged(sink_id, epoch, txn, half.num_rows)
+
+
+def _half_rows(
+    table: pa.Table, options: WriterOptions, txn: str, system: Mapping[str, str]
+) -> pa.Table:
+    n = table.num_rows
+    body = table.column("body").cast(pa.binary())
+    if body.null_count:
+        raise InvalidMessageError(f"{body.null_count} row(s) have a null 'body'.")
+    sizes = pc.binary_length(body)
+    limit = options.settings.max_body_bytes
+    if pc.min(sizes).as_py() == 0 or pc.max(sizes).as_py() > limit:
+        empty = pc.sum(pc.equal(sizes, 0)).as_py()
+        large = pc.sum(pc.greater(sizes, limit)).as_py()
+        raise InvalidMessageError(
+            f"{empty} row(s) have an empty body and {large} a body over the limit of {limit} "
+            "bytes; drop or split them, or raise store.max_body_bytes."
+        )
+    topic = _column(table, "topic", pa.string())
+    if topic is None:
+        topic = pa.chunked_array([pa.repeat(pa.scalar(options.topic, pa.string()), n)])
+    elif topic.null_count:
+        if options.topic is None:
+            raise InvalidMessageError(
+                f"{topic.null_count} row(s) have a null 'topic' and no option 'topic' is set."
+            )
+        topic = pc.fill_null(topic, options.topic)
+    for name in pc.unique(topic).to_pylist():
+        check_topic(name)
+    keys = _column(table, "keys", pa.string())
+    tags = _column(table, "tags", pa.string())
+    if tags is not None and pc.any(pc.match_substring(tags, "||")).as_py():
+        raise InvalidMessageError("'tags' holds '||'; a message has one tag.")
+    key_list = keys.to_pylist() if keys is not None else [None] * n
+    now = datetime.now(UTC)
+    return pa.table(
+        {
+            "transaction_id": pa.repeat(pa.scalar(txn, pa.string()), n),
+            "msg_id": [new_id() for _ in range(n)],
+            "producer_group": pa.repeat(pa.scalar(options.producer_group, pa.string()), n),
+            "topic": topic,
+            "queue_id": [queue_for(k, options.settings.queue_nums) for k in key_list],
+            "keys": keys if keys is not None else pa.nulls(n, pa.string()),
+            "tags": tags if tags is not None else pa.nulls(n, pa.string()),
+            "body": body,
+            "properties": _properties(table, options.extra_columns, system),
+            "born_timestamp": pa.repeat(pa.scalar(now, TIMESTAMP), n),
+            "store_timestamp": pa.repeat(pa.scalar(now, TIMESTAMP), n),
+        },
+        schema=HALF_SCHEMA,
+    )
+
+
+def _column(table: pa.Table, name: str, type_: pa.DataType) -> pa.ChunkedArray | None:
+    return table.column(name).cast(type_) if name in table.column_names else None
+
+
+def _properties(
+    table: pa.Table, extra: Sequence[str], system: Mapping[str, str]
+) -> list[list[tuple[str, str]]]:
+    user = (
+        table.column("properties").to_pylist()
+        if "properties" in table.column_names
+        else [None] * table.num_rows
+    )
+    carried = {c: table.column(c).cast(pa.string()).to_pylist() for c in extra}
+    rows = []
+    for i, props in enumerate(user):
+        merged = dict(props or ())
+        merged.update((c, v[i]) for c, v in carried.items() if v[i] is not None)
+        merged.update(system)
+        rows.append(list(merged.items()))
+    return rows
+
+
+def _abandon(store: Store, sink_id: str, epoch: int, staged: Sequence[str], group: str) -> None:
+    """Roll back an attempt's transactions, unless the epoch was closed with them (then
+    finish it: a decision already promised by the epoch's list must not be undone)."""
+    if closed_epoch(store, sink_id, epoch) is not None:
+        finish_epoch(store, sink_id, epoch, staged, group, "abort")
+    elif staged:
+        store.end_transactions(
+            [Decision(t, group, LocalTransactionState.ROLLBACK, "abort") for t in staged]
+        )
+
+
+def _report(outcome: EpochOutcome, staged: Sequence[Staged]) -> None:
+    count = sum(m.count for m in staged)
+    log.info(
+        "rmqtx sink %s epoch %d: %d message(s) staged in %d transaction(s); %s",
+        outcome.sink_id,
+        outcome.epoch,
+        count,
+        len(staged),
+        f"committed {len(outcome.committed)} transaction(s)"
+        if outcome.first
+        else f"already closed by an earlier attempt: rolled back {len(outcome.rolled_back)}",
+    )
+
+
+class _EpochWriter:
+    """What the batch and the streaming writer share: staging in tasks, ending on the driver."""
+
+    def __init__(self, options: WriterOptions) -> None:
+        self.options = options
+
+    def _store(self) -> Store:
+        return Store.open(self.options.path, settings=self.options.settings, create=False)
+
+    def _commit(self, messages: Sequence[WriterCommitMessage | None], epoch: int) -> None:
+        staged = [m for m in messages if isinstance(m, Staged) and m.transaction_id]
+        if not staged:
+            return
+        configure_logging("INFO")
+        txns = [m.transaction_id for m in staged]
+        store = self._store()
+        outcome = finish_epoch(
+            store, staged[0].sink_id, epoch, txns, self.options.producer_group, "sink"
+        )
+        failpoint("sink.published")
+        _report(outcome, staged)
+
+    def _abort(self, messages: Sequence[WriterCommitMessage | None], epoch: int) -> list[str]:
+        staged = [m for m in messages if isinstance(m, Staged) and m.transaction_id]
+        if staged:
+            txns = [m.transaction_id for m in staged]
+            _abandon(self._store(), staged[0].sink_id, epoch, txns, self.options.producer_group)
+            log.warning(
+                "rmqtx sink %s epoch %d aborted: rolled back %d transaction(s)",
+                staged[0].sink_id,
+                epoch,
+                len(txns),
+            )
+        return [m.sink_id for m in staged]
+
+
+class RmqTxBatchWriter(_EpochWriter, DataSourceArrowWriter):
+    """``df.write.format("rmqtx")``: one epoch (0) of a sink id made for this write, unless
+    option ``sinkId`` names one (a second write with the same ``sinkId`` publishes nothing:
+    the id's epoch is closed, as with Delta's ``txnAppId``)."""
+
+    def __init__(self, options: WriterOptions) -> None:
+        super().__init__(options)
+        self.sink_id = options.sink_id or f"write-{new_id()}"
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> Staged:
+        return stage(self._store(), iterator, self.options, self.sink_id, 0)
+
+    def commit(self, messages: list[WriterCommitMessage | None]) -> None:
+        self._commit(messages, 0)
+
+    def abort(self, messages: list[WriterCommitMessage | None]) -> None:
+        self._abort(messages, 0)
+        if self.options.sink_id is None:
+            # This id is never used again: closing its epoch empty lets the check-back job
+            # roll back halves of failed task attempts at once.
+            close_epoch(self._store(), self.sink_id, 0, [], "abort")
+
+
+class RmqTxStreamWriter(_EpochWriter, DataSourceStreamArrowWriter):
+    """``df.writeStream.format("rmqtx")``: epoch = micro-batch id, sink id = option ``sinkId``
+    or the query id (kept in the checkpoint, so a restarted query continues its epochs)."""
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> Staged:
+        context = TaskContext.get()
+        assert context is not None
+        sink_id = self.options.sink_id or context.getLocalProperty("sql.streaming.queryId")
+        epoch = int(context.getLocalProperty("streaming.sql.batchId"))
+        return stage(self._store(), iterator, self.options, sink_id, epoch)
+
+    def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        self._commit(messages, batchId)
+
+    def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        self._abort(messages, batchId)
+
+
+def publish_with_delta_write(
+    rows: DataFrame,
+    table: str,
+    messages: DataFrame,
+    *,
+    app_id: str,
+    version: int,
+    producer_group: str,
+    topic: str | None = None,
+    path: str | None = None,
+) -> EpochOutcome:
+    """Append ``rows`` to the Delta table ``table`` and publish ``messages``, atomically.
+
+    The local transaction of RocketMQ's protocol is the Delta write, made idempotent with
+    Delta's ``txnAppId`` = ``app_id`` and ``txnVersion`` = ``version`` (in a ``foreachBatch``,
+    pass the query's name and the batch id). The messages are staged first (durable,
+    invisible), then the rows are written, then the epoch (``app_id``, ``version``) is closed
+    and its messages committed. A crash anywhere is repaired by re-running the batch (Delta
+    skips a version it has; the epoch publishes once) or by the check-back job, whose epoch
+    checker commits the messages exactly when ``table`` holds ``version`` for ``app_id``.
+
+    Parameters
+    ----------
+    rows : DataFrame
+        Business rows to append to ``table``.
+    table : str
+        Path of the business Delta table.
+    messages : DataFrame
+        Messages, with the columns of ``df.write.format("rmqtx")`` (``body``, ...).
+    app_id, version : str, int
+        Delta's idempotent-writer id and version (the epoch).
+    producer_group : str
+        Producer group of the staged transaction.
+    topic : str, optional
+        Topic of messages without a ``topic`` column.
+    path : str, optional
+        Store root (default: conf).
+
+    Returns
+    -------
+    EpochOutcome
+        Whether this call's messages were committed, or an earlier attempt's were.
+    """
+    options = {PATH: path, PRODUCER_GROUP: producer_group, TOPIC: topic}
+    parsed = WriterOptions.parse({k: v for k, v in options.items() if v}, messages.schema)
+    store = Store.open(parsed.path, settings=parsed.settings, create=False)
+    staged = stage(
+        store,
+        messages.toArrow().to_batches(),
+        parsed,
+        app_id,
+        version,
+        {PROPERTY_DELTA_TABLE: table},
+    )
+    txns = [staged.transaction_id] if staged.transaction_id else []
+    failpoint("delta.staged")
+    try:
+        (
+            rows.write.format("delta")
+            .mode("append")
+            .option("txnAppId", app_id)
+            .option("txnVersion", version)
+            .save(table)
+        )
+    except Exception:
+        _abandon(store, app_id, version, txns, producer_group)
+        raise
+    failpoint("delta.written")
+    return finish_epoch(store, app_id, version, txns, producer_group, "delta")
