@@ -189,9 +189,10 @@ def stage(
 
     Raises InvalidMessageError, naming the problem, before anything is written.
     """
-    table = pa.Table.from_batches(list(batches)) if batches else None
-    if table is None or table.num_rows == 0:
+    received = [b for b in batches if b.num_rows]
+    if not received:
         return Staged(sink_id, epoch, None, 0)
+    table = pa.Table.from_batches(received)
     txn = new_id()
     system = {PROPERTY_SINK_ID: sink_id, PROPERTY_EPOCH: str(epoch), **(extra_properties or {})}
     half = _half_rows(table, options, txn, system)
@@ -209,12 +210,14 @@ def _half_rows(
         raise InvalidMessageError(f"{body.null_count} row(s) have a null 'body'.")
     sizes = pc.binary_length(body)
     limit = options.settings.max_body_bytes
-    if pc.min(sizes).as_py() == 0 or pc.max(sizes).as_py() > limit:
-        empty = pc.sum(pc.equal(sizes, 0)).as_py()
-        large = pc.sum(pc.greater(sizes, limit)).as_py()
+    empty = pc.sum(pc.equal(sizes, 0)).as_py()
+    if empty:
+        raise InvalidMessageError(f"{empty} row(s) have an empty body; drop them.")
+    large = pc.sum(pc.greater(sizes, limit)).as_py()
+    if large:
         raise InvalidMessageError(
-            f"{empty} row(s) have an empty body and {large} a body over the limit of {limit} "
-            "bytes; drop or split them, or raise store.max_body_bytes."
+            f"{large} row(s) have a body over the limit of {limit} bytes; split them, or raise "
+            "store.max_body_bytes."
         )
     topic = _column(table, "topic", pa.string())
     if topic is None:
