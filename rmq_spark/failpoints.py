@@ -1,6 +1,7 @@
-"""Crash points for fault tests: ``RMQ_SPARK_FAILPOINT=<name>`` makes the process group die
-with SIGKILL when the code reaches that point (the driver, its JVM and every Python worker,
-as when a machine is lost). Unset, a failpoint costs one environment lookup.
+"""Crash points for fault tests: ``RMQ_SPARK_FAILPOINT=<name>`` makes the whole session die
+with SIGKILL when the code reaches that point: the session leader's process group (the driver
+and its JVM) and the caller's own group (PySpark's worker daemon has a group of its own), as
+when a machine is lost. Unset, a failpoint costs one environment lookup.
 
 Names: ``sink.staged`` (a task's half messages are durable), ``sink.closed`` (the epoch's
 row is in ``epochs``, nothing decided yet), ``sink.published`` (the epoch is published, Spark
@@ -17,6 +18,7 @@ ENV = "RMQ_SPARK_FAILPOINT"
 
 
 def failpoint(name: str) -> None:
-    """Die here (SIGKILL to the whole process group) if ``RMQ_SPARK_FAILPOINT`` names it."""
+    """Die here (SIGKILL to the session) if ``RMQ_SPARK_FAILPOINT`` names it."""
     if os.environ.get(ENV) == name:
+        os.killpg(os.getsid(0), signal.SIGKILL)
         os.killpg(os.getpgid(0), signal.SIGKILL)

@@ -107,7 +107,12 @@ def test_extra_columns_as_properties(spark, store: Store) -> None:
         ("body int", [(1,)], {}, "column 'body' has type int; it needs binary or string"),
         ("body string, topic string", [("a", "%DLQ%x")], {}, "system topic"),
         ("body string", [("a",), (None,)], {}, "1 row\\(s\\) have a null 'body'"),
-        ("body string", [("a",), ("x" * (4 * 2**20 + 1),)], {}, "1 row\\(s\\) have a body over the limit of 4194304 bytes"),
+        (
+            "body string",
+            [("a",), ("x" * (4 * 2**20 + 1),)],
+            {},
+            "1 row\\(s\\) have a body over the limit of 4194304 bytes",
+        ),
         ("body string", [("",)], {}, "1 row\\(s\\) have an empty body"),
     ],
 )
