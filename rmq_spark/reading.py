@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from functools import partial, reduce
 from itertools import groupby
 
 import numpy as np
@@ -101,23 +102,10 @@ def read_slice(task: CommitLogSlice) -> Iterator[pa.RecordBatch]:
     """The rows of one task in the source schema; each queue's rows in offset order."""
     options = dict(task.storage_options)
     for topic, files in groupby(task.files, key=lambda f: f[0]):
-        keep = _all(
-            [
-                _any(
-                    [
-                        (pc.field("queue_id") == q)
-                        & (pc.field("queue_offset") >= s)
-                        & (pc.field("queue_offset") < e)
-                        for t, q, s, e in task.ranges
-                        if t == topic
-                    ]
-                ),
-                None
-                if task.tags is None
-                else pc.field("tags").isin(pa.array(sorted(task.tags), pa.string())),
-            ]
+        ranges = [(q, s, e) for t, q, s, e in task.ranges if t == topic]
+        rows = read_files(
+            [uri for _, uri in files], FILE_SCHEMA, options, partial(_wanted, ranges, task.tags)
         )
-        rows = read_files([uri for _, uri in files], FILE_SCHEMA, options, keep)
         if not rows.num_rows:
             continue
         rows = _in_queue_order(rows)
@@ -131,6 +119,21 @@ def read_slice(task: CommitLogSlice) -> Iterator[pa.RecordBatch]:
         yield from table.to_batches(max_chunksize=BATCH_ROWS)
 
 
+def _wanted(
+    ranges: list[tuple[int, int, int]], tags: frozenset[str] | None, rows: pa.Table
+) -> pa.ChunkedArray:
+    """Mask of the rows inside one of the (queue, start, end) ranges, with a wanted tag."""
+    queue, offset = rows.column("queue_id"), rows.column("queue_offset")
+    masks = [
+        pc.and_(pc.equal(queue, q), pc.and_(pc.greater_equal(offset, s), pc.less(offset, e)))
+        for q, s, e in ranges
+    ]
+    mask = reduce(pc.or_, masks)
+    if tags is not None:
+        mask = pc.and_(mask, pc.is_in(rows.column("tags"), pa.array(sorted(tags), pa.string())))
+    return mask
+
+
 def _in_queue_order(rows: pa.Table) -> pa.Table:
     """``rows`` with every queue's rows in offset order. Files as the publisher writes them
     already are (queues interleave, each in order), so the common case copies nothing."""
@@ -140,21 +143,4 @@ def _in_queue_order(rows: pa.Table) -> pa.Table:
     same_queue = queues[grouped][1:] == queues[grouped][:-1]
     if np.all(np.diff(offsets[grouped])[same_queue] > 0):
         return rows
-    return rows.take(np.lexsort((offsets, queues)))
-
-
-def _all(parts: list[pc.Expression | None]) -> pc.Expression | None:
-    present = [p for p in parts if p is not None]
-    if not present:
-        return None
-    result = present[0]
-    for part in present[1:]:
-        result = result & part
-    return result
-
-
-def _any(parts: list[pc.Expression]) -> pc.Expression:
-    result = parts[0]
-    for part in parts[1:]:
-        result = result | part
-    return result
+    return rows.combine_chunks().take(np.lexsort((offsets, queues)))  # one chunk: far faster

@@ -35,10 +35,12 @@ committed only if they are on the epoch's list, rolled back otherwise; never twi
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark import TaskContext
@@ -50,7 +52,7 @@ from pyspark.sql.datasource import (
 )
 from pyspark.sql.types import BinaryType, MapType, StringType, StructType
 
-from rmq_spark.config import StoreSettings, configure_logging, load_settings
+from rmq_spark.config import StoreSettings, configure_logging, load_settings, reject_unknown
 from rmq_spark.epochs import EpochOutcome, close_epoch, closed_epoch, finish_epoch
 from rmq_spark.errors import InvalidMessageError, InvalidOptionError
 from rmq_spark.failpoints import failpoint
@@ -62,6 +64,7 @@ from rmq_spark.model import (
     check_group,
     check_topic,
     new_id,
+    new_ids,
     queue_for,
 )
 from rmq_spark.schema import HALF_SCHEMA, TIMESTAMP
@@ -105,12 +108,7 @@ class WriterOptions:
     def parse(cls, options: Mapping[str, str], schema: StructType) -> WriterOptions:
         """Validate the options and the input columns (keys are case-insensitive)."""
         given = {k.lower(): v for k, v in options.items() if k.lower() not in _SPARK_OPTIONS}
-        unknown = sorted(set(given) - {o.lower() for o in WRITE_OPTIONS})
-        if unknown:
-            raise InvalidOptionError(
-                f"unknown option(s) {', '.join(repr(u) for u in unknown)} for writing "
-                f"format('rmqtx'); valid options: {', '.join(WRITE_OPTIONS)}."
-            )
+        reject_unknown(given, WRITE_OPTIONS, "writing format('rmqtx')")
         group = given.get(PRODUCER_GROUP.lower())
         if not group:
             raise InvalidOptionError(
@@ -239,7 +237,7 @@ def _half_rows(
     return pa.table(
         {
             "transaction_id": pa.repeat(pa.scalar(txn, pa.string()), n),
-            "msg_id": [new_id() for _ in range(n)],
+            "msg_id": new_ids(n),
             "producer_group": pa.repeat(pa.scalar(options.producer_group, pa.string()), n),
             "topic": topic,
             "queue_id": [queue_for(k, options.settings.queue_nums) for k in key_list],
@@ -258,13 +256,19 @@ def _column(table: pa.Table, name: str, type_: pa.DataType) -> pa.ChunkedArray |
     return table.column(name).cast(type_) if name in table.column_names else None
 
 
-def _properties(
-    table: pa.Table, extra: Sequence[str], system: Mapping[str, str]
-) -> list[list[tuple[str, str]]]:
+def _properties(table: pa.Table, extra: Sequence[str], system: Mapping[str, str]) -> pa.Array:
+    """Each row's properties: its own, its extra columns, then the writer's (which win)."""
+    n, kind = table.num_rows, HALF_SCHEMA.field("properties").type
+    if "properties" not in table.column_names and not extra:
+        width = len(system)
+        return pa.MapArray.from_arrays(
+            pa.array(np.arange(0, (n + 1) * width, width, dtype=np.int32)),
+            pa.array(list(system) * n, pa.string()),
+            pa.array(list(system.values()) * n, pa.string()),
+            type=kind,
+        )
     user = (
-        table.column("properties").to_pylist()
-        if "properties" in table.column_names
-        else [None] * table.num_rows
+        table.column("properties").to_pylist() if "properties" in table.column_names else [None] * n
     )
     carried = {c: table.column(c).cast(pa.string()).to_pylist() for c in extra}
     rows = []
@@ -273,7 +277,7 @@ def _properties(
         merged.update((c, v[i]) for c, v in carried.items() if v[i] is not None)
         merged.update(system)
         rows.append(list(merged.items()))
-    return rows
+    return pa.array(rows, kind)
 
 
 def _abandon(store: Store, sink_id: str, epoch: int, staged: Sequence[str], group: str) -> None:
@@ -287,17 +291,18 @@ def _abandon(store: Store, sink_id: str, epoch: int, staged: Sequence[str], grou
         )
 
 
-def _report(outcome: EpochOutcome, staged: Sequence[Staged]) -> None:
+def _report(outcome: EpochOutcome, staged: Sequence[Staged], seconds: float) -> None:
     count = sum(m.count for m in staged)
     log.info(
-        "rmqtx sink %s epoch %d: %d message(s) staged in %d transaction(s); %s",
+        "rmqtx sink %s epoch %d: %d message(s) staged in %d transaction(s); %s (%.1f s)",
         outcome.sink_id,
         outcome.epoch,
         count,
         len(staged),
-        f"committed {len(outcome.committed)} transaction(s)"
+        f"committed and published {len(outcome.committed)} transaction(s)"
         if outcome.first
         else f"already closed by an earlier attempt: rolled back {len(outcome.rolled_back)}",
+        seconds,
     )
 
 
@@ -315,13 +320,14 @@ class _EpochWriter:
         if not staged:
             return
         configure_logging("INFO")
+        started = time.perf_counter()
         txns = [m.transaction_id for m in staged]
         store = self._store()
         outcome = finish_epoch(
             store, staged[0].sink_id, epoch, txns, self.options.producer_group, "sink"
         )
         failpoint("sink.published")
-        _report(outcome, staged)
+        _report(outcome, staged, time.perf_counter() - started)
 
     def _abort(self, messages: Sequence[WriterCommitMessage | None], epoch: int) -> list[str]:
         staged = [m for m in messages if isinstance(m, Staged) and m.transaction_id]

@@ -81,7 +81,7 @@ from pyspark.sql.streaming.datasource import (
 )
 from pyspark.sql.types import StructType
 
-from rmq_spark.config import load_settings, parse_int
+from rmq_spark.config import load_settings, parse_int, reject_unknown
 from rmq_spark.errors import InvalidMessageError, InvalidOptionError
 from rmq_spark.model import check_group, check_topic
 from rmq_spark.offsets import Offsets, latest_offsets, parse_offsets, resolve, to_json
@@ -168,12 +168,7 @@ class ReaderOptions:
             if not streaming and stream_only.lower() in given:
                 log.warning("option %r only applies to streaming reads; ignored", stream_only)
                 given.pop(stream_only.lower())
-        unknown = sorted(set(given) - {o.lower() for o in allowed})
-        if unknown:
-            raise InvalidOptionError(
-                f"unknown option(s) {', '.join(repr(u) for u in unknown)} for format('rmqtx'); "
-                f"valid options: {', '.join(allowed)}."
-            )
+        reject_unknown(given, allowed, "format('rmqtx')")
         topic_text = given.get(TOPIC.lower())
         if not topic_text or not topic_text.strip():
             raise InvalidOptionError(
@@ -250,11 +245,14 @@ def timestamp_offsets(store: Store, topics: tuple[str, ...], millis: int, end: O
         if f["partition.topic"] in topics and (newest is None or newest >= since):
             files.setdefault(f["partition.topic"], []).append(f["uri"])
     columns = pa.schema([FILE_SCHEMA.field(c) for c in TIMESTAMP_COLUMNS])
-    stored_since = pc.field("store_timestamp") >= pa.scalar(since, columns.field(2).type)
+    since_scalar = pa.scalar(since, columns.field("store_timestamp").type)
     result: Offsets = {}
     for topic, queues in end.items():
         rows = read_files(
-            files.get(topic, []), columns, store.settings.storage_options, stored_since
+            files.get(topic, []),
+            columns,
+            store.settings.storage_options,
+            lambda t: pc.greater_equal(t.column("store_timestamp"), since_scalar),
         )
         first = rows.group_by("queue_id").aggregate([("queue_offset", "min")]).to_pylist()
         found = {r["queue_id"]: r["queue_offset_min"] for r in first}

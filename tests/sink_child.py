@@ -1,6 +1,6 @@
 """A streaming pipeline run as its own process by the sink fault tests (killed by failpoints).
 
-Usage: python -m tests.sink_child {stream|foreach} STORE INPUT CHECKPOINT BUSINESS_TABLE
+Usage: python -m tests.sink_child {stream|foreach|batch} STORE INPUT CHECKPOINT BUSINESS_TABLE
 """
 
 from __future__ import annotations
@@ -11,7 +11,15 @@ from rmq_spark import get_spark, publish_with_delta_write
 
 
 def main(mode: str, store: str, source: str, checkpoint: str, business: str) -> None:
-    spark = get_spark("sink-child")
+    # Up to 2 attempts per task, so a task failing after staging is retried.
+    spark = get_spark("sink-child", master="local[2,2]")
+    if mode == "batch":
+        rows = spark.read.format("delta").load(source).selectExpr("body", "keys")
+        rows.write.format("rmqtx").mode("append").option("path", store).option(
+            "topic", "Orders"
+        ).option("producerGroup", "pipeline").save()
+        spark.stop()
+        return
     rows = spark.readStream.format("delta").option("maxFilesPerTrigger", 1).load(source)
     if mode == "stream":
         writer = (

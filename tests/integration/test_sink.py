@@ -211,28 +211,23 @@ def test_publish_with_delta_write(spark, store: Store, tmp_path: Path) -> None:
     table = str(tmp_path / "orders")
     orders = spark.createDataFrame([(1, "new"), (2, "new")], "order_id int, status string")
     events = spark.createDataFrame([("order 1 created",), ("order 2 created",)], "body string")
-    outcome = publish_with_delta_write(
-        orders,
-        table,
-        events,
-        app_id="orders-job",
-        version=0,
-        producer_group="orders",
-        topic="OrderEvents",
-        path=store.root,
-    )
+
+    def run():
+        return publish_with_delta_write(
+            orders,
+            table,
+            events,
+            app_id="orders-job",
+            version=0,
+            producer_group="orders",
+            topic="OrderEvents",
+            path=store.root,
+        )
+
+    outcome = run()
     assert outcome.first and len(outcome.committed) == 1
     # The same batch again (a replay): Delta skips the version, the epoch publishes nothing.
-    again = publish_with_delta_write(
-        orders,
-        table,
-        events,
-        app_id="orders-job",
-        version=0,
-        producer_group="orders",
-        topic="OrderEvents",
-        path=store.root,
-    )
+    again = run()
     assert not again.first and again.rolled_back
     assert spark.read.format("delta").load(table).count() == 2
     assert bodies(store) == ["order 1 created", "order 2 created"]
