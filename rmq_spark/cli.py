@@ -6,6 +6,9 @@ rmqtx check --once                       # one check-back round on the configure
 rmqtx check --interval 30s               # a round every 30 s until SIGTERM / Ctrl-C
 rmqtx check --once --checker order-service=my_service.checks:check_order
 rmqtx resume                             # re-drive every discarded message
+rmqtx status                             # topics, producer/consumer groups, discards, last run
+rmqtx status --json                      # the same, for scripts
+rmqtx tail OrderEvents -n 20             # newest committed messages of a topic
 """
 
 from __future__ import annotations
@@ -66,6 +69,17 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ID",
         help="a discarded transaction to re-drive (repeatable; default: all)",
     )
+
+    status = sub.add_parser(
+        "status",
+        help="topics, pending transactions per producer group, consumer lag, discards, last run",
+    )
+    status.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+    tail = sub.add_parser("tail", help="print the newest committed messages of a topic")
+    tail.add_argument("topic")
+    tail.add_argument("-n", "--count", type=int, default=10, help="how many (default 10)")
+    tail.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser
 
 
@@ -122,13 +136,33 @@ def _resume(args: argparse.Namespace, settings: Settings) -> int:
     return EXIT_OK
 
 
+def _status(args: argparse.Namespace, settings: Settings) -> int:
+    from rmq_spark.status import format_status, store_status, to_json
+
+    status = store_status(Store.open(args.path, settings=settings, create=False))
+    print(to_json(status) if args.json else format_status(status))
+    return EXIT_OK
+
+
+def _tail(args: argparse.Namespace, settings: Settings) -> int:
+    from rmq_spark.status import format_tail, tail, to_json
+
+    if args.count < 1:
+        raise RmqSparkError(f"-n/--count needs to be at least 1, not {args.count}.")
+    messages = tail(Store.open(args.path, settings=settings, create=False), args.topic, args.count)
+    print(to_json(messages) if args.json else format_tail(messages))
+    return EXIT_OK
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``rmqtx``; returns the exit code."""
     args = build_parser().parse_args(argv)
     try:
         settings = load_settings(args.conf)
         configure_logging(settings.log_level)
-        handler = {"check": _check, "resume": _resume}[args.command]
+        handler = {"check": _check, "resume": _resume, "status": _status, "tail": _tail}[
+            args.command
+        ]
         return handler(args, settings)
     except RmqSparkError as exc:
         print(f"rmqtx {args.command}: {exc}", file=sys.stderr)

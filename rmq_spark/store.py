@@ -315,7 +315,9 @@ class Store:
             )
         if not create:
             raise StoreError(
-                f"no rmq-spark store at {self.root!r}; open it with create=True to make one."
+                f"no rmq-spark store at {self.root!r}; check the path (--path, option 'path' or "
+                "store.path). A store is made when a producer or Store.open(create=True) first "
+                "opens it."
             )
         for name, (schema, partition_by, properties) in TABLES.items():
             DeltaTable.create(

@@ -1,0 +1,122 @@
+"""`rmqtx status` and `rmqtx tail`: every figure checked against a store built to match."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+from rmq_spark import Decision, LocalTransactionState, Message, Store
+from rmq_spark.checkback import CheckBackJob
+from rmq_spark.checkers import CallableChecker
+from rmq_spark.config import TransactionSettings
+from rmq_spark.status import store_status
+
+REPO = Path(__file__).resolve().parents[2]
+COMMIT, ROLLBACK = LocalTransactionState.COMMIT, LocalTransactionState.ROLLBACK
+
+
+def rmqtx(store_root: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "rmq_spark.cli", "--path", store_root, *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def build(spark, store: Store) -> None:
+    """Orders: 3 committed (2 txns + 1 normal send), 1 rolled back, 1 pending; Payments: 2
+    committed; group 'flaky': 1 transaction discarded at the check max; consumer 'billing'
+    has read 1 message of Orders."""
+    orders = store.prepare([Message("Orders", f"o{i}", keys=f"k{i}") for i in range(4)], "shop")
+    store.end_transactions(
+        [
+            Decision(orders[0].transaction_id, "shop", COMMIT),
+            Decision(orders[1].transaction_id, "shop", COMMIT),
+            Decision(orders[2].transaction_id, "shop", ROLLBACK),
+        ]
+    )
+    store.send([Message("Orders", "n1", keys="k9")], "shop")
+    pay = store.prepare([Message("Payments", f"p{i}") for i in range(2)], "pay")
+    store.end_transactions([Decision(p.transaction_id, "pay", COMMIT) for p in pay])
+    store.prepare([Message("Audit", "x", tags="UNKNOWN")], "flaky")
+    settings = TransactionSettings(transaction_timeout=0.0, transaction_check_max=1)
+    # Only 'flaky' is routed: its one transaction is UNKNOWN, discarded at the check max of 1;
+    # 'shop''s pending transaction stays pending (unrouted, skipped).
+    flaky = {"flaky": CallableChecker("tests.checker_functions:by_tag")}
+    CheckBackJob(spark, store, flaky, settings, skip_unrouted=True).run_once()
+    (
+        spark.readStream.format("rmqtx")
+        .option("path", store.root)
+        .option("topic", "Orders")
+        .option("consumerGroup", "billing")
+        .option("maxMessagesPerTrigger", 1)
+        .load()
+        .writeStream.format("noop")
+        .trigger(availableNow=True)
+        .start()
+        .awaitTermination(120)
+    )
+
+
+def test_status_json_every_figure(spark, store: Store) -> None:
+    build(spark, store)
+    now = datetime.now(UTC) + timedelta(seconds=10)
+    status = store_status(store, now)
+    topics = {t["topic"]: t for t in status["topics"]}
+    assert topics["Orders"]["committed"] == 3
+    assert sum(topics["Orders"]["queues"].values()) == 3  # dense offsets: next = count
+    assert topics["Payments"]["committed"] == 2
+    assert "Audit" not in topics  # discarded, never committed
+    groups = {g["producer_group"]: g for g in status["producer_groups"]}
+    assert groups["shop"]["pending_transactions"] == 1
+    assert groups["shop"]["pending_messages"] == 1
+    assert groups["shop"]["committed_transactions"] == 2
+    assert groups["shop"]["rolled_back_transactions"] == 1
+    assert 10 <= groups["shop"]["oldest_pending_age_seconds"] < 300
+    assert groups["pay"]["pending_transactions"] == 0
+    assert groups["pay"]["oldest_pending_age_seconds"] is None
+    assert (
+        groups["pay"]["committed_transactions"] == 1 or groups["pay"]["committed_transactions"] == 2
+    )
+    assert groups["flaky"]["rolled_back_transactions"] == 1
+    assert groups["flaky"]["pending_transactions"] == 0
+    (billing,) = status["consumer_groups"]
+    assert billing["consumer_group"] == "billing" and billing["topic"] == "Orders"
+    # Spark commits a batch's offsets when the next starts: the last batch's are not recorded.
+    assert billing["lag"] == 3 - sum(billing["queues"].values())
+    assert 0 < billing["lag"] <= 3
+    assert status["discards"] == {"messages": 1, "transactions": 1, "not_redriven": 1}
+    run = status["last_check_back"]
+    assert run["status"] == "finished" and run["discarded"] == 1
+
+    cli = rmqtx(store.root, "status", "--json")
+    assert cli.returncode == 0, cli.stderr
+    printed = json.loads(cli.stdout)
+    assert printed["topics"] == status["topics"]
+    assert printed["discards"] == status["discards"]
+    text = rmqtx(store.root, "status")
+    assert text.returncode == 0
+    assert "Orders" in text.stdout and "billing" in text.stdout and "discards: 1" in text.stdout
+
+
+def test_tail_and_errors(store: Store, tmp_path: Path) -> None:
+    store.send([Message("Orders", f"m{i}", keys=f"k{i}", tags="T") for i in range(5)], "shop")
+    store.send([Message("Orders", "last", keys="z")], "shop")
+    out = rmqtx(store.root, "tail", "Orders", "-n", "3", "--json")
+    assert out.returncode == 0, out.stderr
+    messages = json.loads(out.stdout)
+    assert len(messages) == 3 and messages[0]["body"] == "last"
+    table = rmqtx(store.root, "tail", "Orders")
+    assert table.returncode == 0 and "last" in table.stdout and "m0" in table.stdout
+
+    unknown = rmqtx(store.root, "tail", "Nope")
+    assert unknown.returncode == 2
+    assert "topic 'Nope' has no committed messages" in unknown.stderr
+    assert "Orders" in unknown.stderr
+    missing = rmqtx(str(tmp_path / "not-a-store"), "status")
+    assert missing.returncode == 2 and "no rmq-spark store" in missing.stderr
