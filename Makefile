@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 
 export RMQ_SPARK_JARS := $(abspath $(JARS))
 
-.PHONY: setup demo test lint bench check-back clean
+.PHONY: setup demo test lint bench check-back notebooks clean
 setup: $(VENV)/.installed $(JARS)/.fetched
 
 $(VENV)/.installed: setup.py
@@ -39,6 +39,11 @@ check-back: setup
 	    --jars $$(ls $(JARS)/delta-spark_*.jar $(JARS)/delta-storage-*.jar | paste -sd, -) \
 	    --driver-java-options -Dlog4j2.configurationFile=file:$(abspath rmq_spark/log4j2.properties) \
 	    jobs/check_back.py $(ARGS)
+
+# JupyterLab on notebooks/ (installs the 'notebooks' extra the first time).
+notebooks: setup
+	$(PY) -m pip install --quiet -e '.[notebooks]'
+	$(VENV)/bin/jupyter lab notebooks/
 
 lint: setup
 	$(VENV)/bin/ruff check .

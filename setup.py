@@ -27,7 +27,17 @@ setup(
         "numpy>=1.26",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6"],
+        "test": [
+            "pytest>=8",
+            "pytest-timeout>=2.3",
+            "ruff>=0.6",
+            # The notebooks are executed by the test suite.
+            "nbclient>=0.10",
+            "nbformat>=5.10",
+            "ipykernel>=6.29",
+            "matplotlib>=3.8",
+        ],
+        "notebooks": ["jupyterlab>=4", "matplotlib>=3.8"],
     },
     entry_points={"console_scripts": ["rmqtx=rmq_spark.cli:main"]},
 )
