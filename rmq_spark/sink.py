@@ -50,7 +50,7 @@ from pyspark.sql.datasource import (
     DataSourceStreamArrowWriter,
     WriterCommitMessage,
 )
-from pyspark.sql.types import BinaryType, MapType, StringType, StructType
+from pyspark.sql.types import BinaryType, MapType, StringType, StructField, StructType
 
 from rmq_spark.config import StoreSettings, configure_logging, load_settings, reject_unknown
 from rmq_spark.epochs import EpochOutcome, close_epoch, closed_epoch, finish_epoch
@@ -151,10 +151,11 @@ def _check_columns(schema: StructType, *, carry_extra: bool) -> tuple[str, ...]:
         allowed = INPUT_COLUMNS.get(field.name)
         if allowed is None:
             extra.append(field.name)
-        elif not isinstance(field.dataType, allowed):
+        elif not isinstance(field.dataType, allowed) or not _string_map(field):
             raise InvalidOptionError(
                 f"column {field.name!r} has type {field.dataType.simpleString()}; it needs "
-                f"{' or '.join(t.typeName() for t in allowed)}."
+                f"{' or '.join(t.typeName() for t in allowed)}"
+                + (" of string to string." if field.name == "properties" else ".")
             )
     if extra and not carry_extra:
         raise InvalidOptionError(
@@ -163,6 +164,14 @@ def _check_columns(schema: StructType, *, carry_extra: bool) -> tuple[str, ...]:
             "'extraColumnsAsProperties' to 'true' to carry them as message properties."
         )
     return tuple(extra)
+
+
+def _string_map(field: StructField) -> bool:
+    """False for a map column whose keys or values are not strings."""
+    kind = field.dataType
+    return not isinstance(kind, MapType) or (
+        isinstance(kind.keyType, StringType) and isinstance(kind.valueType, StringType)
+    )
 
 
 @dataclass(frozen=True)

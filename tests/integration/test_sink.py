@@ -105,6 +105,7 @@ def test_extra_columns_as_properties(spark, store: Store) -> None:
         (INPUT, [("a", "k", "T")], {"topic": "RMQ_SYS_TRANS_HALF_TOPIC"}, "system topic"),
         ("body string, extra int", [("a", 1)], {}, "unexpected input column\\(s\\) 'extra'"),
         ("body int", [(1,)], {}, "column 'body' has type int; it needs binary or string"),
+        ("body string, properties map<string,int>", [("a", {"k": 1})], {}, "of string to str"),
         ("body string, topic string", [("a", "%DLQ%x")], {}, "system topic"),
         ("body string", [("a",), (None,)], {}, "1 row\\(s\\) have a null 'body'"),
         (
