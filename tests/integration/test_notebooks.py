@@ -3,7 +3,6 @@ outputs."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import nbformat
@@ -29,13 +28,11 @@ def test_notebook_runs(path: Path, tmp_path: Path) -> None:
         for cell in notebook.cells
         if cell.cell_type == "code"
     ), f"{path.name} is committed with outputs; clear them"
-    env = {**os.environ, "MPLBACKEND": "Agg"}
     client = NotebookClient(
         notebook,
         timeout=600,
         kernel_name="python3",
         resources={"metadata": {"path": str(path.parent)}},
-        env=env,
     )
     client.execute()
     outputs = [o for cell in notebook.cells for o in cell.get("outputs", [])]
