@@ -73,6 +73,9 @@ STORE_FORMAT = "rmq-spark-store"
 #: Application id under which ``commitlog`` records the last ``op`` version it published.
 OP_CURSOR_APP_ID = "rmqtx.publish.op_version"
 _QUEUE_APP_ID = "rmqtx.queue.{topic}.{queue_id}"
+#: Tables added to layout 1 after its first stores were made: opening an older store creates
+#: them (empty) instead of refusing it. Any other missing table is damage.
+TABLES_ADDED_LATER = ("consumer_offsets", "epochs")
 _MAX_COMMIT_ATTEMPTS = 200
 #: Compact a table after every this many commits: deltalake's commit cost grows with the
 #: number of files in the snapshot, and every group commit adds one.
@@ -294,6 +297,10 @@ class Store:
         marker = f"{root.rstrip('/')}/{MARKER_FILE}"
         if fs.exists(marker):
             self._check_marker(fs, marker)
+            for name in TABLES_ADDED_LATER:
+                if not fs.exists(f"{root.rstrip('/')}/{name}"):
+                    self._create_table(name)
+                    log.info("store %s: created table %r, new in this version", self.root, name)
             for name in TABLES:
                 self._check_table(name)
             return
@@ -319,16 +326,8 @@ class Store:
                 "store.path). A store is made when a producer or Store.open(create=True) first "
                 "opens it."
             )
-        for name, (schema, partition_by, properties) in TABLES.items():
-            DeltaTable.create(
-                self.table_uri(name),
-                schema=schema,
-                mode="ignore",
-                partition_by=partition_by or None,
-                name=f"rmqtx_{name}",
-                configuration=properties,
-                storage_options=self._storage_options,
-            )
+        for name in TABLES:
+            self._create_table(name)
             self._check_table(name)
         # The marker is written last: a store is complete once it exists.
         with fs.open(marker, "w") as out:
@@ -337,6 +336,18 @@ class Store:
                 out,
             )
         log.info("created rmq-spark store at %s", self.root)
+
+    def _create_table(self, name: str) -> None:
+        schema, partition_by, properties = TABLES[name]
+        DeltaTable.create(
+            self.table_uri(name),
+            schema=schema,
+            mode="ignore",
+            partition_by=partition_by or None,
+            name=f"rmqtx_{name}",
+            configuration=properties,
+            storage_options=self._storage_options,
+        )
 
     def _check_marker(self, fs: fsspec.AbstractFileSystem, marker: str) -> None:
         try:

@@ -191,6 +191,14 @@ def test_foreign_table_is_refused(store: Store, tmp_path: Path) -> None:
         Store.open(store.root)
 
 
+def test_tables_added_later_are_created_in_an_older_store(store: Store) -> None:
+    import shutil
+
+    shutil.rmtree(Path(store.root) / "epochs")
+    reopened = Store.open(store.root, create=False)
+    assert reopened.table("epochs").to_pyarrow_table().num_rows == 0
+
+
 def test_missing_table_is_refused(store: Store) -> None:
     import shutil
 
