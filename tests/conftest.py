@@ -28,6 +28,23 @@ def spark() -> Iterator[object]:
     session.stop()
 
 
+def race(target, sides: list[tuple]) -> dict:
+    """Run ``target(*args, barrier, out)`` in one spawned process per ``args`` of ``sides``,
+    in lock-step on a shared barrier; each puts ``(name, result)`` on ``out``. Returns
+    ``{name: result}``."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(len(sides)), ctx.Queue()
+    procs = [ctx.Process(target=target, args=(*args, barrier, out)) for args in sides]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=300) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    return results
+
+
 def commitlog(store: Store) -> pa.Table:
     """Everything consumers can see, ordered by topic, queue and offset."""
     table = store.table("commitlog").to_pyarrow_table()

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from rmq_spark import Decision, LocalTransactionState, Message, Store
-from tests.conftest import commitlog
+from tests.conftest import commitlog, race
 
 COMMIT, ROLLBACK = LocalTransactionState.COMMIT, LocalTransactionState.ROLLBACK
 REPO = Path(__file__).resolve().parents[2]
@@ -35,17 +35,7 @@ def test_two_processes_racing_to_decide(store: Store) -> None:
     rounds = 25
     prepared = store.prepare([Message("Orders", str(i)) for i in range(rounds)], "pg")
     txns = [p.transaction_id for p in prepared]
-    ctx = mp.get_context("spawn")
-    barrier, out = ctx.Barrier(2), ctx.Queue()
-    procs = [
-        ctx.Process(target=_race_worker, args=(store.root, txns, s, barrier, out))
-        for s in ("COMMIT", "ROLLBACK")
-    ]
-    for p in procs:
-        p.start()
-    results = dict(out.get(timeout=300) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
+    results = race(_race_worker, [(store.root, txns, s) for s in ("COMMIT", "ROLLBACK")])
     visible = set(commitlog(store).column("transaction_id").to_pylist())
     winners = Counter()
     for i, txn in enumerate(txns):

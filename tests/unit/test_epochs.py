@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
-
 from rmq_spark import LocalTransactionState, Message, Store
 from rmq_spark.epochs import close_epoch, closed_epoch, finish_epoch
-from tests.conftest import commitlog
+from tests.conftest import commitlog, race
 
 EPOCHS = 12
 
@@ -22,17 +20,7 @@ def _closer(root: str, name: str, barrier, out) -> None:
 
 
 def test_two_processes_closing_the_same_epochs(store: Store) -> None:
-    ctx = mp.get_context("spawn")
-    barrier, out = ctx.Barrier(2), ctx.Queue()
-    procs = [
-        ctx.Process(target=_closer, args=(store.root, name, barrier, out))
-        for name in ("driver", "checker")
-    ]
-    for p in procs:
-        p.start()
-    results = dict(out.get(timeout=300) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
+    results = race(_closer, [(store.root, name) for name in ("driver", "checker")])
     for epoch in range(EPOCHS):
         (_, d_winners, d_mine), (_, c_winners, c_mine) = (
             results["driver"][epoch],
