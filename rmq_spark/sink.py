@@ -315,6 +315,11 @@ def _report(outcome: EpochOutcome, staged: Sequence[Staged], seconds: float) -> 
     )
 
 
+def _staged(messages: Sequence[WriterCommitMessage | None]) -> list[Staged]:
+    """The commit messages of tasks that staged something."""
+    return [m for m in messages if isinstance(m, Staged) and m.transaction_id]
+
+
 class _EpochWriter:
     """What the batch and the streaming writer share: staging in tasks, ending on the driver."""
 
@@ -325,7 +330,7 @@ class _EpochWriter:
         return Store.open(self.options.path, settings=self.options.settings, create=False)
 
     def _commit(self, messages: Sequence[WriterCommitMessage | None], epoch: int) -> None:
-        staged = [m for m in messages if isinstance(m, Staged) and m.transaction_id]
+        staged = _staged(messages)
         if not staged:
             return
         configure_logging("INFO")
@@ -338,8 +343,8 @@ class _EpochWriter:
         failpoint("sink.published")
         _report(outcome, staged, time.perf_counter() - started)
 
-    def _abort(self, messages: Sequence[WriterCommitMessage | None], epoch: int) -> list[str]:
-        staged = [m for m in messages if isinstance(m, Staged) and m.transaction_id]
+    def _abort(self, messages: Sequence[WriterCommitMessage | None], epoch: int) -> None:
+        staged = _staged(messages)
         if staged:
             txns = [m.transaction_id for m in staged]
             _abandon(self._store(), staged[0].sink_id, epoch, txns, self.options.producer_group)
@@ -349,7 +354,6 @@ class _EpochWriter:
                 epoch,
                 len(txns),
             )
-        return [m.sink_id for m in staged]
 
 
 class RmqTxBatchWriter(_EpochWriter, DataSourceArrowWriter):
