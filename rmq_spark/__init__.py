@@ -13,6 +13,7 @@ from rmq_spark._version import __version__
 from rmq_spark.config import Settings, load_settings
 from rmq_spark.errors import (
     CorruptStoreError,
+    EpochLostError,
     InvalidMessageError,
     InvalidOptionError,
     NotAStoreError,
@@ -46,6 +47,7 @@ __all__ = [
     "Decision",
     "EndTransactionResult",
     "EndTransactionStatus",
+    "EpochLostError",
     "InvalidMessageError",
     "InvalidOptionError",
     "LocalTransactionState",

@@ -41,11 +41,17 @@ from pyspark.sql import functions as F
 
 from rmq_spark.checkers import Checker, CheckerConfigError
 from rmq_spark.config import TransactionSettings
-from rmq_spark.epochs import EpochChecker
+from rmq_spark.epochs import WRITER_ALIVE, EpochChecker
 from rmq_spark.errors import InvalidOptionError
-from rmq_spark.model import PROPERTY_CHECK_IMMUNITY, PROPERTY_SINK_ID, LocalTransactionState, new_id
+from rmq_spark.model import PROPERTY_CHECK_IMMUNITY, LocalTransactionState, new_id
 from rmq_spark.report import read_table
-from rmq_spark.schema import CHECK_RUNS_SCHEMA, CHECK_STATE_SCHEMA, DISCARD_SCHEMA, HALF_SCHEMA
+from rmq_spark.schema import (
+    CHECK_RUNS_SCHEMA,
+    CHECK_STATE_SCHEMA,
+    DISCARD_SCHEMA,
+    HALF_MESSAGE_SCHEMA,
+    HALF_SCHEMA,
+)
 from rmq_spark.store import Decision, EndTransactionStatus, Store
 
 log = logging.getLogger(__name__)
@@ -108,7 +114,7 @@ class CheckBackSummary:
             ("already decided", self.already_decided, "the producer decided first"),
             ("discarded", self.discarded, "rolled back at the check max; see discard table"),
             ("skipped for age", self.skipped_for_age, "older than the max check age"),
-            ("not yet due", self.not_yet_due, "younger than timeout or immunity"),
+            ("not yet due", self.not_yet_due, "younger than timeout or immunity; writer alive"),
             ("unrouted", self.unrouted, "no checker configured for their producer group"),
             ("checker errors", self.errors, "checker raised; counted as unknown"),
         ]
@@ -287,7 +293,8 @@ class CheckBackJob:
                 (age / 1e6).alias("age_seconds"),
                 immunity.alias("immunity_seconds"),
                 F.col("first_seen").isNull().alias("new"),
-                F.col("properties").getItem(PROPERTY_SINK_ID).isNotNull().alias("epoch_message"),
+                # Set only by the sink and publish_with_delta_write, never from user input.
+                F.col("sink_id").isNotNull().alias("epoch_message"),
             )
             .withColumn("first_seen", first_seen)
             .withColumn("check_count", F.coalesce("check_count", F.lit(0)).cast("int"))
@@ -326,14 +333,14 @@ class CheckBackJob:
                 part = mine.filter(pc.equal(mine.column("epoch_message"), epoch_message))
                 if part.num_rows:
                     answer = self._ask(group, epoch_message, batch, part.column("transaction_id"))
-                    ended |= self._apply(part, answer, now, counts)
+                    ended |= self._apply(part, answer, now, counts, budget=not epoch_message)
                     answers.append(answer)
         return pa.concat_tables(answers), ended
 
     def _ask(
         self, group: str, epoch_message: bool, batch: DataFrame, ids: pa.ChunkedArray
     ) -> pa.Table:
-        checker = EpochChecker(self.store) if epoch_message else self.checkers[group]
+        checker = EpochChecker(self.store, self.clock) if epoch_message else self.checkers[group]
         log.info(
             "asking the %s checker of %r about %d transaction(s)", checker.kind, group, len(ids)
         )
@@ -361,17 +368,33 @@ class CheckBackJob:
             )
         return answer.rename_columns(_ANSWERS_ARROW.names).cast(_ANSWERS_ARROW)
 
-    def _apply(self, due: pa.Table, answers: pa.Table, now: datetime, counts: Counter[str]) -> None:
-        """Record decisions, check counts and discards for one group's answers."""
+    def _apply(
+        self,
+        due: pa.Table,
+        answers: pa.Table,
+        now: datetime,
+        counts: Counter[str],
+        *,
+        budget: bool = True,
+    ) -> set[str]:
+        """Record decisions, check counts and discards for one group's answers.
+
+        Without ``budget`` (transactions of transactional writers) the check max never rolls
+        a transaction back: only its epoch decides its fate (see :mod:`rmq_spark.epochs`).
+        """
         by_id = {r["transaction_id"]: r for r in due.select(_STATE_COLUMNS).to_pylist()}
         rows = [{**by_id[a["transaction_id"]], **a} for a in answers.to_pylist()]
+        alive = [r for r in rows if r["answer"] == WRITER_ALIVE]
+        rows = [r for r in rows if r["answer"] != WRITER_ALIVE]
+        counts["not_yet_due"] += len(alive)
         counts["checked"] += len(rows)
         counts["errors"] += sum(1 for r in rows if r["error"])
         decided = [r for r in rows if r["answer"] in ("COMMIT", "ROLLBACK")]
         undecided = [r for r in rows if r["answer"] not in ("COMMIT", "ROLLBACK")]
         check_max = self.settings.transaction_check_max
-        at_max = [r for r in undecided if r["check_count"] + 1 >= check_max]
-        still_unknown = [r for r in undecided if r["check_count"] + 1 < check_max]
+        spent = [budget and r["check_count"] + 1 >= check_max for r in undecided]
+        at_max = [r for r, out in zip(undecided, spent, strict=True) if out]
+        still_unknown = [r for r, out in zip(undecided, spent, strict=True) if not out]
 
         self._decide(decided, DECIDED_BY_CHECKER, counts)
         discarded = self._decide(
@@ -382,6 +405,8 @@ class CheckBackJob:
         self._insert_discards(discarded, now)
         self._update_check_state(
             [{**r, "new_count": r["check_count"] + 1, "checked_at": now} for r in still_unknown]
+            # A live writer's transaction is not checked: its clock starts, its count stays.
+            + [{**r, "new_count": r["check_count"], "checked_at": None} for r in alive]
         )
         return {r["transaction_id"] for r in decided + at_max}
 
@@ -490,7 +515,7 @@ class CheckBackJob:
         half = self.store.half_messages(transaction_ids)
         n = half.num_rows
         rows = pa.Table.from_arrays(
-            [half.column(c) for c in HALF_SCHEMA.names]
+            [half.column(c) for c in HALF_MESSAGE_SCHEMA.names]
             + [
                 pa.array([self.settings.transaction_check_max] * n, pa.int32()),
                 pa.array([now] * n, DISCARD_SCHEMA.field("discarded_timestamp").type),
@@ -570,7 +595,7 @@ def redrive(store: Store, transaction_ids: Sequence[str] | None = None) -> list[
     half = pa.Table.from_pylist(
         [
             {
-                **{c: r[c] for c in HALF_SCHEMA.names},
+                **{c: r.get(c) for c in HALF_SCHEMA.names},
                 "transaction_id": new_ids[r["transaction_id"]],
                 "properties": list(dict(r["properties"] or ()).items())
                 + [("REDRIVEN_FROM_TRANSACTION_ID", r["transaction_id"])],

@@ -1,35 +1,47 @@
-"""Epochs of transactional writers: which attempt of an epoch is the one that counts.
+"""Epochs of transactional writers: which attempt of an epoch counts, and when a writer is gone.
 
 A transactional writer (the ``rmqtx`` sink, :func:`rmq_spark.sink.publish_with_delta_write`)
-stages an epoch's messages as half messages, one transaction per task attempt, tagged with
-the sink id and epoch (message properties ``RMQTX_SINK_ID`` / ``RMQTX_EPOCH``). Closing the
-epoch inserts one ``epochs`` row listing the transactions that count, with a MERGE that
-inserts only when the (sink, epoch) row is absent: racing closers conflict and exactly one
-list wins. Those transactions are COMMITted and every other attempt of the epoch (a failed
-task, a replay after a restart, a driver that died before committing) is rolled back, so an
-epoch is published once whatever fails and whoever finishes the job: the driver, a replay of
-the epoch, or the check-back job's :class:`EpochChecker`.
+stages an epoch's messages as half messages, one transaction per task attempt, tagged in the
+``half`` table's writer columns (``sink_id``, ``epoch``, ``generation``, ``delta_table``) that
+only these writers set. Each (sink, epoch) has one row in ``epochs``, a small state machine
+whose every transition is a conditional Delta MERGE on that row, so racing transitions conflict
+and exactly one applies:
+
+* **OPEN** (generation *g*, lease): a writer is at work. Tasks :func:`hold` the epoch before
+  they stage (opening it, or reopening an ABANDONED one as generation *g* + 1) and renew its
+  lease by heartbeat while they run (:class:`Lease`).
+* **CLOSED** (list): the writer's commit :func:`close`\\ s the epoch with the transactions that
+  count, only if it is still OPEN in the generation its transactions were staged in. Those are
+  COMMITted; every other attempt of the epoch (a failed task, a replay, a dead driver's) is
+  rolled back.
+* **ABANDONED** (generation *g*): the check-back job found the lease run out (the writer is
+  presumed dead) and :func:`abandon`\\ ed the epoch; only then are generation-*g* transactions
+  rolled back. A writer that was alive after all cannot close it any more: its commit fails
+  loudly (:class:`EpochLostError`), Spark retries, and the retry reopens the epoch.
+
+So a staged transaction is rolled back only when no writer can list it any more, never because
+a check budget ran out while its writer was running (contract rule 8), and a writer either
+publishes everything it staged or fails.
 """
 
 from __future__ import annotations
 
+import json
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pyarrow as pa
 from deltalake import DeltaTable
 from pyspark.sql import DataFrame
 
 from rmq_spark.checkers import ANSWER_SCHEMA, Checker
+from rmq_spark.errors import EpochLostError
 from rmq_spark.failpoints import failpoint
-from rmq_spark.model import (
-    PROPERTY_DELTA_TABLE,
-    PROPERTY_EPOCH,
-    PROPERTY_SINK_ID,
-    LocalTransactionState,
-)
+from rmq_spark.model import LocalTransactionState
 from rmq_spark.schema import EPOCHS_SCHEMA
 from rmq_spark.store import Decision, Store
 
@@ -40,6 +52,30 @@ COMMIT, ROLLBACK, UNKNOWN = (
     LocalTransactionState.ROLLBACK,
     LocalTransactionState.UNKNOWN,
 )
+OPEN, CLOSED, ABANDONED = "OPEN", "CLOSED", "ABANDONED"
+#: The epoch checker's answer for a transaction whose writer still holds the epoch's lease:
+#: not a check (RocketMQ's check immunity), so it never spends the check budget.
+WRITER_ALIVE = "WRITER_ALIVE"
+#: Delta ``userMetadata`` prefix of a ``publish_with_delta_write`` commit: names the staged
+#: transaction that goes with the business rows.
+DELTA_COMMIT_MARKER = "rmqtx-epoch:"
+#: A lease is renewed when less than this share of it is left.
+_RENEW_BELOW = 0.5
+
+
+@dataclass(frozen=True)
+class Epoch:
+    """One row of ``epochs``."""
+
+    sink_id: str
+    epoch: int
+    state: str
+    generation: int
+    #: CLOSED: the transactions that count.
+    transaction_ids: tuple[str, ...] | None
+    lease_expires: datetime | None
+    owner: str | None
+    closed_by: str | None
 
 
 @dataclass(frozen=True)
@@ -56,103 +92,503 @@ class EpochOutcome:
     first: bool
 
 
-def closed_epoch(store: Store, sink_id: str, epoch: int) -> tuple[str, ...] | None:
-    """The transactions that count for a closed epoch, or None while it is open."""
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+# --------------------------------------------------------------------------- reading
+def read_epochs(store: Store, keys: Iterable[tuple[str, int]]) -> dict[tuple[str, int], Epoch]:
+    """The ``epochs`` rows of the given (sink, epoch) keys that exist, in one read."""
+    wanted = set(keys)
+    if not wanted:
+        return {}
     rows = store.table("epochs").to_pyarrow_table(
-        filters=[("sink_id", "=", sink_id), ("epoch", "=", epoch)],
-        columns=["transaction_ids"],
+        filters=[("sink_id", "in", sorted({s for s, _ in wanted}))]
     )
-    if not rows.num_rows:
-        return None
-    return tuple(rows.column("transaction_ids")[0].as_py() or ())
+    found = {}
+    for r in rows.to_pylist():
+        key = (r["sink_id"], r["epoch"])
+        if key in wanted:
+            found[key] = Epoch(
+                sink_id=r["sink_id"],
+                epoch=r["epoch"],
+                # Rows of older stores have no state: they were all closed.
+                state=r["state"] or CLOSED,
+                generation=r["generation"] or 0,
+                transaction_ids=None
+                if r["transaction_ids"] is None
+                else tuple(r["transaction_ids"]),
+                lease_expires=r["lease_expires"],
+                owner=r["owner"],
+                closed_by=r["closed_by"],
+            )
+    return found
 
 
-def close_epoch(
-    store: Store, sink_id: str, epoch: int, transaction_ids: Sequence[str], closed_by: str
-) -> tuple[tuple[str, ...], bool]:
-    """Close an epoch with ``transaction_ids`` unless it is closed already (first wins).
+def read_epoch(store: Store, sink_id: str, epoch: int) -> Epoch | None:
+    """The ``epochs`` row of one (sink, epoch), or None if no writer has touched it."""
+    return read_epochs(store, [(sink_id, epoch)]).get((sink_id, epoch))
 
-    Returns the winning list and whether it is ours.
+
+def closed_epoch(store: Store, sink_id: str, epoch: int) -> tuple[str, ...] | None:
+    """The transactions that count for a closed epoch, or None while it is not closed."""
+    row = read_epoch(store, sink_id, epoch)
+    return row.transaction_ids if row is not None and row.state == CLOSED else None
+
+
+# --------------------------------------------------------------------------- transitions
+def _transition(
+    store: Store,
+    sink_id: str,
+    epoch: int,
+    values: Mapping[str, Any],
+    clauses: Callable[[Any], Any],
+) -> Epoch:
+    """MERGE a one-row source (alias ``s``: ``values`` plus the key; values that are not
+    columns of ``epochs`` are timestamps for the clauses' conditions) into ``epochs`` with
+    ``clauses``, then read the row back: whatever transition won is what the caller sees."""
+    columns = {f.name: None for f in EPOCHS_SCHEMA} | {"sink_id": sink_id, "epoch": epoch}
+    columns |= values
+    schema = EPOCHS_SCHEMA
+    for name in columns.keys() - set(EPOCHS_SCHEMA.names):
+        schema = schema.append(pa.field(name, pa.timestamp("us", tz="UTC")))
+    source = pa.Table.from_pylist([columns], schema=schema)
+    store.merge("epochs", source, ["sink_id", "epoch"], clauses)
+    row = read_epoch(store, sink_id, epoch)
+    assert row is not None  # the MERGE committed, by us or by a racing writer
+    return row
+
+
+def _insert_all(merger: Any) -> Any:
+    return merger.when_not_matched_insert({c: f"s.{c}" for c in EPOCHS_SCHEMA.names})
+
+
+def hold(
+    store: Store,
+    sink_id: str,
+    epoch: int,
+    owner: str,
+    lease_seconds: float,
+    clock: Callable[[], datetime] = _now,
+) -> Epoch:
+    """Take the epoch for a writer about to stage: open it (generation 0), reopen it when it
+    was ABANDONED (next generation), or renew its lease when it is OPEN. Stage with the
+    returned row's ``generation``.
+
+    Raises
+    ------
+    EpochLostError
+        The epoch belongs to another owner (e.g. a stream restarted with the same ``sinkId``
+        but a new checkpoint).
     """
-    existing = closed_epoch(store, sink_id, epoch)
-    if existing is not None:
-        return existing, False
-    row = pa.Table.from_pylist(
-        [
-            {
-                "sink_id": sink_id,
-                "epoch": epoch,
-                "transaction_ids": list(transaction_ids),
-                "closed_by": closed_by,
-                "closed_timestamp": datetime.now(UTC),
-            }
-        ],
-        schema=EPOCHS_SCHEMA,
+    row = read_epoch(store, sink_id, epoch)
+    now = clock()
+    _check_owner(row, owner)
+    if row is not None and (row.state == CLOSED or _fresh(row, now, lease_seconds)):
+        return row
+    expires = now + timedelta(seconds=lease_seconds)
+    row = _transition(
+        store,
+        sink_id,
+        epoch,
+        {
+            "state": OPEN,
+            "generation": 0,
+            "lease_expires": expires,
+            "owner": owner,
+            "renew_below": now + timedelta(seconds=lease_seconds * _RENEW_BELOW),
+        },
+        lambda m: _insert_all(
+            m.when_matched_update(
+                {"lease_expires": "s.lease_expires"},
+                predicate=f"t.state = '{OPEN}' AND t.lease_expires < s.renew_below",
+            ).when_matched_update(
+                {
+                    "state": "s.state",
+                    "generation": "t.generation + 1",
+                    "lease_expires": "s.lease_expires",
+                    "owner": "s.owner",
+                    "closed_by": "s.closed_by",
+                    "closed_timestamp": "s.closed_timestamp",
+                },
+                predicate=f"t.state = '{ABANDONED}'",
+            )
+        ),
     )
-    store.merge("epochs", row, ["sink_id", "epoch"], lambda m: m.when_not_matched_insert_all())
-    winner = closed_epoch(store, sink_id, epoch)
-    assert winner is not None  # the MERGE committed, by us or by a racing closer
-    return winner, winner == tuple(transaction_ids)
+    _check_owner(row, owner)
+    return row
 
 
+def _fresh(row: Epoch, now: datetime, lease_seconds: float) -> bool:
+    return (
+        row.state == OPEN
+        and row.lease_expires is not None
+        and row.lease_expires - now > timedelta(seconds=lease_seconds * _RENEW_BELOW)
+    )
+
+
+def _check_owner(row: Epoch | None, owner: str) -> None:
+    if row is None or row.owner is None or row.owner == owner or row.state == ABANDONED:
+        return
+    raise EpochLostError(
+        f"epoch {row.epoch} of sink {row.sink_id!r} belongs to {row.owner!r}, not to "
+        f"{owner!r}: a sink id names one writer (a stream restarted from a new checkpoint with "
+        "the same sinkId would otherwise have its batches taken for replays and dropped). Use "
+        "a new sinkId, or restart the query from its own checkpoint."
+    )
+
+
+def renew(
+    store: Store,
+    sink_id: str,
+    epoch: int,
+    generation: int,
+    lease_seconds: float,
+    clock: Callable[[], datetime] = _now,
+) -> bool:
+    """Push the lease of an OPEN epoch on (a heartbeat); False once the epoch is not OPEN in
+    ``generation`` any more."""
+    now = clock()
+    row = read_epoch(store, sink_id, epoch)
+    if row is None or row.state != OPEN or row.generation != generation:
+        return False
+    if _fresh(row, now, lease_seconds):
+        return True
+    row = _transition(
+        store,
+        sink_id,
+        epoch,
+        {
+            "generation": generation,
+            "lease_expires": now + timedelta(seconds=lease_seconds),
+            "renew_below": now + timedelta(seconds=lease_seconds * _RENEW_BELOW),
+        },
+        lambda m: m.when_matched_update(
+            {"lease_expires": "s.lease_expires"},
+            predicate=(
+                f"t.state = '{OPEN}' AND t.generation = s.generation "
+                "AND t.lease_expires < s.renew_below"
+            ),
+        ),
+    )
+    return row.state == OPEN and row.generation == generation
+
+
+class Lease:
+    """Hold an epoch while staging: :func:`hold` on enter, then renew the lease from a
+    background thread every fifth of ``lease_seconds`` until exit.
+
+    >>> with Lease(store, "orders", 12, owner, 600) as epoch:
+    ...     stage(..., generation=epoch.generation)
+    """
+
+    def __init__(
+        self, store: Store, sink_id: str, epoch: int, owner: str, lease_seconds: float
+    ) -> None:
+        self.store, self.sink_id, self.epoch = store, sink_id, epoch
+        self.owner, self.lease_seconds = owner, lease_seconds
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> Epoch:
+        row = hold(self.store, self.sink_id, self.epoch, self.owner, self.lease_seconds)
+        if row.state == OPEN:
+            self._thread = threading.Thread(
+                target=self._beat, args=(row.generation,), name="rmqtx-lease", daemon=True
+            )
+            self._thread.start()
+        return row
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _beat(self, generation: int) -> None:
+        while not self._stop.wait(self.lease_seconds / 5):
+            try:
+                args = (self.store, self.sink_id, self.epoch, generation, self.lease_seconds)
+                if not renew(*args):
+                    log.warning(
+                        "epoch %d of sink %r is no longer held by this writer (abandoned or "
+                        "closed); its commit will tell",
+                        self.epoch,
+                        self.sink_id,
+                    )
+                    return
+            except Exception:  # a missed heartbeat is not fatal; the lease has slack
+                log.warning(
+                    "could not renew the lease of epoch %d of sink %r",
+                    self.epoch,
+                    self.sink_id,
+                    exc_info=True,
+                )
+
+
+def close(
+    store: Store,
+    sink_id: str,
+    epoch: int,
+    generation: int | None,
+    transaction_ids: Sequence[str],
+    closed_by: str,
+) -> Epoch:
+    """Close the epoch with ``transaction_ids`` if it is OPEN in ``generation`` (any state but
+    CLOSED when ``generation`` is None, as for an abort's empty close), or absent. Returns
+    the row after: CLOSED with our list when we won."""
+    condition = (
+        f"t.state <> '{CLOSED}'"
+        if generation is None
+        else f"t.state = '{OPEN}' AND t.generation = {int(generation)}"
+    )
+    return _transition(
+        store,
+        sink_id,
+        epoch,
+        {
+            "state": CLOSED,
+            "generation": generation or 0,
+            "transaction_ids": list(transaction_ids),
+            "closed_by": closed_by,
+            "closed_timestamp": _now(),
+        },
+        lambda m: _insert_all(
+            m.when_matched_update(
+                {
+                    "state": "s.state",
+                    "transaction_ids": "s.transaction_ids",
+                    "closed_by": "s.closed_by",
+                    "closed_timestamp": "s.closed_timestamp",
+                },
+                predicate=f"t.state IS NOT NULL AND {condition}",
+            )
+        ),
+    )
+
+
+def abandon(store: Store, sink_id: str, epoch: int, generation: int, now: datetime) -> Epoch:
+    """Mark an OPEN epoch whose lease ran out before ``now`` ABANDONED (or an epoch with no
+    row, whose writer never held it). Returns the row after, whoever won."""
+    return _transition(
+        store,
+        sink_id,
+        epoch,
+        {
+            "state": ABANDONED,
+            "generation": generation,
+            "closed_by": "check-back:lease-expired",
+            "closed_timestamp": now,
+            "now": now,
+        },
+        lambda m: _insert_all(
+            m.when_matched_update(
+                {
+                    "state": "s.state",
+                    "closed_by": "s.closed_by",
+                    "closed_timestamp": "s.closed_timestamp",
+                },
+                predicate=(
+                    f"t.state = '{OPEN}' AND t.generation = s.generation "
+                    "AND t.lease_expires < s.now"
+                ),
+            )
+        ),
+    )
+
+
+# --------------------------------------------------------------------------- finishing
 def finish_epoch(
     store: Store,
     sink_id: str,
     epoch: int,
-    staged: Sequence[str],
+    staged: Sequence[tuple[str, int]],
     producer_group: str,
     closed_by: str,
 ) -> EpochOutcome:
-    """Close an epoch with the ``staged`` transactions, then COMMIT the winning list and roll
-    back staged transactions that lost; publish. Safe to repeat after any crash."""
-    winners, first = close_epoch(store, sink_id, epoch, staged, closed_by)
+    """Close an epoch with the ``staged`` (transaction, generation) pairs, COMMIT the winning
+    list, roll back staged transactions that lost, and publish. Safe to repeat after a crash.
+
+    Raises
+    ------
+    EpochLostError
+        What was staged cannot be published: the epoch was abandoned under the writer, its
+        transactions span generations, it belongs to another owner, or a listed transaction
+        was not committed. Staged transactions are rolled back first.
+    """
+    txns = [t for t, _ in staged]
+    generations = {g for _, g in staged}
+    if len(generations) > 1:
+        _roll_back(store, txns, producer_group, closed_by)
+        raise EpochLostError(
+            f"epoch {epoch} of sink {sink_id!r} was abandoned while this writer was staging "
+            f"(its tasks staged in generations {sorted(generations)}): nothing of it is "
+            "published. The job fails so that it is retried."
+        )
+    row = close(store, sink_id, epoch, generations.pop() if generations else None, txns, closed_by)
     failpoint(f"{closed_by}.closed")
-    losers = tuple(t for t in staged if t not in set(winners))
+    if row.state != CLOSED:
+        _roll_back(store, txns, producer_group, closed_by)
+        raise EpochLostError(
+            f"epoch {epoch} of sink {sink_id!r} was abandoned by the check-back job (no "
+            f"heartbeat from its writer before {row.lease_expires}): its {len(txns)} staged "
+            "transaction(s) are rolled back and nothing is published. The job fails so that it "
+            "is retried; raise the writer's lease timeout if its tasks stall for longer."
+        )
+    winners = row.transaction_ids or ()
+    losers = tuple(t for t in txns if t not in set(winners))
     decisions = [Decision(t, producer_group, COMMIT, closed_by) for t in winners]
     decisions += [Decision(t, producer_group, ROLLBACK, closed_by) for t in losers]
-    if decisions:
-        store.end_transactions(decisions)
-    return EpochOutcome(sink_id, epoch, winners, losers, first)
+    results = store.end_transactions(decisions) if decisions else []
+    lost = [r for r in results[: len(winners)] if r.decision is not COMMIT]
+    if lost:
+        raise EpochLostError(
+            f"epoch {epoch} of sink {sink_id!r} is closed with {len(winners)} transaction(s), "
+            f"but {len(lost)} of them were rolled back before (e.g. {lost[0].transaction_id}): "
+            "their messages are not published."
+        )
+    return EpochOutcome(sink_id, epoch, winners, losers, tuple(txns) == winners)
+
+
+def _roll_back(store: Store, txns: Sequence[str], group: str, decided_by: str) -> None:
+    if txns:
+        store.end_transactions([Decision(t, group, ROLLBACK, decided_by) for t in txns])
+
+
+def abandon_attempt(
+    store: Store, sink_id: str, epoch: int, staged: Sequence[tuple[str, int]], group: str
+) -> None:
+    """Roll back an attempt's transactions (a failed job), unless the epoch was closed with
+    them: then finish it, since a decision promised by the epoch's list must not be undone."""
+    if closed_epoch(store, sink_id, epoch) is not None:
+        finish_epoch(store, sink_id, epoch, staged, group, "abort")
+    else:
+        _roll_back(store, [t for t, _ in staged], group, "abort")
+
+
+# --------------------------------------------------------------------------- Delta writes
+def delta_commit_marker(sink_id: str, epoch: int, transaction_id: str) -> str:
+    """The ``userMetadata`` a ``publish_with_delta_write`` commit carries."""
+    payload = {"sink_id": sink_id, "epoch": epoch, "transaction_id": transaction_id}
+    return DELTA_COMMIT_MARKER + json.dumps(payload, sort_keys=True)
+
+
+def landed_delta_write(
+    table_uri: str, sink_id: str, epoch: int, storage_options: Mapping[str, str]
+) -> tuple[bool, str | None]:
+    """Whether the business table holds application transaction (``sink_id``, ``epoch``), and
+    the staged transaction its commit names (None when the commit carries no marker)."""
+    table = DeltaTable(table_uri, storage_options=dict(storage_options) or None)
+    version = table.transaction_version(sink_id)
+    if version is None or version < epoch:
+        return False, None
+    for commit in table.history():
+        text = commit.get("userMetadata") or ""
+        if text.startswith(DELTA_COMMIT_MARKER):
+            meta = json.loads(text[len(DELTA_COMMIT_MARKER) :])
+            if meta["sink_id"] == sink_id and meta["epoch"] == epoch:
+                return True, meta["transaction_id"]
+    return True, None
+
+
+# --------------------------------------------------------------------------- checker
+@dataclass(frozen=True)
+class _Pending:
+    transaction_id: str
+    producer_group: str
+    sink_id: str
+    epoch: int
+    generation: int
+    delta_table: str | None
 
 
 class EpochChecker(Checker):
     """Built-in checker for half messages staged by transactional writers.
 
-    For a pending transaction of (sink, epoch): if the epoch is closed, COMMIT when the
-    transaction is on its list, else ROLLBACK. If it is open and the message names a Delta
-    table (``publish_with_delta_write``), the local transaction is that table's commit of
-    application transaction (sink id, epoch): once the table has it, this checker closes the
-    epoch with the transaction (first closer wins) and answers accordingly. Otherwise the epoch
-    may still commit: UNKNOWN (after the check max it is rolled back, as any transaction).
+    For a pending transaction of (sink, epoch), by the epoch's state: CLOSED, COMMIT when it is
+    on the list, else ROLLBACK; ABANDONED, or OPEN in a later generation, ROLLBACK; OPEN in its
+    generation with a live lease, :data:`WRITER_ALIVE` (not a check: no budget spent); OPEN
+    with the lease run out, the epoch is :func:`abandon`\\ ed first (a conflicting write: the
+    writer's close and the abandonment cannot both win), then ROLLBACK. For
+    ``publish_with_delta_write`` the local transaction is the business table's commit of
+    application transaction (sink id, epoch): once the table holds it, the epoch is closed
+    with the transaction that commit names. Each transaction is answered on its own: one that
+    cannot be answered is UNKNOWN with its error, and the others are not held back.
     """
 
     kind = "epoch"
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, clock: Callable[[], datetime] = _now) -> None:
         self.store = store
+        self.clock = clock
 
     def check(self, batch: DataFrame) -> DataFrame:
-        rows = batch.select("transaction_id", "producer_group", "properties").collect()
-        # Each (sink, epoch) is looked up once per run, however many attempts are pending.
-        known: dict[tuple[str, int], tuple[str, ...] | None] = {}
-        answers = [self._answer(r, known) for r in rows]
+        columns = ["transaction_id", "producer_group", "sink_id", "epoch", "generation"]
+        pending = [
+            _Pending(*(r[c] for c in columns), r["delta_table"])
+            for r in batch.select(*columns, "delta_table").collect()
+        ]
+        now = self.clock()
+        epochs: dict[tuple[str, int], Epoch | None] = {}
+        try:
+            epochs.update(read_epochs(self.store, {(p.sink_id, p.epoch) for p in pending}))
+        except Exception:
+            log.warning("could not read the epochs table; answering one by one", exc_info=True)
+        answers = []
+        for p in pending:
+            try:
+                answers.append((p.transaction_id, self._answer(p, epochs, now), None))
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"[:500]
+                answers.append((p.transaction_id, UNKNOWN.value, error))
         return batch.sparkSession.createDataFrame(answers, ANSWER_SCHEMA)
 
     def _answer(
-        self, row: object, known: dict[tuple[str, int], tuple[str, ...] | None]
-    ) -> tuple[str, str, str | None]:
-        txn, props = row["transaction_id"], dict(row["properties"] or {})
-        sink_id, epoch = props[PROPERTY_SINK_ID], int(props[PROPERTY_EPOCH])
-        if (sink_id, epoch) not in known:
-            known[(sink_id, epoch)] = closed_epoch(self.store, sink_id, epoch)
-        winners = known[(sink_id, epoch)]
-        table = props.get(PROPERTY_DELTA_TABLE)
-        if winners is None and table is not None:
-            version = DeltaTable(table).transaction_version(sink_id)
-            if version is not None and version >= epoch:
-                winners = known[(sink_id, epoch)] = finish_epoch(
-                    self.store, sink_id, epoch, [txn], row["producer_group"], "check-back:epoch"
-                ).committed
-        if winners is None:
-            return txn, UNKNOWN.value, f"epoch {epoch} of sink {sink_id!r} is not closed yet"
-        return txn, (COMMIT if txn in winners else ROLLBACK).value, None
+        self, p: _Pending, epochs: dict[tuple[str, int], Epoch | None], now: datetime
+    ) -> str:
+        key = (p.sink_id, p.epoch)
+        if key not in epochs:
+            epochs[key] = read_epoch(self.store, *key)
+        row = epochs[key]
+        if p.delta_table is not None and (row is None or row.state == OPEN):
+            row = epochs[key] = self._close_landed(p, row)
+        if row is not None and row.state == OPEN and row.generation == p.generation:
+            if row.lease_expires is not None and row.lease_expires > now:
+                return WRITER_ALIVE
+        if row is None or (row.state == OPEN and row.generation == p.generation):
+            row = epochs[key] = abandon(self.store, p.sink_id, p.epoch, p.generation, now)
+            if row.state == ABANDONED:
+                log.warning(
+                    "epoch %d of sink %r abandoned: its writer's lease ran out at %s",
+                    p.epoch,
+                    p.sink_id,
+                    row.lease_expires,
+                )
+        if row.state == CLOSED:
+            return (COMMIT if p.transaction_id in (row.transaction_ids or ()) else ROLLBACK).value
+        if row.state == OPEN and row.generation == p.generation:
+            return WRITER_ALIVE  # renewed between our read and the abandonment
+        return ROLLBACK.value
+
+    def _close_landed(self, p: _Pending, row: Epoch | None) -> Epoch | None:
+        """Close a Delta-write epoch whose business commit landed, with the transaction that
+        commit names (or, for a commit without a name, this one)."""
+        assert p.delta_table is not None
+        landed, named = landed_delta_write(
+            p.delta_table, p.sink_id, p.epoch, self.store.settings.storage_options
+        )
+        if not landed:
+            return row
+        winner = named or p.transaction_id
+        generation = (
+            p.generation if winner == p.transaction_id else _generation_of(self.store, winner)
+        )
+        if generation is None:
+            return row
+        return close(self.store, p.sink_id, p.epoch, generation, [winner], "check-back:epoch")
+
+
+def _generation_of(store: Store, transaction_id: str) -> int | None:
+    halves = store.half_messages([transaction_id])
+    if not halves.num_rows:
+        return None
+    return halves.column("generation")[0].as_py()

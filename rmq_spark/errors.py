@@ -64,3 +64,10 @@ class ProducerStateError(RmqSparkError, RuntimeError):
     """The producer is used before ``start()`` or after ``shutdown()``."""
 
     error_class = "PRODUCER_STATE"
+
+
+class EpochLostError(RmqSparkError, RuntimeError):
+    """A transactional writer's epoch cannot publish what it staged: it was abandoned (its
+    lease ran out) or belongs to another writer. The write fails so that it is retried."""
+
+    error_class = "EPOCH_LOST"

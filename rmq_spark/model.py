@@ -44,11 +44,6 @@ SYSTEM_TOPIC_PREFIXES = ("rmq_sys_", "RMQ_SYS_", "%RETRY%", "%DLQ%")
 
 #: Per-message property: seconds before the first check-back (RocketMQ's name).
 PROPERTY_CHECK_IMMUNITY = "CHECK_IMMUNITY_TIME_IN_SECONDS"
-#: Per-message properties of transactional writers: which sink and epoch staged a message,
-#: and, for ``publish_with_delta_write``, the Delta table whose commit is the local transaction.
-PROPERTY_SINK_ID = "RMQTX_SINK_ID"
-PROPERTY_EPOCH = "RMQTX_EPOCH"
-PROPERTY_DELTA_TABLE = "RMQTX_DELTA_TABLE"
 #: RocketMQ joins several keys with one space (``MessageConst.KEY_SEPARATOR``).
 KEY_SEPARATOR = " "
 

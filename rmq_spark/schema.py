@@ -17,17 +17,31 @@ _MESSAGE_PAYLOAD = [
     pa.field("store_timestamp", TIMESTAMP, nullable=False),
 ]
 
+#: A half message as a producer sent it (also the first columns of ``discard``).
+_HALF_MESSAGE = [
+    pa.field("transaction_id", pa.string(), nullable=False),
+    pa.field("msg_id", pa.string(), nullable=False),
+    pa.field("producer_group", pa.string(), nullable=False),
+    pa.field("topic", pa.string(), nullable=False),
+    pa.field("queue_id", pa.int32(), nullable=False),
+    *_MESSAGE_PAYLOAD,
+]
+#: Which transactional writer staged a half message: set only by the ``rmqtx`` sink and
+#: ``publish_with_delta_write`` (never from user input, so no message can pass for one), null
+#: for producer sends. Routes the message to the built-in epoch checker.
+WRITER_COLUMNS = [
+    pa.field("sink_id", pa.string()),
+    pa.field("epoch", pa.int64()),
+    #: The epoch's generation when the attempt staged (see rmq_spark/epochs.py).
+    pa.field("generation", pa.int32()),
+    #: For ``publish_with_delta_write``: absolute URI of the Delta table written.
+    pa.field("delta_table", pa.string()),
+]
+
 #: RMQ_SYS_TRANS_HALF_TOPIC: prepared messages, durable and invisible to consumers.
-HALF_SCHEMA = pa.schema(
-    [
-        pa.field("transaction_id", pa.string(), nullable=False),
-        pa.field("msg_id", pa.string(), nullable=False),
-        pa.field("producer_group", pa.string(), nullable=False),
-        pa.field("topic", pa.string(), nullable=False),
-        pa.field("queue_id", pa.int32(), nullable=False),
-        *_MESSAGE_PAYLOAD,
-    ]
-)
+HALF_SCHEMA = pa.schema([*_HALF_MESSAGE, *WRITER_COLUMNS])
+#: The message columns of ``half`` (what ``discard`` keeps of a half message).
+HALF_MESSAGE_SCHEMA = pa.schema(_HALF_MESSAGE)
 
 #: RMQ_SYS_TRANS_OP_HALF_TOPIC: one row per decided transaction; the arbiter of rule 3.
 OP_SCHEMA = pa.schema(
@@ -69,7 +83,7 @@ CHECK_STATE_SCHEMA = pa.schema(
 
 #: TRANS_CHECK_MAX_TIME_TOPIC: messages rolled back after ``transaction_check_max`` checks.
 DISCARD_SCHEMA = pa.schema(
-    list(HALF_SCHEMA)
+    _HALF_MESSAGE
     + [
         pa.field("check_count", pa.int32(), nullable=False),
         pa.field("discarded_timestamp", TIMESTAMP, nullable=False),
@@ -113,16 +127,31 @@ CONSUMER_OFFSETS_SCHEMA = pa.schema(
     ]
 )
 
-#: Closed epochs of transactional writers (the ``rmqtx`` sink, ``publish_with_delta_write``):
-#: one row per (sink, epoch), inserted once by whoever closes it first (a MERGE that inserts
-#: when not matched); its transactions are COMMITted, every other attempt's are rolled back.
+#: Columns of ``epochs`` added after layout 1's first stores (null there means CLOSED).
+EPOCH_STATE_COLUMNS = [
+    #: OPEN (a writer holds a lease), CLOSED or ABANDONED (the lease ran out).
+    pa.field("state", pa.string()),
+    #: Bumped when an ABANDONED epoch is reopened; an attempt counts only in its generation.
+    pa.field("generation", pa.int32()),
+    #: Until when the writer's lease holds (its heartbeats push it on).
+    pa.field("lease_expires", TIMESTAMP),
+    #: Who writes the epoch: the streaming query id, or the batch writer's sink id.
+    pa.field("owner", pa.string()),
+]
+
+#: Epochs of transactional writers (the ``rmqtx`` sink, ``publish_with_delta_write``): one row
+#: per (sink, epoch), a small state machine OPEN -> CLOSED or OPEN -> ABANDONED -> OPEN (next
+#: generation) whose every transition is a conditional MERGE (see rmq_spark/epochs.py).
 EPOCHS_SCHEMA = pa.schema(
     [
         pa.field("sink_id", pa.string(), nullable=False),
         pa.field("epoch", pa.int64(), nullable=False),
+        #: CLOSED: the transactions that count (all COMMITted; every other attempt is rolled
+        #: back). Null while OPEN or ABANDONED.
         pa.field("transaction_ids", pa.list_(pa.field("element", pa.string(), nullable=False))),
-        pa.field("closed_by", pa.string(), nullable=False),
-        pa.field("closed_timestamp", TIMESTAMP, nullable=False),
+        pa.field("closed_by", pa.string()),
+        pa.field("closed_timestamp", TIMESTAMP),
+        *EPOCH_STATE_COLUMNS,
     ]
 )
 
@@ -133,6 +162,13 @@ EPOCHS_SCHEMA = pa.schema(
 _INTERNAL = {
     "delta.enableChangeDataFeed": "true",
     "delta.deletedFileRetentionDuration": "interval 1 hours",
+}
+
+#: Columns added to existing tables of layout 1 after its first stores were made: opening an
+#: older store adds them (null in old rows).
+COLUMNS_ADDED_LATER: dict[str, list[pa.Field]] = {
+    "half": WRITER_COLUMNS,
+    "epochs": EPOCH_STATE_COLUMNS,
 }
 
 #: Table name -> (schema, partition columns, table properties).

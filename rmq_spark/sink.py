@@ -22,14 +22,19 @@ option                         required  default    meaning
                                                     defaults to its query id (kept by the
                                                     checkpoint), a batch write to a new id
 ``extraColumnsAsProperties``   no        false      carry unknown columns as properties
+``leaseTimeout``               no        10m        how long an epoch stays held for a writer
+                                                    that sends no heartbeat (running tasks
+                                                    renew it every fifth of it)
 =============================  ========  =========  =============================================
 
-Protocol: every task writes its rows as half messages (durable, invisible) in one
-transaction and reports it; Spark's commit of the job or micro-batch closes the epoch with
-the reported transactions (see :mod:`rmq_spark.epochs`), COMMITs them and publishes; abort
-rolls them back. Halves of failed task attempts, of a replayed micro-batch, or of a driver
-that died before committing are resolved by the check-back job's built-in epoch checker:
-committed only if they are on the epoch's list, rolled back otherwise; never twice.
+Protocol: every task holds the epoch (see :mod:`rmq_spark.epochs`) and renews its lease while
+it runs, writes its rows as half messages (durable, invisible) in one transaction and reports
+it; Spark's commit of the job or micro-batch closes the epoch with the reported transactions,
+COMMITs them and publishes; abort rolls them back. Halves of failed task attempts, of a
+replayed micro-batch, or of a driver that died before committing are resolved by the
+check-back job's built-in epoch checker: committed only if they are on the epoch's list,
+rolled back otherwise; never twice. An epoch whose lease ran out is abandoned by the check-back
+job, and its writer's commit then fails (the job is retried) instead of publishing part of it.
 """
 
 from __future__ import annotations
@@ -40,7 +45,6 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark import TaskContext
@@ -52,34 +56,44 @@ from pyspark.sql.datasource import (
 )
 from pyspark.sql.types import BinaryType, MapType, StringType, StructField, StructType
 
-from rmq_spark.config import StoreSettings, configure_logging, load_settings, reject_unknown
-from rmq_spark.epochs import EpochOutcome, close_epoch, closed_epoch, finish_epoch
+from rmq_spark.config import (
+    StoreSettings,
+    configure_logging,
+    load_settings,
+    parse_duration,
+    reject_unknown,
+)
+from rmq_spark.epochs import (
+    EpochOutcome,
+    Lease,
+    abandon_attempt,
+    close,
+    delta_commit_marker,
+    finish_epoch,
+    landed_delta_write,
+)
 from rmq_spark.errors import InvalidMessageError, InvalidOptionError
 from rmq_spark.failpoints import failpoint
-from rmq_spark.model import (
-    PROPERTY_DELTA_TABLE,
-    PROPERTY_EPOCH,
-    PROPERTY_SINK_ID,
-    LocalTransactionState,
-    check_group,
-    check_topic,
-    new_id,
-    new_ids,
-    queue_for,
-)
+from rmq_spark.model import check_group, check_topic, new_id, new_ids, queue_for
 from rmq_spark.schema import HALF_SCHEMA, TIMESTAMP
-from rmq_spark.store import Decision, Store
+from rmq_spark.store import Store, normalise_root
 
 log = logging.getLogger(__name__)
 
-PATH, TOPIC, PRODUCER_GROUP, SINK_ID, EXTRA_COLUMNS = (
+PATH, TOPIC, PRODUCER_GROUP, SINK_ID, EXTRA_COLUMNS, LEASE_TIMEOUT = (
     "path",
     "topic",
     "producerGroup",
     "sinkId",
     "extraColumnsAsProperties",
+    "leaseTimeout",
 )
-WRITE_OPTIONS = (PATH, TOPIC, PRODUCER_GROUP, SINK_ID, EXTRA_COLUMNS)
+WRITE_OPTIONS = (PATH, TOPIC, PRODUCER_GROUP, SINK_ID, EXTRA_COLUMNS, LEASE_TIMEOUT)
+#: Default of ``leaseTimeout``: an epoch is presumed abandoned after this long without a
+#: heartbeat from any of its running tasks.
+DEFAULT_LEASE_TIMEOUT = "10m"
+#: The shortest ``leaseTimeout``: heartbeats come every fifth of it.
+_MIN_LEASE_SECONDS = 1.0
 #: Spark passes these to every stream writer; they are Spark's, not ours.
 _SPARK_OPTIONS = frozenset({"checkpointlocation", "queryname"})
 #: Input columns and the Spark types they may have.
@@ -103,6 +117,8 @@ class WriterOptions:
     #: Input columns carried as properties (``extraColumnsAsProperties``).
     extra_columns: tuple[str, ...]
     settings: StoreSettings
+    #: Seconds an epoch stays held without a heartbeat (``leaseTimeout``).
+    lease_seconds: float = 600.0
 
     @classmethod
     def parse(cls, options: Mapping[str, str], schema: StructType) -> WriterOptions:
@@ -126,6 +142,14 @@ class WriterOptions:
             raise InvalidOptionError(
                 "no topic: give option 'topic', or a 'topic' column for per-row topics."
             )
+        lease = parse_duration(
+            given.get(LEASE_TIMEOUT.lower(), DEFAULT_LEASE_TIMEOUT), LEASE_TIMEOUT
+        )
+        if lease < _MIN_LEASE_SECONDS:
+            raise InvalidOptionError(
+                f"option 'leaseTimeout' is {lease:g} s; it needs at least {_MIN_LEASE_SECONDS:g} "
+                "s (e.g. '10m'): the check-back job abandons an epoch whose lease ran out."
+            )
         settings = load_settings()
         try:
             return cls(
@@ -135,6 +159,7 @@ class WriterOptions:
                 sink_id=given.get(SINK_ID.lower()),
                 extra_columns=extra,
                 settings=settings.store,
+                lease_seconds=lease,
             )
         except InvalidMessageError as exc:
             raise InvalidOptionError(f"write option: {exc.message}") from exc
@@ -176,12 +201,24 @@ def _string_map(field: StructField) -> bool:
 
 @dataclass(frozen=True)
 class Staged(WriterCommitMessage):
-    """What one task attempt staged: one transaction of ``count`` half messages."""
+    """What one task attempt staged: one transaction of ``count`` half messages, in the
+    epoch's ``generation``."""
 
     sink_id: str
     epoch: int
     transaction_id: str | None
     count: int
+    generation: int = 0
+
+
+@dataclass(frozen=True)
+class _Writer:
+    """Who stages: the writer columns of its half messages."""
+
+    sink_id: str
+    epoch: int
+    generation: int
+    delta_table: str | None = None
 
 
 def stage(
@@ -190,27 +227,26 @@ def stage(
     options: WriterOptions,
     sink_id: str,
     epoch: int,
-    extra_properties: Mapping[str, str] | None = None,
+    generation: int,
+    delta_table: str | None = None,
 ) -> Staged:
-    """Validate rows and write them as half messages of one new transaction (one commit).
+    """Validate rows and write them as half messages of one new transaction (one commit), in
+    ``generation`` of the epoch (hold it first: :class:`rmq_spark.epochs.Lease`).
 
     Raises InvalidMessageError, naming the problem, before anything is written.
     """
     received = [b for b in batches if b.num_rows]
     if not received:
-        return Staged(sink_id, epoch, None, 0)
+        return Staged(sink_id, epoch, None, 0, generation)
     table = pa.Table.from_batches(received)
     txn = new_id()
-    system = {PROPERTY_SINK_ID: sink_id, PROPERTY_EPOCH: str(epoch), **(extra_properties or {})}
-    half = _half_rows(table, options, txn, system)
+    half = _half_rows(table, options, txn, _Writer(sink_id, epoch, generation, delta_table))
     store.append("half", half)
     failpoint("sink.staged")
-    return Staged(sink_id, epoch, txn, half.num_rows)
+    return Staged(sink_id, epoch, txn, half.num_rows, generation)
 
 
-def _half_rows(
-    table: pa.Table, options: WriterOptions, txn: str, system: Mapping[str, str]
-) -> pa.Table:
+def _half_rows(table: pa.Table, options: WriterOptions, txn: str, writer: _Writer) -> pa.Table:
     n = table.num_rows
     body = table.column("body").cast(pa.binary())
     if body.null_count:
@@ -253,9 +289,13 @@ def _half_rows(
             "keys": keys if keys is not None else pa.nulls(n, pa.string()),
             "tags": tags if tags is not None else pa.nulls(n, pa.string()),
             "body": body,
-            "properties": _properties(table, options.extra_columns, system),
+            "properties": _properties(table, options.extra_columns),
             "born_timestamp": pa.repeat(pa.scalar(now, TIMESTAMP), n),
             "store_timestamp": pa.repeat(pa.scalar(now, TIMESTAMP), n),
+            "sink_id": pa.repeat(pa.scalar(writer.sink_id, pa.string()), n),
+            "epoch": pa.repeat(pa.scalar(writer.epoch, pa.int64()), n),
+            "generation": pa.repeat(pa.scalar(writer.generation, pa.int32()), n),
+            "delta_table": pa.repeat(pa.scalar(writer.delta_table, pa.string()), n),
         },
         schema=HALF_SCHEMA,
     )
@@ -265,17 +305,11 @@ def _column(table: pa.Table, name: str, type_: pa.DataType) -> pa.ChunkedArray |
     return table.column(name).cast(type_) if name in table.column_names else None
 
 
-def _properties(table: pa.Table, extra: Sequence[str], system: Mapping[str, str]) -> pa.Array:
-    """Each row's properties: its own, its extra columns, then the writer's (which win)."""
+def _properties(table: pa.Table, extra: Sequence[str]) -> pa.Array:
+    """Each row's properties: its own, then its extra columns."""
     n, kind = table.num_rows, HALF_SCHEMA.field("properties").type
     if "properties" not in table.column_names and not extra:
-        width = len(system)
-        return pa.MapArray.from_arrays(
-            pa.array(np.arange(0, (n + 1) * width, width, dtype=np.int32)),
-            pa.array(list(system) * n, pa.string()),
-            pa.array(list(system.values()) * n, pa.string()),
-            type=kind,
-        )
+        return pa.nulls(n, kind)
     user = (
         table.column("properties").to_pylist() if "properties" in table.column_names else [None] * n
     )
@@ -284,20 +318,8 @@ def _properties(table: pa.Table, extra: Sequence[str], system: Mapping[str, str]
     for i, props in enumerate(user):
         merged = dict(props or ())
         merged.update((c, v[i]) for c, v in carried.items() if v[i] is not None)
-        merged.update(system)
         rows.append(list(merged.items()))
     return pa.array(rows, kind)
-
-
-def _abandon(store: Store, sink_id: str, epoch: int, staged: Sequence[str], group: str) -> None:
-    """Roll back an attempt's transactions, unless the epoch was closed with them (then
-    finish it: a decision already promised by the epoch's list must not be undone)."""
-    if closed_epoch(store, sink_id, epoch) is not None:
-        finish_epoch(store, sink_id, epoch, staged, group, "abort")
-    elif staged:
-        store.end_transactions(
-            [Decision(t, group, LocalTransactionState.ROLLBACK, "abort") for t in staged]
-        )
 
 
 def _report(outcome: EpochOutcome, staged: Sequence[Staged], seconds: float) -> None:
@@ -320,14 +342,28 @@ def _staged(messages: Sequence[WriterCommitMessage | None]) -> list[Staged]:
     return [m for m in messages if isinstance(m, Staged) and m.transaction_id]
 
 
+def _pairs(staged: Sequence[Staged]) -> list[tuple[str, int]]:
+    return [(m.transaction_id, m.generation) for m in staged if m.transaction_id]
+
+
 class _EpochWriter:
     """What the batch and the streaming writer share: staging in tasks, ending on the driver."""
 
     def __init__(self, options: WriterOptions) -> None:
         self.options = options
+        # On the driver, before any task: a new path becomes a store (as format("delta")
+        # makes a table); a path holding anything else is refused here.
+        Store.open(options.path, settings=options.settings)
 
     def _store(self) -> Store:
         return Store.open(self.options.path, settings=self.options.settings, create=False)
+
+    def _stage(
+        self, iterator: Iterator[pa.RecordBatch], sink_id: str, epoch: int, owner: str
+    ) -> Staged:
+        store = self._store()
+        with Lease(store, sink_id, epoch, owner, self.options.lease_seconds) as held:
+            return stage(store, iterator, self.options, sink_id, epoch, held.generation)
 
     def _commit(self, messages: Sequence[WriterCommitMessage | None], epoch: int) -> None:
         staged = _staged(messages)
@@ -335,10 +371,13 @@ class _EpochWriter:
             return
         configure_logging("INFO")
         started = time.perf_counter()
-        txns = [m.transaction_id for m in staged]
-        store = self._store()
         outcome = finish_epoch(
-            store, staged[0].sink_id, epoch, txns, self.options.producer_group, "sink"
+            self._store(),
+            staged[0].sink_id,
+            epoch,
+            _pairs(staged),
+            self.options.producer_group,
+            "sink",
         )
         failpoint("sink.published")
         _report(outcome, staged, time.perf_counter() - started)
@@ -346,13 +385,13 @@ class _EpochWriter:
     def _abort(self, messages: Sequence[WriterCommitMessage | None], epoch: int) -> None:
         staged = _staged(messages)
         if staged:
-            txns = [m.transaction_id for m in staged]
-            _abandon(self._store(), staged[0].sink_id, epoch, txns, self.options.producer_group)
+            group = self.options.producer_group
+            abandon_attempt(self._store(), staged[0].sink_id, epoch, _pairs(staged), group)
             log.warning(
                 "rmqtx sink %s epoch %d aborted: rolled back %d transaction(s)",
                 staged[0].sink_id,
                 epoch,
-                len(txns),
+                len(staged),
             )
 
 
@@ -366,7 +405,7 @@ class RmqTxBatchWriter(_EpochWriter, DataSourceArrowWriter):
         self.sink_id = options.sink_id or f"write-{new_id()}"
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> Staged:
-        return stage(self._store(), iterator, self.options, self.sink_id, 0)
+        return self._stage(iterator, self.sink_id, 0, owner=self.sink_id)
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
         self._commit(messages, 0)
@@ -376,7 +415,7 @@ class RmqTxBatchWriter(_EpochWriter, DataSourceArrowWriter):
         if self.options.sink_id is None:
             # This id is never used again: closing its epoch empty lets the check-back job
             # roll back halves of failed task attempts at once.
-            close_epoch(self._store(), self.sink_id, 0, [], "abort")
+            close(self._store(), self.sink_id, 0, None, [], "abort")
 
 
 class RmqTxStreamWriter(_EpochWriter, DataSourceStreamArrowWriter):
@@ -386,9 +425,9 @@ class RmqTxStreamWriter(_EpochWriter, DataSourceStreamArrowWriter):
     def write(self, iterator: Iterator[pa.RecordBatch]) -> Staged:
         context = TaskContext.get()
         assert context is not None
-        sink_id = self.options.sink_id or context.getLocalProperty("sql.streaming.queryId")
+        query_id = context.getLocalProperty("sql.streaming.queryId")
         epoch = int(context.getLocalProperty("streaming.sql.batchId"))
-        return stage(self._store(), iterator, self.options, sink_id, epoch)
+        return self._stage(iterator, self.options.sink_id or query_id, epoch, owner=query_id)
 
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         self._commit(messages, batchId)
@@ -407,23 +446,25 @@ def publish_with_delta_write(
     producer_group: str,
     topic: str | None = None,
     path: str | None = None,
+    lease_timeout: str | float = DEFAULT_LEASE_TIMEOUT,
 ) -> EpochOutcome:
     """Append ``rows`` to the Delta table ``table`` and publish ``messages``, atomically.
 
     The local transaction of RocketMQ's protocol is the Delta write, made idempotent with
     Delta's ``txnAppId`` = ``app_id`` and ``txnVersion`` = ``version`` (in a ``foreachBatch``,
     pass the query's name and the batch id). The messages are staged first (durable,
-    invisible), then the rows are written, then the epoch (``app_id``, ``version``) is closed
-    and its messages committed. A crash anywhere is repaired by re-running the batch (Delta
-    skips a version it has; the epoch publishes once) or by the check-back job, whose epoch
-    checker commits the messages exactly when ``table`` holds ``version`` for ``app_id``.
+    invisible), then the rows are written (the commit's ``userMetadata`` names the staged
+    transaction), then the epoch (``app_id``, ``version``) is closed and its messages
+    committed. A crash anywhere is repaired by re-running the batch (Delta skips a version it
+    has; the epoch publishes once) or by the check-back job, whose epoch checker commits the
+    messages exactly when ``table`` holds ``version`` for ``app_id``.
 
     Parameters
     ----------
     rows : DataFrame
         Business rows to append to ``table``.
     table : str
-        Path of the business Delta table.
+        Path or URI of the business Delta table.
     messages : DataFrame
         Messages, with the columns of ``df.write.format("rmqtx")`` (``body``, ...).
     app_id, version : str, int
@@ -434,35 +475,62 @@ def publish_with_delta_write(
         Topic of messages without a ``topic`` column.
     path : str, optional
         Store root (default: conf).
+    lease_timeout : str or float, default "10m"
+        How long the epoch stays held if this process stops sending heartbeats.
 
     Returns
     -------
     EpochOutcome
         Whether this call's messages were committed, or an earlier attempt's were.
+
+    Raises
+    ------
+    EpochLostError
+        The epoch was abandoned under this call (its lease ran out): nothing is published;
+        run the batch again.
     """
-    options = {PATH: path, PRODUCER_GROUP: producer_group, TOPIC: topic}
+    options = {
+        PATH: path,
+        PRODUCER_GROUP: producer_group,
+        TOPIC: topic,
+        LEASE_TIMEOUT: str(lease_timeout),
+    }
     parsed = WriterOptions.parse({k: v for k, v in options.items() if v}, messages.schema)
-    store = Store.open(parsed.path, settings=parsed.settings, create=False)
-    staged = stage(
-        store,
-        messages.toArrow().to_batches(),
-        parsed,
-        app_id,
-        version,
-        {PROPERTY_DELTA_TABLE: table},
-    )
-    txns = [staged.transaction_id] if staged.transaction_id else []
-    failpoint("delta.staged")
-    try:
-        (
-            rows.write.format("delta")
-            .mode("append")
-            .option("txnAppId", app_id)
-            .option("txnVersion", version)
-            .save(table)
+    store = Store.open(parsed.path, settings=parsed.settings)
+    table_uri = normalise_root(table)
+    with Lease(store, app_id, version, app_id, parsed.lease_seconds) as held:
+        staged = stage(
+            store,
+            messages.toArrow().to_batches(),
+            parsed,
+            app_id,
+            version,
+            held.generation,
+            table_uri,
         )
-    except Exception:
-        _abandon(store, app_id, version, txns, producer_group)
-        raise
-    failpoint("delta.written")
-    return finish_epoch(store, app_id, version, txns, producer_group, "delta")
+        pairs = _pairs([staged])
+        failpoint("delta.staged")
+        try:
+            (
+                rows.write.format("delta")
+                .mode("append")
+                .option("txnAppId", app_id)
+                .option("txnVersion", version)
+                .option("userMetadata", delta_commit_marker(app_id, version, staged.transaction_id))
+                .save(table)
+            )
+        except Exception:
+            landed, _ = landed_delta_write(
+                table_uri, app_id, version, parsed.settings.storage_options
+            )
+            if not landed:
+                abandon_attempt(store, app_id, version, pairs, producer_group)
+                raise
+            log.warning(
+                "the Delta write of %s version %d reported an error but landed; publishing",
+                app_id,
+                version,
+                exc_info=True,
+            )
+        failpoint("delta.written")
+        return finish_epoch(store, app_id, version, pairs, producer_group, "delta")

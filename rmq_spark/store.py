@@ -43,6 +43,7 @@ import pyarrow.compute as pc
 import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 from deltalake import CommitProperties, DeltaTable, QueryBuilder, Transaction, write_deltalake
+from deltalake import Field as DeltaField
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 from deltalake.table import TableMerger
 from fsspec.implementations.local import LocalFileSystem
@@ -63,7 +64,15 @@ from rmq_spark.model import (
     queue_for,
     validate_message,
 )
-from rmq_spark.schema import COMMITLOG_SCHEMA, HALF_SCHEMA, OP_SCHEMA, TABLES, TIMESTAMP
+from rmq_spark.schema import (
+    COLUMNS_ADDED_LATER,
+    COMMITLOG_SCHEMA,
+    HALF_SCHEMA,
+    OP_SCHEMA,
+    TABLES,
+    TIMESTAMP,
+    WRITER_COLUMNS,
+)
 
 log = logging.getLogger(__name__)
 
@@ -254,7 +263,7 @@ class Store:
         """
         store_settings = settings.store if isinstance(settings, Settings) else settings
         store_settings = store_settings or StoreSettings()
-        store = cls(_normalise_root(str(path or store_settings.path)), store_settings, clock)
+        store = cls(normalise_root(str(path or store_settings.path)), store_settings, clock)
         store._open_or_create(create)
         return store
 
@@ -375,11 +384,37 @@ class Store:
             raise CorruptStoreError(
                 f"table {name!r} of the store at {self.root!r} is missing or unreadable ({exc})."
             ) from exc
+        added = COLUMNS_ADDED_LATER.get(name, [])
+        if added and found == expected[: -len(added)]:
+            self._add_columns(name, added)
+            found = expected
         if found != expected:
             raise CorruptStoreError(
                 f"table {name!r} of the store at {self.root!r} has columns {found}, expected "
                 f"{expected}; it was not written by this rmq-spark layout."
             )
+
+    def _add_columns(self, name: str, added: list[pa.Field]) -> None:
+        """Bring a table of an older layout-1 store up to date (idempotent, race-safe)."""
+        for attempt in range(_MAX_COMMIT_ATTEMPTS):
+            table = self.table(name)
+            if len(table.schema().fields) == len(TABLES[name][0]):
+                break  # another process did it
+            try:
+                table.alter.add_columns([DeltaField.from_arrow(f) for f in added])
+            except CommitFailedError:
+                _backoff(attempt)
+                continue
+            break
+        if name == "epochs":
+            # Older epochs rows are all closed; open ones have no closer yet.
+            table = self.table(name)
+            for column in ("closed_by", "closed_timestamp"):
+                if not next(f for f in table.schema().fields if f.name == column).nullable:
+                    table.alter.drop_column_not_null(column)
+        log.info(
+            "store %s: added column(s) %s to table %r", self.root, [f.name for f in added], name
+        )
 
     # ------------------------------------------------------------------ prepare
     def prepare(
@@ -436,6 +471,7 @@ class Store:
                 "properties": [list(dict(m.properties).items()) for m in messages],
                 "born_timestamp": [born] * len(messages),
                 "store_timestamp": [stored] * len(messages),
+                **{f.name: [None] * len(messages) for f in WRITER_COLUMNS},
             },
             schema=HALF_SCHEMA,
         )
@@ -903,8 +939,9 @@ def _query(table: DeltaTable, name: str, where: str) -> pa.Table:
     )
 
 
-def _normalise_root(root: str) -> str:
-    """Absolute local paths for plain paths; URIs are kept as given."""
+def normalise_root(root: str) -> str:
+    """A store root or table location as an absolute URI: absolute local paths for plain
+    paths (so that every process resolves them alike); URIs are kept as given."""
     if "://" in root:
         return root
     return str(Path(root).expanduser().resolve())

@@ -9,12 +9,12 @@ import pytest
 
 from rmq_spark import Message, Store
 from rmq_spark.cli import EXIT_CONFIG, EXIT_OK, main
-from rmq_spark.schema import DISCARD_SCHEMA
+from rmq_spark.schema import DISCARD_SCHEMA, HALF_MESSAGE_SCHEMA
 
 
 def discard(store: Store) -> str:
     (p,) = store.prepare([Message("Orders", b"lost", keys="o-1")], "pg")
-    half = store.half_messages([p.transaction_id])
+    half = store.half_messages([p.transaction_id]).select(HALF_MESSAGE_SCHEMA.names)
     rows = half.append_column("check_count", pa.array([15], pa.int32()))
     rows = rows.append_column(
         "discarded_timestamp",

@@ -1,12 +1,28 @@
-"""The epochs arbiter: racing closers of one epoch, and finish_epoch's decisions."""
+"""The epochs arbiter: racing transitions of one epoch, leases, and finish_epoch's decisions."""
 
 from __future__ import annotations
 
-from rmq_spark import LocalTransactionState, Message, Store
-from rmq_spark.epochs import close_epoch, closed_epoch, finish_epoch
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from rmq_spark import EpochLostError, LocalTransactionState, Message, Store
+from rmq_spark.epochs import (
+    ABANDONED,
+    CLOSED,
+    OPEN,
+    abandon,
+    close,
+    closed_epoch,
+    finish_epoch,
+    hold,
+    read_epoch,
+    renew,
+)
 from tests.conftest import commitlog, race
 
 EPOCHS = 12
+LATER = datetime.now(UTC) + timedelta(days=1)
 
 
 def _closer(root: str, name: str, barrier, out) -> None:
@@ -14,8 +30,8 @@ def _closer(root: str, name: str, barrier, out) -> None:
     results = []
     for epoch in range(EPOCHS):
         barrier.wait(timeout=60)
-        winners, mine = close_epoch(store, "racing-sink", epoch, [f"{name}-{epoch}"], name)
-        results.append((epoch, winners, mine))
+        row = close(store, "racing-sink", epoch, None, [f"{name}-{epoch}"], name)
+        results.append((epoch, row.transaction_ids, row.transaction_ids == (f"{name}-{epoch}",)))
     out.put((name, results))
 
 
@@ -32,12 +48,42 @@ def test_two_processes_closing_the_same_epochs(store: Store) -> None:
     assert rows.num_rows == EPOCHS  # one row per epoch, never two
 
 
+def _close_or_abandon(root: str, name: str, barrier, out) -> None:
+    """The writer's close and the check-back's abandonment of expired epochs, racing."""
+    store = Store.open(root, create=False)
+    results = []
+    for epoch in range(EPOCHS):
+        barrier.wait(timeout=60)
+        if name == "writer":
+            row = close(store, "s", epoch, 0, [f"t{epoch}"], "sink")
+        else:
+            row = abandon(store, "s", epoch, 0, LATER)
+        results.append(row.state)
+    out.put((name, results))
+
+
+def test_close_and_abandon_racing_never_both_win(store: Store) -> None:
+    for epoch in range(EPOCHS):
+        hold(store, "s", epoch, "w", lease_seconds=1)  # expired at LATER
+    results = race(_close_or_abandon, [(store.root, name) for name in ("writer", "checker")])
+    for epoch in range(EPOCHS):
+        final = read_epoch(store, "s", epoch)
+        # Both sides see the same outcome: whichever transition committed first.
+        assert results["writer"][epoch] == results["checker"][epoch] == final.state
+        assert final.state in (CLOSED, ABANDONED)
+        assert (final.transaction_ids == (f"t{epoch}",)) == (final.state == CLOSED)
+
+
+def _staged(store: Store, *bodies: bytes) -> list[str]:
+    prepared = store.prepare([Message("Orders", b) for b in bodies], "pipeline")
+    return [p.transaction_id for p in prepared]
+
+
 def test_finish_epoch_commits_the_list_and_rolls_back_the_rest(store: Store) -> None:
-    staged = store.prepare([Message("Orders", b"a"), Message("Orders", b"b")], "pipeline")
-    first, second = (p.transaction_id for p in staged)
-    outcome = finish_epoch(store, "s", 0, [first], "pipeline", "sink")
+    first, second = _staged(store, b"a", b"b")
+    outcome = finish_epoch(store, "s", 0, [(first, 0)], "pipeline", "sink")
     assert outcome.first and outcome.committed == (first,) and outcome.rolled_back == ()
-    replay = finish_epoch(store, "s", 0, [second], "pipeline", "sink")
+    replay = finish_epoch(store, "s", 0, [(second, 0)], "pipeline", "sink")
     assert not replay.first and replay.committed == (first,) and replay.rolled_back == (second,)
     assert commitlog(store).column("body").to_pylist() == [b"a"]
     decisions = store.table("op").to_pyarrow_table().to_pylist()
@@ -45,3 +91,44 @@ def test_finish_epoch_commits_the_list_and_rolls_back_the_rest(store: Store) -> 
         first: LocalTransactionState.COMMIT.value,
         second: LocalTransactionState.ROLLBACK.value,
     }
+
+
+def test_a_writer_whose_epoch_was_abandoned_fails_loudly(store: Store) -> None:
+    held = hold(store, "s", 7, "query-1", lease_seconds=5)
+    assert (held.state, held.generation) == (OPEN, 0)
+    (txn,) = _staged(store, b"early")
+    assert abandon(store, "s", 7, 0, datetime.now(UTC)).state == OPEN  # lease still alive
+    assert abandon(store, "s", 7, 0, LATER).state == ABANDONED
+    assert not renew(store, "s", 7, 0, lease_seconds=5)  # a late heartbeat does not revive it
+    with pytest.raises(EpochLostError, match="abandoned by the check-back job"):
+        finish_epoch(store, "s", 7, [(txn, 0)], "pipeline", "sink")
+    assert commitlog(store).num_rows == 0  # nothing published...
+    op = store.table("op").to_pyarrow_table().to_pylist()
+    assert [(d["transaction_id"], d["decision"]) for d in op] == [(txn, "ROLLBACK")]
+    # ...and the retry reopens the epoch in the next generation and publishes everything.
+    retry = hold(store, "s", 7, "query-1", lease_seconds=5)
+    assert (retry.state, retry.generation) == (OPEN, 1)
+    (again,) = _staged(store, b"early")
+    outcome = finish_epoch(store, "s", 7, [(again, 1)], "pipeline", "sink")
+    assert outcome.first and commitlog(store).column("body").to_pylist() == [b"early"]
+
+
+def test_transactions_of_two_generations_are_never_published(store: Store) -> None:
+    hold(store, "s", 0, "job", lease_seconds=5)
+    abandon(store, "s", 0, 0, LATER)
+    assert hold(store, "s", 0, "job", lease_seconds=5).generation == 1
+    old, new = _staged(store, b"a", b"b")
+    with pytest.raises(EpochLostError, match="generations"):
+        finish_epoch(store, "s", 0, [(old, 0), (new, 1)], "pipeline", "sink")
+    assert commitlog(store).num_rows == 0
+    assert read_epoch(store, "s", 0).state == OPEN  # a clean retry can still close it
+
+
+def test_an_epoch_belongs_to_one_owner(store: Store) -> None:
+    hold(store, "orders", 0, "query-1", lease_seconds=60)
+    with pytest.raises(EpochLostError, match="belongs to 'query-1'.*new sinkId"):
+        hold(store, "orders", 0, "query-2", lease_seconds=60)
+    close(store, "orders", 0, 0, [], "sink")
+    with pytest.raises(EpochLostError, match="belongs to 'query-1'"):
+        hold(store, "orders", 0, "query-2", lease_seconds=60)
+    assert hold(store, "orders", 0, "query-1", lease_seconds=60).state == CLOSED  # a replay
