@@ -39,7 +39,7 @@ from deltalake import DeltaTable
 from pyspark.sql import DataFrame
 
 from rmq_spark.checkers import ANSWER_SCHEMA, Checker
-from rmq_spark.errors import EpochLostError
+from rmq_spark.errors import EpochLostError, StoreError
 from rmq_spark.failpoints import failpoint
 from rmq_spark.model import LocalTransactionState
 from rmq_spark.schema import EPOCHS_SCHEMA
@@ -477,11 +477,18 @@ def landed_delta_write(
 ) -> tuple[bool, str | None]:
     """Whether the business table holds application transaction (``sink_id``, ``epoch``), and
     the staged transaction its commit names (None when the commit carries no marker)."""
-    table = DeltaTable(table_uri, storage_options=dict(storage_options) or None)
-    version = table.transaction_version(sink_id)
+    try:
+        table = DeltaTable(table_uri, storage_options=dict(storage_options) or None)
+        version = table.transaction_version(sink_id)
+        history = table.history() if version is not None and version >= epoch else []
+    except Exception as exc:
+        raise StoreError(
+            f"cannot read the Delta table {table_uri!r} written by sink {sink_id!r} "
+            f"(publish_with_delta_write): {exc}"
+        ) from exc
     if version is None or version < epoch:
         return False, None
-    for commit in table.history():
+    for commit in history:
         text = commit.get("userMetadata") or ""
         if text.startswith(DELTA_COMMIT_MARKER):
             meta = json.loads(text[len(DELTA_COMMIT_MARKER) :])

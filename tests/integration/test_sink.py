@@ -12,7 +12,7 @@ from deltalake import DeltaTable
 from rmq_spark import Store, publish_with_delta_write
 from rmq_spark.checkback import CheckBackJob
 from rmq_spark.config import TransactionSettings
-from rmq_spark.epochs import closed_epoch
+from rmq_spark.epochs import Lease, closed_epoch
 from rmq_spark.sink import WriterOptions, stage
 from tests.conftest import commitlog
 
@@ -47,6 +47,12 @@ def bodies(store: Store) -> list[str]:
     return sorted(b.decode() for b in commitlog(store).column("body").to_pylist())
 
 
+def held_stage(store: Store, batches, options, sink_id: str, epoch: int, table=None):
+    """Stage as a writer task does: holding the epoch (owner: the sink id)."""
+    with Lease(store, sink_id, epoch, sink_id, lease_seconds=600) as held:
+        return stage(store, batches, options, sink_id, epoch, held.generation, table)
+
+
 def test_batch_write_publishes_exactly_the_input(spark, store: Store) -> None:
     df = spark.createDataFrame(
         [
@@ -63,10 +69,11 @@ def test_batch_write_publishes_exactly_the_input(spark, store: Store) -> None:
         ("Orders", b"c", "k2 k3", "TagB"),  # no per-row topic: the option's
         ("Payments", b"b", None, None),
     ]
-    props = {r["body"]: dict(r["properties"]) for r in log}
-    assert props[b"a"]["p"] == "1"
-    sink_id = props[b"a"]["RMQTX_SINK_ID"]
-    assert sink_id.startswith("write-") and props[b"b"]["RMQTX_EPOCH"] == "0"
+    props = {r["body"]: r["properties"] for r in log}
+    assert props == {b"a": [("p", "1")], b"b": [], b"c": []}  # no internal properties
+    half = store.table("half").to_pyarrow_table().to_pylist()
+    (sink_id,) = {h["sink_id"] for h in half}
+    assert sink_id.startswith("write-") and {h["epoch"] for h in half} == {0}
     assert {r["producer_group"] for r in log} == {"pipeline"}
     assert len(closed_epoch(store, sink_id, 0)) >= 1
     assert pending(store) == set()
@@ -184,7 +191,7 @@ def test_stream_publishes_each_epoch_once_and_rolls_back_orphans(
         rows(spark, 1).schema,
     )
     batch = pa.record_batch({"body": ["a"], "keys": ["a"], "tags": ["T"]})
-    orphan = stage(store, [batch], options, "orders-stream", 0)
+    orphan = stage(store, [batch], options, "orders-stream", 0, generation=0)
     run_stream(spark, store, source, checkpoint, sinkId="orders-stream")
     assert bodies(store) == ["a", "b", "c"]
     assert closed_epoch(store, "orders-stream", 0) is not None
@@ -208,11 +215,11 @@ def test_stream_sink_id_defaults_to_the_query_id(spark, store: Store, tmp_path: 
     source, checkpoint = tmp_path / "in", tmp_path / "ckpt"
     add_input(spark, source, ["a"])
     run_stream(spark, store, source, checkpoint)
-    (row,) = commitlog(store).to_pylist()
     import json
 
     query_id = json.loads((checkpoint / "metadata").read_text())["id"]
-    assert dict(row["properties"])["RMQTX_SINK_ID"] == query_id
+    (row,) = store.table("half").to_pyarrow_table().to_pylist()
+    assert row["sink_id"] == query_id
 
 
 def test_publish_with_delta_write(spark, store: Store, tmp_path: Path) -> None:
@@ -253,8 +260,8 @@ def test_epoch_checker_commits_when_the_delta_write_landed(
         rows(spark, 1).schema,
     )
     batch = [pa.record_batch({"body": ["e1", "e2"]})]
-    landed = stage(store, batch, options, "orders-job", 0, {"RMQTX_DELTA_TABLE": table})
-    never = stage(store, batch, options, "orders-job", 1, {"RMQTX_DELTA_TABLE": table})
+    landed = held_stage(store, batch, options, "orders-job", 0, table)
+    never = held_stage(store, batch, options, "orders-job", 1, table)  # lease still held
     spark.createDataFrame([(1,)], "order_id int").write.format("delta").option(
         "txnAppId", "orders-job"
     ).option("txnVersion", 0).save(table)
