@@ -667,6 +667,21 @@ class Store:
             self._after_commit("op", version)
         return existing
 
+    def decisions(self, transaction_ids: Sequence[str]) -> dict[str, LocalTransactionState]:
+        """The decisions recorded in ``op`` for the given transactions.
+
+        Parameters
+        ----------
+        transaction_ids : sequence of str
+            Transactions to look up (files are pruned by their id statistics).
+
+        Returns
+        -------
+        dict of str to LocalTransactionState
+            COMMIT or ROLLBACK per decided transaction; undecided ones are absent.
+        """
+        return self._decisions_of(self.table("op"), list(transaction_ids))
+
     def _decisions_of(self, op: DeltaTable, ids: list[str]) -> dict[str, LocalTransactionState]:
         rows = self._rows_by_id(op, "op", ids)
         return {
