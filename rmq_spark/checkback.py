@@ -18,7 +18,12 @@ RocketMQ's compensation loop (``TransactionalMessageCheckService``) as a Spark j
    conditional MERGE, so two jobs running the same batch count once. At
    ``transaction_check_max`` the transaction is rolled back and its messages recorded in the
    ``discard`` table (RocketMQ's ``TRANS_CHECK_MAX_TIME_TOPIC``), from where
-   :func:`redrive` puts them back into the cycle.
+   :func:`redrive` puts them back into the cycle, each message exactly once (claim with a
+   conditional MERGE, then stage with an insert-if-absent MERGE; see its notes).
+5. **Check state** (``first_seen``, ``check_count``) is forgotten only for transactions that
+   have an ``op`` row, never for ones missing from this run's snapshot: a concurrent job with
+   a newer snapshot may have just recorded them, and forgetting would postpone their check
+   max and max age for ever.
 
 Every run writes a row to ``check_runs`` and returns a :class:`CheckBackResult` whose
 ``check_batch`` DataFrame shows what was asked and why.

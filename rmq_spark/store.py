@@ -14,10 +14,14 @@ How the contract (DESIGN.md section 3) is kept:
   version it has published up to and the next offset of every queue it wrote. Two publishers
   racing set the same application ids, so Delta refuses the second commit; it retries from
   the new state. Nothing is read-then-written without that check, so offsets are dense, only
-  grow, and no committed message is published twice or skipped.
+  grow, and no committed message is published twice or skipped. Normal messages get their
+  ``msg_id`` once per publish, and a retry after a failure that does not say whether the
+  commit landed looks them up in ``commitlog`` before writing them again.
 * **Nothing is lost.** ``prepare`` returns only after the half message's Delta commit.
   A crash after a COMMIT decision but before its publish is repaired by the next publish,
-  which starts from the recorded ``op`` version.
+  which starts from the recorded ``op`` version. Every write retries commits lost to
+  concurrent writers (``CommitFailedError``: nothing landed). Work done after a commit has
+  landed (compaction) never turns it into an error: a caller told "failed" would retry.
 """
 
 from __future__ import annotations
