@@ -742,6 +742,14 @@ class Store:
             commitlog = self.table("commitlog")
             cursor = commitlog.transaction_version(OP_CURSOR_APP_ID)
             cursor = -1 if cursor is None else cursor
+            if len(unsure) > _MAX_UNSURE_ATTEMPTS:
+                if not landed:
+                    raise StoreError(
+                        f"could not publish: {unsure[-1]} ({len(unsure)} times); the normal "
+                        "messages given were not sent. Check the store's filesystem, then retry."
+                    ) from unsure[-1]
+                # They were sent; committed transactions left over go with the next publish.
+                return PublishResult(len(landed), cursor, commitlog.version(), list(landed))
             op = self.table("op")
             op_version = op.version()
             batch = pa.concat_tables([self._committed_since(op, cursor, op_version), unsent])
@@ -764,11 +772,6 @@ class Store:
             except (CommitFailedError, SchemaMismatchError, DeltaProtocolError):
                 raise  # nothing landed: a lost race (retried) or a bug (raised)
             except (DeltaError, OSError) as exc:
-                if len(unsure) == _MAX_UNSURE_ATTEMPTS:
-                    raise StoreError(
-                        f"could not publish: {exc} (also on the {len(unsure)} retries before); "
-                        "nothing was sent twice. Check the store's filesystem, then send again."
-                    ) from exc
                 unsure.append(exc)
                 log.warning("publish failed without telling whether it landed (%s); checking", exc)
                 raise _Unsure from exc
