@@ -18,7 +18,12 @@ RocketMQ's compensation loop (``TransactionalMessageCheckService``) as a Spark j
    conditional MERGE, so two jobs running the same batch count once. At
    ``transaction_check_max`` the transaction is rolled back and its messages recorded in the
    ``discard`` table (RocketMQ's ``TRANS_CHECK_MAX_TIME_TOPIC``), from where
-   :func:`redrive` puts them back into the cycle.
+   :func:`redrive` puts them back into the cycle, each message exactly once (claim with a
+   conditional MERGE, then stage with an insert-if-absent MERGE; see its notes).
+5. **Check state** (``first_seen``, ``check_count``) is forgotten only for transactions that
+   have an ``op`` row, never for ones missing from this run's snapshot: a concurrent job with
+   a newer snapshot may have just recorded them, and forgetting would postpone their check
+   max and max age for ever.
 
 Every run writes a row to ``check_runs`` and returns a :class:`CheckBackResult` whose
 ``check_batch`` DataFrame shows what was asked and why.
@@ -43,6 +48,7 @@ from rmq_spark.checkers import Checker, CheckerConfigError
 from rmq_spark.config import TransactionSettings
 from rmq_spark.epochs import WRITER_ALIVE, EpochChecker
 from rmq_spark.errors import InvalidOptionError
+from rmq_spark.failpoints import failpoint
 from rmq_spark.model import PROPERTY_CHECK_IMMUNITY, LocalTransactionState, new_id
 from rmq_spark.report import read_table
 from rmq_spark.schema import (
@@ -421,7 +427,7 @@ class CheckBackJob:
                 for r in new.select(_STATE_COLUMNS).to_pylist()
             ]
         )
-        self._forget(set(pending.column("transaction_id").to_pylist()), ended)
+        self._forget(ended)
 
     def _decide(
         self, rows: Sequence[Mapping[str, object]], decided_by: str, counts: Counter[str]
@@ -487,11 +493,14 @@ class CheckBackJob:
             ).when_not_matched_insert({c: f"s.{c}" for c in CHECK_STATE_SCHEMA.names}),
         )
 
-    def _forget(self, pending_at_start: set[str], ended: set[str]) -> None:
-        """Drop check_state rows of transactions that are no longer pending."""
+    def _forget(self, ended: set[str]) -> None:
+        """Drop the check_state rows of decided transactions (``ended`` by this run, or with
+        an ``op`` row). Never by absence from this run's snapshot: a concurrent job with a newer
+        snapshot may have recorded a transaction this run never saw, and forgetting it would
+        restart its clock and check count, postponing check max and max age for ever."""
         known = self.store.table("check_state").to_pyarrow_table(columns=["transaction_id"])
-        gone = {t for t in known.column("transaction_id").to_pylist() if t not in pending_at_start}
-        gone |= ended
+        known_ids = set(known.column("transaction_id").to_pylist())
+        gone = (known_ids & ended) | set(self.store.decisions(sorted(known_ids - ended)))
         if gone:
             ids = pa.table({"transaction_id": pa.array(sorted(gone), pa.string())})
             self.store.merge(
@@ -577,46 +586,121 @@ def redrive(store: Store, transaction_ids: Sequence[str] | None = None) -> list[
     Returns
     -------
     list of str
-        The new transaction ids.
+        The new transaction ids this call claimed or staged.
+
+    Raises
+    ------
+    InvalidOptionError
+        One of ``transaction_ids`` is not in the discard table, or was re-driven already.
+
+    Notes
+    -----
+    Each message is re-driven exactly once, however many re-drives run at once and wherever
+    one dies. First each discard row is *claimed*: a conditional MERGE sets its
+    ``redriven_transaction_id`` only where it is still null, so of two racing re-drives one
+    claims it (Delta refuses the other's commit, whose retry finds it claimed). Then every
+    claimed row whose new half message is missing is *staged*, by a MERGE into ``half`` that
+    inserts only when that (transaction, message) is absent: a re-drive that died between the
+    two steps is finished by the next one, and two re-drives finishing the same row insert it
+    once.
     """
     discard = store.table("discard").to_pyarrow_table()
     rows = [r for r in discard.to_pylist() if r["redriven_transaction_id"] is None]
     if transaction_ids is not None:
         wanted = set(transaction_ids)
-        unknown = wanted - {r["transaction_id"] for r in rows}
+        unstaged = {r["transaction_id"] for r in _claimed_unstaged(store, discard)}
+        unknown = wanted - {r["transaction_id"] for r in rows} - unstaged
         if unknown:
             raise InvalidOptionError(
                 f"not in the discard table (or already re-driven): {', '.join(sorted(unknown))}"
             )
         rows = [r for r in rows if r["transaction_id"] in wanted]
+    claimed = _claim_discards(store, rows)
+    failpoint("redrive.claimed")
+    staged = _stage_redriven(
+        store, _claimed_unstaged(store, store.table("discard").to_pyarrow_table())
+    )
+    if claimed or staged:
+        log.info(
+            "re-drove discarded messages into the check-back cycle: claimed %d, staged %d",
+            len(claimed),
+            len(staged),
+        )
+    return sorted(claimed | staged)
+
+
+def _claim_discards(store: Store, rows: list[dict[str, object]]) -> set[str]:
+    """Give each discarded transaction of ``rows`` a new transaction id, in the discard rows
+    whose ``redriven_transaction_id`` is still null; return the new ids this call set."""
     if not rows:
-        return []
+        return set()
     new_ids = {r["transaction_id"]: new_id() for r in rows}
+    marks = pa.table(
+        {
+            "transaction_id": pa.array([r["transaction_id"] for r in rows], pa.string()),
+            "msg_id": pa.array([r["msg_id"] for r in rows], pa.string()),
+            "redriven_transaction_id": pa.array(
+                [new_ids[r["transaction_id"]] for r in rows], pa.string()
+            ),
+        }
+    )
+    metrics = store.merge(
+        "discard",
+        marks,
+        ["transaction_id", "msg_id"],
+        lambda m: m.when_matched_update(
+            {"redriven_transaction_id": "s.redriven_transaction_id"},
+            predicate="t.redriven_transaction_id IS NULL",
+        ),
+    )
+    log.info(
+        "claimed %d discarded message(s) for re-driving", metrics.get("num_target_rows_updated")
+    )
+    claimed = store.table("discard").to_pyarrow_table(columns=["redriven_transaction_id"])
+    return set(new_ids.values()) & set(claimed.column(0).to_pylist())
+
+
+def _claimed_unstaged(store: Store, discard: pa.Table) -> list[dict[str, object]]:
+    """Discard rows claimed for re-driving whose new transaction is neither in ``half`` nor
+    decided (a re-drive died before staging them)."""
+    claimed = [r for r in discard.to_pylist() if r["redriven_transaction_id"] is not None]
+    if not claimed:
+        return []
+    new_ids = sorted({r["redriven_transaction_id"] for r in claimed})
+    half = store.half_messages(new_ids).select(["transaction_id", "msg_id"]).to_pylist()
+    staged = {(h["transaction_id"], h["msg_id"]) for h in half}
+    decided = store.decisions(new_ids)
+    return [
+        r
+        for r in claimed
+        if (r["redriven_transaction_id"], r["msg_id"]) not in staged
+        and r["redriven_transaction_id"] not in decided
+    ]
+
+
+def _stage_redriven(store: Store, rows: list[dict[str, object]]) -> set[str]:
+    """Insert the half messages of claimed discard rows, each only if absent from ``half``;
+    return their new transaction ids, or none if a concurrent re-drive inserted them all."""
+    if not rows:
+        return set()
+    now = store.clock()
     half = pa.Table.from_pylist(
         [
             {
+                # Discard keeps no writer columns: a re-driven message is its group's own.
                 **{c: r.get(c) for c in HALF_SCHEMA.names},
-                "transaction_id": new_ids[r["transaction_id"]],
+                "transaction_id": r["redriven_transaction_id"],
                 "properties": list(dict(r["properties"] or ()).items())
                 + [("REDRIVEN_FROM_TRANSACTION_ID", r["transaction_id"])],
-                "store_timestamp": _utcnow(),
+                "store_timestamp": now,
             }
             for r in rows
         ],
         schema=HALF_SCHEMA,
     )
-    store.append("half", half)
-    marks = pa.Table.from_pylist(
-        [
-            {"msg_id": r["msg_id"], "redriven_transaction_id": new_ids[r["transaction_id"]]}
-            for r in rows
-        ]
+    metrics = store.merge(
+        "half", half, ["transaction_id", "msg_id"], lambda m: m.when_not_matched_insert_all()
     )
-    store.merge(
-        "discard",
-        marks,
-        "msg_id",
-        lambda m: m.when_matched_update({"redriven_transaction_id": "s.redriven_transaction_id"}),
-    )
-    log.info("re-drove %d discarded message(s) into the check-back cycle", len(rows))
-    return sorted(set(new_ids.values()))
+    if not metrics.get("num_target_rows_inserted"):
+        return set()  # a concurrent re-drive staged them first
+    return set(half.column("transaction_id").to_pylist())

@@ -8,7 +8,8 @@ lookup.
 Names: ``sink.staged`` (a task's half messages are durable), ``sink.closed`` (the epoch's
 row is in ``epochs``, nothing decided yet), ``sink.published`` (the epoch is published, Spark
 has not recorded the batch yet), ``delta.staged``, ``delta.written`` and ``delta.closed``
-(the same steps of :func:`rmq_spark.sink.publish_with_delta_write`).
+(the same steps of :func:`rmq_spark.sink.publish_with_delta_write`), ``redrive.claimed``
+(:func:`rmq_spark.checkback.redrive` has claimed discard rows, staged nothing yet).
 """
 
 from __future__ import annotations

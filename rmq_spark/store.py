@@ -14,10 +14,14 @@ How the contract (DESIGN.md section 3) is kept:
   version it has published up to and the next offset of every queue it wrote. Two publishers
   racing set the same application ids, so Delta refuses the second commit; it retries from
   the new state. Nothing is read-then-written without that check, so offsets are dense, only
-  grow, and no committed message is published twice or skipped.
+  grow, and no committed message is published twice or skipped. Normal messages get their
+  ``msg_id`` once per publish, and a retry after a failure that does not say whether the
+  commit landed looks them up in ``commitlog`` before writing them again.
 * **Nothing is lost.** ``prepare`` returns only after the half message's Delta commit.
   A crash after a COMMIT decision but before its publish is repaired by the next publish,
-  which starts from the recorded ``op`` version.
+  which starts from the recorded ``op`` version. Every write retries commits lost to
+  concurrent writers (``CommitFailedError``: nothing landed). Work done after a commit has
+  landed (compaction) never turns it into an error: a caller told "failed" would retry.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import unquote
 
 import fsspec
@@ -44,7 +48,13 @@ import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 from deltalake import CommitProperties, DeltaTable, QueryBuilder, Transaction, write_deltalake
 from deltalake import Field as DeltaField
-from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
+from deltalake.exceptions import (
+    CommitFailedError,
+    DeltaError,
+    DeltaProtocolError,
+    SchemaMismatchError,
+    TableNotFoundError,
+)
 from deltalake.table import TableMerger
 from fsspec.implementations.local import LocalFileSystem
 
@@ -75,6 +85,7 @@ from rmq_spark.schema import (
 )
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 LAYOUT_VERSION = 1
 MARKER_FILE = "_rmqtx_store.json"
@@ -86,6 +97,8 @@ _QUEUE_APP_ID = "rmqtx.queue.{topic}.{queue_id}"
 #: them (empty) instead of refusing it. Any other missing table is damage.
 TABLES_ADDED_LATER = ("consumer_offsets", "epochs")
 _MAX_COMMIT_ATTEMPTS = 200
+#: Retries of a publish whose failure did not tell whether it landed.
+_MAX_UNSURE_ATTEMPTS = 3
 #: Compact a table after every this many commits: deltalake's commit cost grows with the
 #: number of files in the snapshot, and every group commit adds one.
 COMPACT_EVERY_COMMITS = 50
@@ -172,6 +185,27 @@ def _now() -> datetime:
 
 def _backoff(attempt: int) -> None:
     time.sleep(min(0.2, 0.002 * 2 ** min(attempt, 7)) * random.uniform(0.5, 1.5))
+
+
+class _Unsure(Exception):
+    """A commit failed in a way that does not say whether it landed; retry after checking."""
+
+
+def _retry_commits(what: str, name: str, attempt: Callable[[int], _T]) -> _T:
+    """Call ``attempt(n)`` until it returns, retrying (with backoff) each time a commit is lost
+    to a concurrent writer. A ``CommitFailedError`` means nothing landed, so the next attempt
+    starts from the new table state; ``_Unsure`` is retried the same way, and the attempt
+    itself checks first whether the failed commit landed."""
+    for n in range(_MAX_COMMIT_ATTEMPTS):
+        try:
+            return attempt(n)
+        except (CommitFailedError, _Unsure):
+            log.debug("%s lost a race (attempt %d); retrying", what, n + 1)
+            _backoff(n)
+    raise StoreError(
+        f"could not {what} after {_MAX_COMMIT_ATTEMPTS} attempts: too many concurrent writers "
+        f"on the {name} table."
+    )
 
 
 def _plain_type(dtype: pa.DataType) -> pa.DataType:
@@ -396,22 +430,19 @@ class Store:
 
     def _add_columns(self, name: str, added: list[pa.Field]) -> None:
         """Bring a table of an older layout-1 store up to date (idempotent, race-safe)."""
-        for attempt in range(_MAX_COMMIT_ATTEMPTS):
+
+        def attempt(_: int) -> None:
             table = self.table(name)
-            if len(table.schema().fields) == len(TABLES[name][0]):
-                break  # another process did it
-            try:
+            if len(table.schema().fields) < len(TABLES[name][0]):  # else another process did
                 table.alter.add_columns([DeltaField.from_arrow(f) for f in added])
-            except CommitFailedError:
-                _backoff(attempt)
-                continue
-            break
-        if name == "epochs":
             # Older epochs rows are all closed; open ones have no closer yet.
-            table = self.table(name)
-            for column in ("closed_by", "closed_timestamp"):
-                if not next(f for f in table.schema().fields if f.name == column).nullable:
-                    table.alter.drop_column_not_null(column)
+            for column in ("closed_by", "closed_timestamp") if name == "epochs" else ():
+                if not next(
+                    f for f in self.table(name).schema().fields if f.name == column
+                ).nullable:
+                    self.table(name).alter.drop_column_not_null(column)
+
+        _retry_commits(f"add columns to {name}", name, attempt)
         log.info(
             "store %s: added column(s) %s to table %r", self.root, [f.name for f in added], name
         )
@@ -482,12 +513,21 @@ class Store:
         ]
 
     def append(self, name: str, data: pa.Table) -> int:
-        """Blind-append rows to one of the store's tables; return the committed version."""
-        dt = self.table(name, latest=False)
-        write_deltalake(dt, data, mode="append", partition_by=TABLES[name][1] or None)
-        # After a write, the DeltaTable holds the snapshot of its own commit, even when
-        # concurrent appends landed first.
-        version = dt.version()
+        """Blind-append rows to one of the store's tables; return the committed version.
+
+        Blind appends never conflict, but under many concurrent writers deltalake can run out
+        of its own commit retries (``CommitFailedError``: nothing landed); the append is then
+        retried, like :meth:`merge` and :meth:`publish`.
+        """
+
+        def attempt(n: int) -> int:
+            dt = self.table(name, latest=n > 0)
+            write_deltalake(dt, data, mode="append", partition_by=TABLES[name][1] or None)
+            # After a write, the DeltaTable holds the snapshot of its own commit, even when
+            # concurrent appends landed first.
+            return dt.version()
+
+        version = _retry_commits(f"append to {name}", name, attempt)
         self._after_commit(name, version)
         return version
 
@@ -505,30 +545,37 @@ class Store:
         concurrent writer is retried from the new snapshot, so conditions in the clauses are
         evaluated against what is really there.
         """
-        for attempt in range(_MAX_COMMIT_ATTEMPTS):
+        keys = [on] if isinstance(on, str) else list(on)
+
+        def attempt(_: int) -> tuple[dict[str, Any], int]:
             table = self.table(name)
-            keys = [on] if isinstance(on, str) else list(on)
             merger = table.merge(
                 source,
                 predicate=" AND ".join(f"t.{k} = s.{k}" for k in keys),
                 source_alias="s",
                 target_alias="t",
             )
-            try:
-                metrics = clauses(merger).execute()
-            except CommitFailedError:
-                _backoff(attempt)
-                continue
-            self._after_commit(name, table.version())
-            return metrics
-        raise StoreError(
-            f"could not MERGE into {name} after {_MAX_COMMIT_ATTEMPTS} attempts: too many "
-            "concurrent writers."
-        )
+            return clauses(merger).execute(), table.version()
+
+        metrics, version = _retry_commits(f"MERGE into {name}", name, attempt)
+        self._after_commit(name, version)
+        return metrics
 
     def _after_commit(self, name: str, version: int) -> None:
-        if version % COMPACT_EVERY_COMMITS == 0:
+        """Compact every ``COMPACT_EVERY_COMMITS`` commits. Never raises: the commit has
+        landed, and a caller told it failed would retry it and duplicate what it wrote."""
+        if version % COMPACT_EVERY_COMMITS:
+            return
+        try:
             self.compact(name)
+        except Exception:
+            log.warning(
+                "compaction of %s after its version %d failed (the commit itself landed); "
+                "a later commit will compact it",
+                name,
+                version,
+                exc_info=True,
+            )
 
     def compact(self, *names: str) -> dict[str, int]:
         """Rewrite the small files of the store's tables into larger ones.
@@ -617,12 +664,13 @@ class Store:
         decision; the ones this call decided are not in it.
         """
         ids = [d.transaction_id for d in decisions]
-        for attempt in range(_MAX_COMMIT_ATTEMPTS):
+
+        def attempt(_: int) -> tuple[dict[str, LocalTransactionState], int | None]:
             op = self.table("op")
             existing = self._decisions_of(op, ids)
             fresh = [d for d in decisions if d.transaction_id not in existing]
             if not fresh:
-                return existing
+                return existing, None
             decided_at = self.clock()
             source = pa.Table.from_pydict(
                 {
@@ -634,32 +682,42 @@ class Store:
                 },
                 schema=OP_SCHEMA,
             )
-            try:
-                metrics = (
-                    op.merge(
-                        source,
-                        predicate="t.transaction_id = s.transaction_id",
-                        source_alias="s",
-                        target_alias="t",
-                    )
-                    .when_not_matched_insert_all()
-                    .execute()
+            metrics = (
+                op.merge(
+                    source,
+                    predicate="t.transaction_id = s.transaction_id",
+                    source_alias="s",
+                    target_alias="t",
                 )
-            except CommitFailedError:
-                log.debug("op MERGE lost a race (attempt %d); retrying", attempt + 1)
-                _backoff(attempt)
-                continue
+                .when_not_matched_insert_all()
+                .execute()
+            )
             if metrics.get("num_target_rows_inserted") != len(fresh):
                 raise CorruptStoreError(
                     f"op MERGE inserted {metrics.get('num_target_rows_inserted')} rows, expected "
                     f"{len(fresh)}; the op table holds duplicate transaction ids."
                 )
-            self._after_commit("op", op.version())
-            return existing
-        raise StoreError(
-            f"could not record {len(decisions)} decision(s) after {_MAX_COMMIT_ATTEMPTS} "
-            "attempts: too many concurrent writers on the op table."
-        )
+            return existing, op.version()
+
+        existing, version = _retry_commits(f"record {len(decisions)} decision(s)", "op", attempt)
+        if version is not None:
+            self._after_commit("op", version)
+        return existing
+
+    def decisions(self, transaction_ids: Sequence[str]) -> dict[str, LocalTransactionState]:
+        """The decisions recorded in ``op`` for the given transactions.
+
+        Parameters
+        ----------
+        transaction_ids : sequence of str
+            Transactions to look up (files are pruned by their id statistics).
+
+        Returns
+        -------
+        dict of str to LocalTransactionState
+            COMMIT or ROLLBACK per decided transaction; undecided ones are absent.
+        """
+        return self._decisions_of(self.table("op"), list(transaction_ids))
 
     def _decisions_of(self, op: DeltaTable, ids: list[str]) -> dict[str, LocalTransactionState]:
         rows = self._rows_by_id(op, "op", ids)
@@ -685,18 +743,52 @@ class Store:
         ----------
         normal : sequence of (Message, producer_group)
             Non-transactional messages to send in the same commit (already validated).
+
+        Returns
+        -------
+        PublishResult
+            What was written, and where the normal messages went.
+
+        Notes
+        -----
+        The normal messages get their ``msg_id`` and timestamps once, before the first
+        attempt, so every attempt writes the same messages. A commit lost to a concurrent
+        publisher (``CommitFailedError``) did not land and is retried from the new state. A
+        failure that does not say whether the commit landed (an I/O error, or a step after the
+        commit such as writing a checkpoint) is retried as well, but the retry first looks the
+        normal messages' ids up in ``commitlog`` (by file statistics) and does not write them
+        again if they are there. Committed transactions need no such check: a landed commit
+        moved the ``op`` cursor past them.
         """
-        for attempt in range(_MAX_COMMIT_ATTEMPTS):
+        unsent = self._normal_rows(normal)  # ids and timestamps fixed for every attempt
+        landed: list[tuple[str, int, int]] = []  # normal messages an unsure attempt did send
+        unsure: list[Exception] = []
+
+        def attempt(_: int) -> PublishResult:
+            nonlocal unsent
+            if unsure and unsent.num_rows:
+                found = self._landed(unsent)
+                if found is not None:
+                    log.warning("the unsure publish had landed; not sending its messages again")
+                    landed.extend(found)
+                    unsent = unsent.slice(0, 0)
             commitlog = self.table("commitlog")
             cursor = commitlog.transaction_version(OP_CURSOR_APP_ID)
             cursor = -1 if cursor is None else cursor
+            if len(unsure) > _MAX_UNSURE_ATTEMPTS:
+                if not landed:
+                    raise StoreError(
+                        f"could not publish: {unsure[-1]} ({len(unsure)} times); the normal "
+                        "messages given were not sent. Check the store's filesystem, then retry."
+                    ) from unsure[-1]
+                # They were sent; committed transactions left over go with the next publish.
+                return PublishResult(len(landed), cursor, commitlog.version(), list(landed))
             op = self.table("op")
             op_version = op.version()
-            rows = [self._committed_since(op, cursor, op_version)]
-            rows.append(self._normal_rows(normal))
-            batch = pa.concat_tables(rows)
+            batch = pa.concat_tables([self._committed_since(op, cursor, op_version), unsent])
             if batch.num_rows == 0 and op_version <= cursor:
-                return PublishResult(0, cursor, None)
+                version = commitlog.version() if landed else None
+                return PublishResult(len(landed), cursor, version, list(landed))
             batch, txns = self._assign_offsets(commitlog, batch)
             if op_version > cursor:
                 txns.append(Transaction(OP_CURSOR_APP_ID, op_version))
@@ -710,10 +802,12 @@ class Store:
                         app_transactions=txns, custom_metadata={"rmqtx.operation": "publish"}
                     ),
                 )
-            except CommitFailedError:
-                log.debug("publish lost a race (attempt %d); retrying", attempt + 1)
-                _backoff(attempt)
-                continue
+            except (CommitFailedError, SchemaMismatchError, DeltaProtocolError):
+                raise  # nothing landed: a lost race (retried) or a bug (raised)
+            except (DeltaError, OSError) as exc:
+                unsure.append(exc)
+                log.warning("publish failed without telling whether it landed (%s); checking", exc)
+                raise _Unsure from exc
             self._after_commit("commitlog", commitlog.version())
             normal_rows = batch.filter(pc.is_null(batch.column("transaction_id")))
             sent = list(
@@ -724,13 +818,30 @@ class Store:
                     strict=True,
                 )
             )
-            if batch.num_rows:
-                log.debug("published %d message(s) up to op version %d", batch.num_rows, op_version)
-            return PublishResult(batch.num_rows, op_version, commitlog.version(), sent)
-        raise StoreError(
-            f"could not publish after {_MAX_COMMIT_ATTEMPTS} attempts: too many concurrent "
-            "publishers on the commitlog table."
-        )
+            log.debug("published %d message(s) up to op version %d", batch.num_rows, op_version)
+            return PublishResult(
+                batch.num_rows + len(landed), op_version, commitlog.version(), landed + sent
+            )
+
+        return _retry_commits("publish", "commitlog", attempt)
+
+    def _landed(self, rows: pa.Table) -> list[tuple[str, int, int]] | None:
+        """``(msg_id, queue_id, queue_offset)`` of the normal messages ``rows`` if an earlier
+        attempt put them into ``commitlog`` (in the order of ``rows``), else None."""
+        ids = rows.column("msg_id").to_pylist()
+        found = self._rows_by_id(self.table("commitlog"), "commitlog", ids, column="msg_id")
+        if found.num_rows == 0:
+            return None
+        where = {
+            r["msg_id"]: (r["queue_id"], r["queue_offset"])
+            for r in found.select(["msg_id", "queue_id", "queue_offset"]).to_pylist()
+        }
+        if found.num_rows != len(ids) or len(where) != len(ids):
+            raise CorruptStoreError(
+                f"{found.num_rows} row(s) of one publish of {len(ids)} message(s) are in "
+                "commitlog: one Delta commit landed in part, or a msg_id is stored twice."
+            )
+        return [(m, *where[m]) for m in ids]
 
     def _committed_since(self, op: DeltaTable, cursor: int, op_version: int) -> pa.Table:
         """Half messages of transactions committed in op versions (cursor, op_version]."""
@@ -769,26 +880,27 @@ class Store:
         """The half messages of the given transactions (``half`` schema)."""
         return _conform(self._rows_by_id(self.table("half"), "half", transaction_ids), HALF_SCHEMA)
 
-    def _rows_by_id(self, table: DeltaTable, name: str, ids: Sequence[str]) -> pa.Table:
-        """Rows whose ``transaction_id`` is in ``ids``, in the table's snapshot, in file order.
+    def _rows_by_id(
+        self, table: DeltaTable, name: str, ids: Sequence[str], column: str = "transaction_id"
+    ) -> pa.Table:
+        """Rows whose ``column`` (an id) is in ``ids``, in the table's snapshot, in file order.
 
-        Files whose ``transaction_id`` statistics admit none of the ids are not read (ids are
-        time-ordered, so a lookup reads few files).
+        Files whose statistics of ``column`` admit none of the ids are not read (ids are
+        time-ordered, so a lookup reads few files). Partition columns are read as nulls.
         """
         wanted = sorted(set(ids))
+        low, high = f"min.{column}", f"max.{column}"
         files = _with_uris(table, self.table_uri(name))
         uris = [
             f["uri"]
-            for f in files.select(["uri", "min.transaction_id", "max.transaction_id"]).to_pylist()
-            if _may_hold(wanted, f["min.transaction_id"], f["max.transaction_id"])
+            for f in files.select(["uri", low, high]).to_pylist()
+            if _may_hold(wanted, f[low], f[high])
         ]
         return read_files(
             uris,
             TABLES[name][0],
             self.settings.storage_options,
-            lambda rows: pc.is_in(
-                rows.column("transaction_id"), value_set=pa.array(wanted, pa.string())
-            ),
+            lambda rows: pc.is_in(rows.column(column), value_set=pa.array(wanted, pa.string())),
         )
 
     def data_files(self, name: str) -> pa.Table:

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pyarrow as pa
 import pytest
@@ -11,12 +16,19 @@ from deltalake import write_deltalake
 
 from rmq_spark import Message, Store
 from rmq_spark.checkback import CheckBackJob, redrive
-from rmq_spark.checkers import CallableChecker, CheckerConfigError, TableChecker
+from rmq_spark.checkers import (
+    ANSWER_SCHEMA,
+    CallableChecker,
+    Checker,
+    CheckerConfigError,
+    TableChecker,
+)
 from rmq_spark.config import TransactionSettings
 from rmq_spark.demo import OrderService
-from tests.conftest import commitlog
+from tests.conftest import commitlog, race
 
 BY_TAG = "tests.checker_functions:by_tag"
+REPO = Path(__file__).resolve().parents[2]
 
 
 class Clock:
@@ -271,3 +283,132 @@ def test_summary_is_readable(spark, store: Store) -> None:
     prepare(store, "COMMIT")
     text = job(spark, store, Clock()).run_once().summary.format()
     assert "check-back run" in text and "pending found" in text and "not yet due" in text
+
+
+class GatedChecker(Checker):
+    """Answers UNKNOWN on the driver once the test opens the gate: holds a run mid-way,
+    after it has read its snapshot of pending transactions."""
+
+    kind = "gated"
+
+    def __init__(self) -> None:
+        self.asked, self.gate = threading.Event(), threading.Event()
+
+    def check(self, batch):
+        ids = [r["transaction_id"] for r in batch.select("transaction_id").collect()]
+        self.asked.set()
+        assert self.gate.wait(timeout=300), "the test never opened the gate"
+        return batch.sparkSession.createDataFrame(
+            [(t, "UNKNOWN", None) for t in ids], ANSWER_SCHEMA
+        )
+
+
+def test_an_older_job_keeps_the_check_state_a_newer_job_recorded(spark, store: Store) -> None:
+    clock = Clock()
+    prepare(store, "UNKNOWN")
+    start_clocks(spark, store, clock)
+    gated = GatedChecker()
+    errors: list[BaseException] = []
+
+    def run_older() -> None:
+        try:
+            job(spark, store, clock, {"pg": gated}).run_once()
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    older = threading.Thread(target=run_older)
+    older.start()
+    try:
+        assert gated.asked.wait(timeout=300)  # the older job's snapshot is taken
+        (late,) = prepare(store, "UNKNOWN")  # a transaction only the newer job sees
+        clock.advance(1)
+        job(spark, store, clock).run_once()
+        first_seen = clock.now
+    finally:
+        gated.gate.set()
+        older.join()
+    assert not errors
+    state = {
+        r["transaction_id"]: r for r in store.table("check_state").to_pyarrow_table().to_pylist()
+    }
+    assert late in state, "the older job forgot a transaction it never saw"
+    assert (state[late]["first_seen"], state[late]["check_count"]) == (first_seen, 0)
+
+
+def discard_all(spark, store: Store) -> list[dict]:
+    """Three discarded transactions (one of two messages), through the check max."""
+    clock = Clock()
+    prepare(store, "UNKNOWN", "UNKNOWN")
+    store.prepare(
+        [Message("Orders", b"a", tags="UNKNOWN"), Message("Orders", b"b", tags="UNKNOWN")],
+        "pg",
+        transaction_ids=["two-messages"] * 2,
+    )
+    start_clocks(spark, store, clock, transaction_check_max=1)
+    assert job(spark, store, clock, transaction_check_max=1).run_once().summary.discarded == 3
+    return store.table("discard").to_pyarrow_table().to_pylist()
+
+
+def live_transactions(store: Store) -> dict[str, list[str]]:
+    """msg_id -> the undecided half transactions holding it."""
+    decided = set(store.table("op").to_pyarrow_table().column("transaction_id").to_pylist())
+    live: dict[str, list[str]] = {}
+    for h in store.table("half").to_pyarrow_table().to_pylist():
+        if h["transaction_id"] not in decided:
+            live.setdefault(h["msg_id"], []).append(h["transaction_id"])
+    return live
+
+
+def assert_redriven_exactly_once(store: Store, discarded: list[dict]) -> None:
+    live = live_transactions(store)
+    marks = {r["msg_id"]: r for r in store.table("discard").to_pyarrow_table().to_pylist()}
+    assert sorted(live) == sorted(d["msg_id"] for d in discarded)
+    for d in discarded:
+        assert live[d["msg_id"]] == [marks[d["msg_id"]]["redriven_transaction_id"]], d["msg_id"]
+    # The messages of one discarded transaction stay together in one new transaction.
+    two = {
+        marks[d["msg_id"]]["redriven_transaction_id"]
+        for d in discarded
+        if d["transaction_id"] == "two-messages"
+    }
+    assert len(two) == 1
+
+
+REDRIVE = (
+    "from rmq_spark import Store; from rmq_spark.checkback import redrive; "
+    "import sys; redrive(Store.open(sys.argv[1], create=False))"
+)
+
+
+def test_resume_killed_between_claim_and_stage_is_finished_by_the_next(spark, store) -> None:
+    discarded = discard_all(spark, store)
+    child = subprocess.run(
+        [sys.executable, "-c", REDRIVE, store.root],
+        env={**os.environ, "RMQ_SPARK_FAILPOINT": "redrive.claimed"},
+        cwd=REPO,
+        start_new_session=True,  # the failpoint kills the child's whole session
+        timeout=300,
+    )
+    assert child.returncode == -signal.SIGKILL
+    marks = store.table("discard").to_pyarrow_table().column("redriven_transaction_id")
+    assert marks.null_count == 0 and live_transactions(store) == {}  # claimed, not staged
+    assert len(redrive(store)) == 3
+    assert redrive(store) == []
+    assert_redriven_exactly_once(store, discarded)
+    clock = Clock()
+    assert job(spark, store, clock).run_once().summary.pending_found == 3
+
+
+def _resume(root: str, name: str, barrier, out) -> None:
+    store = Store.open(root, create=False)
+    barrier.wait(timeout=120)
+    out.put((name, redrive(store)))
+
+
+def test_two_resumes_at_once_redrive_each_message_once(spark, store: Store) -> None:
+    discarded = discard_all(spark, store)
+    results = race(_resume, [(store.root, "a"), (store.root, "b")])
+    assert set(results["a"]) | set(results["b"]) == {
+        r["redriven_transaction_id"] for r in store.table("discard").to_pyarrow_table().to_pylist()
+    }
+    assert_redriven_exactly_once(store, discarded)

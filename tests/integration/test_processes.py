@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -71,6 +72,37 @@ def test_concurrent_publishers_keep_offsets_dense(store: Store) -> None:
     for t in "abc":  # each publisher's messages keep their order within the queue
         mine = [int(r["body"].split(b"-")[1]) for r in rows if r["body"].startswith(t.encode())]
         assert mine == sorted(mine)
+
+
+def _preparer(root: str, name: str, threads: int, barrier, out) -> None:
+    store = Store.open(root, create=False)
+    errors: list[str] = []
+
+    def prepare(i: int) -> None:
+        try:
+            store.prepare([Message("Orders", f"{name}-{i}")], "pg")
+        except Exception as exc:  # reported below
+            errors.append(f"{type(exc).__name__}: {exc}")
+
+    workers = [threading.Thread(target=prepare, args=(i,)) for i in range(threads)]
+    barrier.wait(timeout=120)
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    out.put((name, errors))
+
+
+def test_many_producers_preparing_at_once_all_succeed(store: Store) -> None:
+    # 16 processes x 4 threads blind-append at once: deltalake alone gives up after its own
+    # commit retries (CommitFailedError) for a good part of them on 2 cores.
+    procs, threads = 16, 4
+    results = race(_preparer, [(store.root, f"p{i}", threads) for i in range(procs)])
+    assert {name: errors for name, errors in results.items() if errors} == {}
+    bodies = store.table("half").to_pyarrow_table().column("body").to_pylist()
+    assert sorted(bodies) == sorted(
+        f"p{p}-{i}".encode() for p in range(procs) for i in range(threads)
+    )
 
 
 CHILD = textwrap.dedent(

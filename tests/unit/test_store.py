@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from deltalake import write_deltalake
 
@@ -22,7 +23,7 @@ from rmq_spark import (
     StoreError,
     StoreVersionError,
 )
-from rmq_spark.store import MARKER_FILE
+from rmq_spark.store import COMPACT_EVERY_COMMITS, MARKER_FILE
 from tests.conftest import commitlog
 
 COMMIT, ROLLBACK = LocalTransactionState.COMMIT, LocalTransactionState.ROLLBACK
@@ -199,6 +200,57 @@ def test_tables_added_later_are_created_in_an_older_store(store: Store) -> None:
     assert reopened.table("epochs").to_pyarrow_table().num_rows == 0
 
 
+def test_columns_added_later_are_added_to_an_older_store(store: Store) -> None:
+    """A layout-1 store from before the writer and epoch-state columns: opening it adds them;
+    its closed epochs stay closed and its half messages stay readable."""
+    import shutil
+    from datetime import UTC, datetime
+
+    from deltalake import DeltaTable
+
+    from rmq_spark.epochs import CLOSED, hold, read_epoch
+    from rmq_spark.schema import EPOCH_STATE_COLUMNS, EPOCHS_SCHEMA, HALF_MESSAGE_SCHEMA
+
+    old_epochs = pa.schema(
+        [f.with_nullable(f.name not in ("closed_by", "closed_timestamp")) for f in EPOCHS_SCHEMA]
+    ).remove(len(EPOCHS_SCHEMA) - 1)
+    for _ in EPOCH_STATE_COLUMNS[1:]:
+        old_epochs = old_epochs.remove(len(old_epochs) - 1)
+    (prepared,) = store.prepare([Message("Orders", b"old")], "pg")
+    old_half = store.half_messages([prepared.transaction_id]).select(HALF_MESSAGE_SCHEMA.names)
+    for name, schema, rows in [
+        ("half", HALF_MESSAGE_SCHEMA, old_half),
+        (
+            "epochs",
+            old_epochs,
+            [
+                {
+                    "sink_id": "s",
+                    "epoch": 0,
+                    "transaction_ids": ["t"],
+                    "closed_by": "sink",
+                    "closed_timestamp": datetime.now(UTC),
+                }
+            ],
+        ),
+    ]:
+        shutil.rmtree(Path(store.root) / name)
+        DeltaTable.create(store.table_uri(name), schema=schema)
+        write_deltalake(
+            store.table_uri(name),
+            pa.Table.from_pylist(
+                list(rows.to_pylist()) if isinstance(rows, pa.Table) else rows, schema=schema
+            ),
+            mode="append",
+        )
+    reopened = Store.open(store.root, create=False)
+    assert reopened.half_messages([prepared.transaction_id]).column("sink_id").to_pylist() == [None]
+    old = read_epoch(reopened, "s", 0)
+    assert (old.state, old.transaction_ids) == (CLOSED, ("t",))
+    assert hold(reopened, "s", 1, "w", lease_seconds=60).generation == 0  # new rows work
+    assert Store.open(store.root, create=False).table("epochs").to_pyarrow_table().num_rows == 2
+
+
 def test_missing_table_is_refused(store: Store) -> None:
     import shutil
 
@@ -236,3 +288,42 @@ def test_compaction_changes_no_data_and_publishing_goes_on(store: Store) -> None
     rows = commitlog(store).to_pylist()
     assert [r["body"] for r in rows] == [b"m0", b"m2", b"m4", b"after"]
     assert [r["queue_offset"] for r in rows] == [0, 1, 2, 3]
+
+
+def test_compaction_failure_after_a_landed_append_is_not_an_error(store: Store) -> None:
+    # Every COMPACT_EVERY_COMMITS-th commit compacts the table. A data file lost underneath
+    # (an over-eager VACUUM, a lifecycle rule) makes that compaction fail for real; the append
+    # that triggered it has landed and must not be reported as failed (its caller would
+    # retry and write it twice).
+    first = store.prepare([Message("Orders", b"first")], "pg")[0]
+    while store.table("half").version() < COMPACT_EVERY_COMMITS - 1:
+        store.prepare([Message("Orders", b"filler")], "pg")
+    (lost,) = [u for u in store.table("half").file_uris() if first.transaction_id in _ids_in(u)]
+    Path(lost).unlink()
+    (p,) = store.prepare([Message("Orders", b"after")], "pg")
+    assert p.half_version == COMPACT_EVERY_COMMITS
+    assert store.half_messages([p.transaction_id]).column("body").to_pylist() == [b"after"]
+
+
+def _ids_in(uri: str) -> list[str]:
+    return pq.read_table(uri, columns=["transaction_id"]).column(0).to_pylist()
+
+
+def test_publish_that_landed_but_reported_a_failure_sends_once(store: Store) -> None:
+    # deltalake writes a checkpoint right after the commit that reaches the checkpoint
+    # interval; when the checkpoint cannot be written, write_deltalake raises although the
+    # commit landed. The publish must find its messages in commitlog instead of sending them
+    # again under new ids.
+    table = store.table("commitlog")
+    landing = table.version() + 2  # after the property change below, the send's commit
+    table.alter.set_table_properties({"delta.checkpointInterval": str(landing + 1)})
+    log_dir = Path(store.table_uri("commitlog")) / "_delta_log"
+    (log_dir / f"{landing:020d}.checkpoint.parquet").mkdir()  # the checkpoint cannot be written
+    result = store.send([Message("Orders", b"once", keys="k")], "pg")
+    rows = commitlog(store).to_pylist()
+    assert store.table("commitlog").version() == landing
+    assert [r["body"] for r in rows] == [b"once"]
+    assert result.sent == [(rows[0]["msg_id"], rows[0]["queue_id"], 0)]
+    # The store goes on normally.
+    store.send([Message("Orders", b"next", keys="k")], "pg")
+    assert [r["queue_offset"] for r in commitlog(store).to_pylist()] == [0, 1]
