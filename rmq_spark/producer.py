@@ -80,8 +80,10 @@ class TransactionListener(ABC):
         Returns
         -------
         LocalTransactionState
-            ``COMMIT``, ``ROLLBACK`` or ``UNKNOWN``. Raising, or returning anything else
-            (``None`` included), counts as ``UNKNOWN``: the check-back job asks again later.
+            ``COMMIT``, ``ROLLBACK`` or ``UNKNOWN`` (or a name that
+            :meth:`LocalTransactionState.coerce` recognises, RocketMQ's ``"COMMIT_MESSAGE"``
+            included). Raising, or returning anything else (``None``, ``"commit"``...),
+            counts as ``UNKNOWN``: the check-back job asks again later.
         """
 
     @abstractmethod

@@ -59,7 +59,6 @@ committed since.
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -83,7 +82,7 @@ from pyspark.sql.types import StructType
 
 from rmq_spark.config import load_settings, parse_int, reject_unknown
 from rmq_spark.errors import InvalidMessageError, InvalidOptionError
-from rmq_spark.model import check_group, check_topic
+from rmq_spark.model import check_group, check_topic, is_tag
 from rmq_spark.offsets import Offsets, latest_offsets, parse_offsets, resolve, to_json
 from rmq_spark.reading import FILE_SCHEMA, CommitLogSlice, plan_slices, read_slice
 from rmq_spark.schema import CONSUMER_OFFSETS_SCHEMA
@@ -131,7 +130,6 @@ STREAM_OPTIONS = (
 #: Version of the offset format this source writes into checkpoints.
 OFFSET_FORMAT_VERSION = 1
 TIMESTAMP_COLUMNS = ("queue_id", "queue_offset", "store_timestamp")
-_TAG = re.compile(r"^[^|\s][^|]*$")
 
 
 @dataclass(frozen=True)
@@ -225,7 +223,7 @@ def parse_tags(expression: str) -> frozenset[str] | None:
     if text in ("", "*"):
         return None
     tags = [t.strip() for t in text.split("||")]
-    if not all(tags) or not all(_TAG.match(t) for t in tags):
+    if not all(is_tag(t) for t in tags):
         raise InvalidOptionError(
             f"option 'tags' {expression!r} is not a subscription expression; use '*' or "
             "'TagA || TagB'."
