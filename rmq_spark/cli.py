@@ -3,7 +3,7 @@
 Examples
 --------
 rmqtx check --once                       # one check-back round on the configured store
-rmqtx check --interval 30s               # a round every 30 s until SIGTERM / Ctrl-C
+rmqtx check --interval 30s               # a round every 30 s (at least 5s) until SIGTERM
 rmqtx check --once --checker order-service=my_service.checks:check_order
 rmqtx resume                             # re-drive every discarded message
 rmqtx status                             # topics, producer/consumer groups, discards, last run
@@ -20,15 +20,22 @@ import sys
 import threading
 from collections.abc import Sequence
 
-from rmq_spark.checkers import Checker, checkers_from_config
+from rmq_spark.checkers import (
+    CallableChecker,
+    Checker,
+    checkers_from_config,
+    resolve_function,
+)
 from rmq_spark.config import Settings, configure_logging, load_settings, parse_duration
-from rmq_spark.errors import RmqSparkError
+from rmq_spark.errors import InvalidOptionError, RmqSparkError
 from rmq_spark.store import Store
 
 log = logging.getLogger("rmq_spark.cli")
 
 #: Exit codes: 0 done, 1 a run failed, 2 bad usage or configuration.
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
+#: Shortest pause between check-back rounds (seconds) that ``rmqtx check`` accepts.
+MIN_CHECK_INTERVAL = 5.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--once", action="store_true", help="run one round and exit")
     mode.add_argument(
         "--interval",
-        help="pause between rounds, e.g. 30s (default: transaction.transaction_check_interval)",
+        help="time from one round's start to the next, e.g. 30s, at least 5s "
+        "(default: transaction.transaction_check_interval)",
     )
     check.add_argument(
         "--checker",
@@ -93,25 +101,47 @@ def _checkers(settings: Settings, overrides: Sequence[str]) -> dict[str, Checker
     return checkers
 
 
+def _check_interval(args: argparse.Namespace, settings: Settings) -> float | None:
+    """The loop's interval (None with ``--once``), refused below :data:`MIN_CHECK_INTERVAL`."""
+    if args.once:
+        return None
+    if args.interval:
+        name, text = "--interval", args.interval
+        interval = parse_duration(args.interval, name)
+    else:
+        name = "transaction.transaction_check_interval"
+        interval = settings.transaction.transaction_check_interval
+        text = f"{interval:g}s"
+    if interval < MIN_CHECK_INTERVAL:
+        raise InvalidOptionError(
+            f"{name} {text} is below the minimum of {MIN_CHECK_INTERVAL:g} s: every round "
+            "spends one check of each unanswered transaction's budget "
+            "(transaction_check_max), so rounds back to back would discard them within "
+            "seconds. Use e.g. 30s (RocketMQ 5's default), or --once from a scheduler."
+        )
+    return interval
+
+
 def _check(args: argparse.Namespace, settings: Settings) -> int:
+    # Every argument is checked before the store is opened or Spark started.
+    interval = _check_interval(args, settings)
+    checkers = _checkers(settings, args.checker)
+    for checker in checkers.values():
+        if isinstance(checker, CallableChecker) and isinstance(checker.function, str):
+            resolve_function(checker.function)
+    store = Store.open(args.path, settings=settings, create=False)
+
     from rmq_spark.checkback import CheckBackJob
     from rmq_spark.session import get_spark
 
-    checkers = _checkers(settings, args.checker)
-    store = Store.open(args.path, settings=settings)
     spark = get_spark("rmqtx-check-back", settings=settings)
     job = CheckBackJob(
         spark, store, checkers, settings.transaction, skip_unrouted=args.skip_unrouted
     )
     job.validate()
-    if args.once:
+    if interval is None:
         job.run_once()
         return EXIT_OK
-    interval = (
-        parse_duration(args.interval, "--interval")
-        if args.interval
-        else settings.transaction.transaction_check_interval
-    )
     stop = threading.Event()
 
     def request_stop(signum: int, _frame: object) -> None:

@@ -61,16 +61,28 @@ class LocalTransactionState(enum.StrEnum):
 
     @classmethod
     def coerce(cls, value: object) -> LocalTransactionState:
-        """Map a listener's return value to a state; anything unrecognised is ``UNKNOWN``."""
+        """Map a listener's or checker's answer to a state.
+
+        Recognised, exactly as spelled: a member, its name (``"COMMIT"``, ``"ROLLBACK"``,
+        ``"UNKNOWN"``), and RocketMQ's Java names (``"COMMIT_MESSAGE"``,
+        ``"ROLLBACK_MESSAGE"``, ``"UNKNOW"``). Anything else (``None``, ``"commit"``,
+        ``" ROLLBACK"``...) is ``UNKNOWN``: a guess must never commit or roll back, and
+        UNKNOWN only means the check-back job asks again.
+        """
         if isinstance(value, cls):
             return value
         if isinstance(value, str):
-            aliases = {"COMMIT_MESSAGE": "COMMIT", "ROLLBACK_MESSAGE": "ROLLBACK"}
-            name = value.strip().upper()
-            name = aliases.get(name, name)
-            if name in cls.__members__:
-                return cls[name]
+            return _STATE_NAMES.get(value, cls.UNKNOWN)
         return cls.UNKNOWN
+
+
+#: The spellings :meth:`LocalTransactionState.coerce` recognises (Python's and RocketMQ's).
+_STATE_NAMES = {
+    **{state.value: state for state in LocalTransactionState},
+    "COMMIT_MESSAGE": LocalTransactionState.COMMIT,
+    "ROLLBACK_MESSAGE": LocalTransactionState.ROLLBACK,
+    "UNKNOW": LocalTransactionState.UNKNOWN,
+}
 
 
 _id_lock = threading.Lock()
@@ -107,9 +119,11 @@ class Message:
     body : bytes or str
         Payload; a ``str`` is encoded as UTF-8. At most the store's ``max_body_bytes``.
     tags : str, optional
-        One tag, used by consumers' subscription expressions (``TagA || TagB``).
+        One tag, used by consumers' subscription expressions (``TagA || TagB``): not
+        empty, no ``|``, no leading or trailing whitespace (see :func:`is_tag`).
     keys : str or iterable of str, optional
-        Business keys for lookup; several keys are joined with a space as in RocketMQ.
+        Business keys for lookup; several keys are joined with a space as in RocketMQ. An
+        iterable is read once, here, and kept as a tuple.
     properties : mapping of str to str, optional
         User properties, e.g. ``{"CHECK_IMMUNITY_TIME_IN_SECONDS": "30"}``.
     """
@@ -120,6 +134,14 @@ class Message:
     keys: str | Iterable[str] | None = None
     properties: Mapping[str, str] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # A generator would be used up by validation and stored as no keys at all.
+        if self.keys is not None and not isinstance(self.keys, str | tuple):
+            try:
+                object.__setattr__(self, "keys", tuple(self.keys))
+            except TypeError:
+                pass  # not iterable: validate_message names the problem
+
     @property
     def body_bytes(self) -> bytes:
         """The body as bytes."""
@@ -127,10 +149,11 @@ class Message:
 
     @property
     def keys_string(self) -> str | None:
-        """The keys as RocketMQ stores them: one string, keys separated by a space."""
+        """The keys as RocketMQ stores them: one string, keys separated by a space (None for
+        no keys, an empty iterable included)."""
         if self.keys is None or isinstance(self.keys, str):
             return self.keys
-        return KEY_SEPARATOR.join(self.keys)
+        return KEY_SEPARATOR.join(self.keys) or None
 
 
 @dataclass(frozen=True)
@@ -179,6 +202,16 @@ def check_topic(topic: object) -> str:
             "be written to it. Choose another topic name."
         )
     return topic
+
+
+def is_tag(tag: object) -> bool:
+    """Whether ``tag`` is a tag a subscription expression (``TagA || TagB``) can name.
+
+    Subscriptions split on ``||`` and strip whitespace around each tag, so a tag is a
+    non-empty string with no ``|`` and no leading or trailing whitespace. The source's
+    ``tags`` option and every writer apply this one rule.
+    """
+    return isinstance(tag, str) and bool(tag) and "|" not in tag and tag == tag.strip()
 
 
 def check_group(group: object, what: str = "producer_group") -> str:
@@ -231,13 +264,20 @@ def validate_message(message: object, max_body_bytes: int = DEFAULT_MAX_BODY_BYT
             f"body of {size} bytes for topic {message.topic!r} exceeds the limit of "
             f"{max_body_bytes} bytes; send smaller messages or raise max_body_bytes."
         )
-    if message.tags is not None and (not isinstance(message.tags, str) or "||" in message.tags):
+    tags = message.tags
+    if tags is not None and not is_tag(tags):
         raise InvalidMessageError(
-            f"tags needs to be a single tag string (no '||') but got {message.tags!r}."
+            f"tags needs to be a single tag string (no '|', no leading or trailing whitespace, "
+            f"not empty) that a subscription 'TagA || TagB' can name, but got {tags!r}: "
+            f"{_tag_problem(tags)}."
         )
     keys = message.keys
     if keys is not None and not isinstance(keys, str):
-        keys = list(keys)
+        if not isinstance(keys, tuple):
+            raise InvalidMessageError(
+                f"keys need to be a string or an iterable of strings but got "
+                f"{type(keys).__name__} ({keys!r})."
+            )
         if not all(isinstance(k, str) for k in keys):
             raise InvalidMessageError(f"keys need to be strings but got {keys!r}.")
     if not isinstance(message.properties, Mapping) or not all(
@@ -253,6 +293,17 @@ def validate_message(message: object, max_body_bytes: int = DEFAULT_MAX_BODY_BYT
             "use e.g. '30'."
         )
     return message
+
+
+def _tag_problem(tag: object) -> str:
+    """Why ``tag`` is not a tag (see :func:`is_tag`)."""
+    if not isinstance(tag, str):
+        return f"it is a {type(tag).__name__}"
+    if not tag:
+        return "it is empty; use None for no tag"
+    if "|" in tag:
+        return "it has a '|'"
+    return "it has leading or trailing whitespace"
 
 
 def _is_non_negative_number(text: str) -> bool:

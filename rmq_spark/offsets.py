@@ -74,20 +74,44 @@ def parse_offsets(text: str, option: str, topics: Sequence[str]) -> str | Offset
     return parsed
 
 
-def resolve(spec: str | Offsets, latest: Offsets) -> Offsets:
+def resolve(spec: str | Offsets, latest: Offsets, *, cap: bool = True) -> Offsets:
     """Concrete offsets for every queue of ``latest``: ``spec`` where it says, else its rule.
 
     Queues a JSON spec does not name start at the earliest offset, as in the Kafka source.
+    With ``cap`` (batch bounds), offsets are capped at ``latest`` and only its queues count.
+    Without it (a stream's starting offsets), a JSON offset is kept as given, and queues the
+    spec names that have no messages yet are included: reading them starts there once they
+    fill up.
     """
     resolved: Offsets = {}
     for topic, queues in latest.items():
         named = spec.get(topic, {}) if isinstance(spec, dict) else {}
         resolved[topic] = {}
-        for queue_id, end in queues.items():
+        for queue_id in sorted(set(queues) | (set() if cap else set(named))):
+            end = queues.get(queue_id, 0)
             wanted = named.get(queue_id, LATEST if spec == "latest" else EARLIEST)
-            offset = end if wanted == LATEST else 0 if wanted == EARLIEST else min(wanted, end)
-            resolved[topic][queue_id] = offset
+            offset = end if wanted == LATEST else 0 if wanted == EARLIEST else wanted
+            resolved[topic][queue_id] = min(offset, end) if cap else offset
     return resolved
+
+
+def check_queues(spec: str | Offsets, option: str, queue_nums: int, latest: Offsets) -> None:
+    """Refuse a JSON spec naming a queue the store does not have.
+
+    A store's queues are ``0 .. queue_nums - 1`` (``store.queue_nums``), plus any queue that
+    already holds messages (a producer configured with more queues).
+    """
+    if not isinstance(spec, dict):
+        return
+    for topic, queues in sorted(spec.items()):
+        for queue_id in sorted(queues):
+            if queue_id >= queue_nums and queue_id not in latest.get(topic, {}):
+                raise InvalidOptionError(
+                    f"option {option!r} names queue {queue_id} of topic {topic!r}, but the store "
+                    f"has queues 0 to {queue_nums - 1} (store.queue_nums = {queue_nums}) and "
+                    f"that queue holds no messages. Name only the store's queues, or raise "
+                    f"store.queue_nums in the settings if producers use more queues."
+                )
 
 
 def to_json(offsets: Offsets) -> dict[str, dict[str, int]]:

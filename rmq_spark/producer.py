@@ -24,8 +24,9 @@ import queue
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, wait
+from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -79,8 +80,10 @@ class TransactionListener(ABC):
         Returns
         -------
         LocalTransactionState
-            ``COMMIT``, ``ROLLBACK`` or ``UNKNOWN``. Raising, or returning anything else
-            (``None`` included), counts as ``UNKNOWN``: the check-back job asks again later.
+            ``COMMIT``, ``ROLLBACK`` or ``UNKNOWN`` (or a name that
+            :meth:`LocalTransactionState.coerce` recognises, RocketMQ's ``"COMMIT_MESSAGE"``
+            included). Raising, or returning anything else (``None``, ``"commit"``...),
+            counts as ``UNKNOWN``: the check-back job asks again later.
         """
 
     @abstractmethod
@@ -206,7 +209,8 @@ class TransactionMQProducer:
     Notes
     -----
     Use it as a context manager, or call :meth:`start` and :meth:`shutdown`. ``shutdown``
-    waits for outstanding end-transaction requests.
+    lets every send already under way finish (half message, local transaction, decision
+    recorded) and refuses sends that start after it, before they write anything.
     """
 
     def __init__(
@@ -226,12 +230,19 @@ class TransactionMQProducer:
         self._prepare: _GroupCommitter[Message, PreparedMessage] | None = None
         self._publish: _GroupCommitter[Decision | Message, Any] | None = None
         self._pending: set[Future[Any]] = set()
-        self._lock = threading.Lock()
+        #: Guards the committers, ``_pending``, ``_in_flight`` and ``_closing``; never held
+        #: while waiting on a committer, whose completion callbacks take it.
+        self._lock = threading.Condition()
+        #: Operations (sends, end-transactions) admitted and not finished yet.
+        self._in_flight = 0
+        self._closing = False
+        self._local = threading.local()
 
     # -------------------------------------------------------------- lifecycle
     def start(self) -> TransactionMQProducer:
         """Start the background committers. Returns ``self``."""
         with self._lock:
+            self._lock.wait_for(lambda: not self._closing)
             if self._prepare is None:
                 self._prepare = _GroupCommitter(
                     f"rmqtx-prepare-{self.producer_group}",
@@ -248,13 +259,41 @@ class TransactionMQProducer:
         return self
 
     def shutdown(self) -> None:
-        """Wait for outstanding end-transactions, then stop the background committers."""
-        self.flush()
+        """Finish the sends under way, then stop the background committers.
+
+        Sends that have started complete normally: their half message is written, their
+        local transaction runs, and their COMMIT or ROLLBACK is recorded (and published)
+        before ``shutdown`` returns. Sends that start after ``shutdown`` was called raise
+        :class:`ProducerStateError` before anything is written, so retrying them elsewhere
+        is safe. A no-op on a producer that is not started.
+
+        Raises
+        ------
+        ProducerStateError
+            When called from inside a listener of this producer (it would wait for itself).
+        """
+        if getattr(self._local, "depth", 0):
+            raise ProducerStateError(
+                f"shutdown() of producer {self.producer_group!r} was called from inside one of "
+                "its own sends (a TransactionListener); call it from another thread."
+            )
         with self._lock:
-            for committer in (self._prepare, self._publish):
-                if committer is not None:
-                    committer.close()
-            self._prepare = self._publish = None
+            self._lock.wait_for(lambda: not self._closing)
+            if self._prepare is None or self._publish is None:
+                return
+            self._closing = True
+            self._lock.wait_for(lambda: self._in_flight == 0)
+            committers = (self._prepare, self._publish)
+        try:
+            # Nothing can be submitted any more: closing drains what is queued, decisions
+            # included, and completion callbacks can take the lock meanwhile.
+            for committer in committers:
+                committer.close()
+        finally:
+            with self._lock:
+                self._prepare = self._publish = None
+                self._closing = False
+                self._lock.notify_all()
 
     def __enter__(self) -> TransactionMQProducer:
         return self.start()
@@ -268,16 +307,29 @@ class TransactionMQProducer:
             pending = list(self._pending)
         wait(pending, timeout=timeout)
 
-    def _committers(
+    @contextmanager
+    def _admitted(
         self,
-    ) -> tuple[_GroupCommitter[Message, PreparedMessage], _GroupCommitter[Any, Any]]:
-        prepare, publish = self._prepare, self._publish
-        if prepare is None or publish is None:
-            raise ProducerStateError(
-                f"producer {self.producer_group!r} is not started; call start() or use it in a "
-                "'with' block."
-            )
-        return prepare, publish
+    ) -> Iterator[tuple[_GroupCommitter[Message, PreparedMessage], _GroupCommitter[Any, Any]]]:
+        """Admit one operation: the committers stay up until it ends (``shutdown`` waits)."""
+        with self._lock:
+            prepare, publish = self._prepare, self._publish
+            if self._closing or prepare is None or publish is None:
+                state = "shutting down" if self._closing else "not started (or shut down)"
+                raise ProducerStateError(
+                    f"producer {self.producer_group!r} is {state}; nothing was sent. Call "
+                    "start() or use it in a 'with' block, and send before shutdown()."
+                )
+            self._in_flight += 1
+        self._local.depth = getattr(self._local, "depth", 0) + 1
+        try:
+            yield prepare, publish
+        finally:
+            self._local.depth -= 1
+            with self._lock:
+                self._in_flight -= 1
+                if self._in_flight == 0:
+                    self._lock.notify_all()
 
     # -------------------------------------------------------------- sending
     def send_message_in_transaction(self, msg: Message, arg: Any = None) -> TransactionSendResult:
@@ -309,7 +361,16 @@ class TransactionMQProducer:
                 "TransactionMQProducer(...) to send transactional messages."
             )
         validate_message(msg, self.store.settings.max_body_bytes)
-        prepare, _ = self._committers()
+        with self._admitted() as (prepare, publish):
+            return self._send_in_transaction(prepare, publish, msg, arg)
+
+    def _send_in_transaction(
+        self,
+        prepare: _GroupCommitter[Message, PreparedMessage],
+        publish: _GroupCommitter[Any, Any],
+        msg: Message,
+        arg: Any,
+    ) -> TransactionSendResult:
         prepared = prepare.submit(msg).result()
         view = MessageExt(
             topic=msg.topic,
@@ -334,7 +395,7 @@ class TransactionMQProducer:
             state,
         )
         if state is not LocalTransactionState.UNKNOWN:
-            self._end_async(result, state)
+            self._end_async(publish, result, state)
         return result
 
     def _run_local_transaction(self, view: MessageExt, arg: Any) -> LocalTransactionState:
@@ -359,11 +420,16 @@ class TransactionMQProducer:
             )
         return state
 
-    def _end_async(self, result: TransactionSendResult, state: LocalTransactionState) -> None:
-        _, publish = self._committers()
+    def _end_async(
+        self,
+        publish: _GroupCommitter[Any, Any],
+        result: TransactionSendResult,
+        state: LocalTransactionState,
+    ) -> None:
         future = publish.submit(self._decision(result, state))
         with self._lock:
             self._pending.add(future)
+        # Outside the lock: on a future already done, the callback runs here and takes it.
         future.add_done_callback(self._end_done)
 
     def _end_done(self, future: Future[Any]) -> None:
@@ -385,8 +451,8 @@ class TransactionMQProducer:
         returned UNKNOWN. The first decision recorded wins: a conflicting late request comes
         back with status ``REFUSED`` and the decision in force.
         """
-        _, publish = self._committers()
-        return publish.submit(self._decision(result, state)).result()
+        with self._admitted() as (_, publish):
+            return publish.submit(self._decision(result, state)).result()
 
     def _decision(self, result: TransactionSendResult, state: LocalTransactionState) -> Decision:
         return Decision(
@@ -396,8 +462,8 @@ class TransactionMQProducer:
     def send(self, msg: Message) -> SendResult:
         """Send a normal (non-transactional) message; it is visible when this returns."""
         validate_message(msg, self.store.settings.max_body_bytes)
-        _, publish = self._committers()
-        return publish.submit(msg).result()
+        with self._admitted() as (_, publish):
+            return publish.submit(msg).result()
 
     # -------------------------------------------------------------- batch handlers
     def _prepare_batch(self, messages: list[Message]) -> list[PreparedMessage]:

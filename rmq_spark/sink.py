@@ -275,8 +275,20 @@ def _half_rows(table: pa.Table, options: WriterOptions, txn: str, writer: _Write
         check_topic(name)
     keys = _column(table, "keys", pa.string())
     tags = _column(table, "tags", pa.string())
-    if tags is not None and pc.any(pc.match_substring(tags, "||")).as_py():
-        raise InvalidMessageError("'tags' holds '||'; a message has one tag.")
+    if tags is not None:
+        # model.is_tag, vectorised (Arrow's whitespace trim agrees with str.strip()).
+        bad = pc.or_(
+            pc.or_(pc.equal(pc.utf8_length(tags), 0), pc.match_substring(tags, "|")),
+            pc.not_equal(pc.utf8_trim_whitespace(tags), tags),
+        )
+        count = pc.sum(bad).as_py()
+        if count:
+            example = pc.filter(tags, bad)[0].as_py()
+            raise InvalidMessageError(
+                f"{count} row(s) have a 'tags' value no subscription can name, e.g. "
+                f"{example!r}: a tag is one non-empty string with no '|' and no leading or "
+                "trailing whitespace (use null for no tag)."
+            )
     key_list = keys.to_pylist() if keys is not None else [None] * n
     now = datetime.now(UTC)
     return pa.table(

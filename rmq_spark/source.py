@@ -35,8 +35,22 @@ option                 required    default    meaning
 ``maxMessagesPerTrigger`` no       none       streaming only: most messages per micro-batch,
                                               shared fairly over queues (AvailableNow honours it)
 ``consumerGroup``      no                     streaming only: record the group's progress in
-                                              the ``consumer_offsets`` table (for lag)
+                                              the ``consumer_offsets`` table (for lag); it
+                                              trails by one micro-batch, and the last batch
+                                              of a run is never recorded (see below)
 =====================  ==========  =========  ==================================================
+
+A queue id in ``startingOffsets`` / ``endingOffsets`` must be one of the store's queues
+(``0 .. store.queue_nums - 1`` of the settings, or a queue holding messages); anything else
+is an error. A stream honours a named starting offset as given, also for a queue with no
+messages yet: reading that queue starts there once it fills up. Queues not named start at
+the earliest offset.
+
+``consumerGroup`` progress is recorded in :meth:`RmqTxStreamReader.commit`, which Spark calls
+for a batch only when it plans the next one; the last batch of a run (every
+``Trigger.AvailableNow`` run, any stopped query) is never recorded, so the group's lag shows
+it until the next run. The reader cannot learn that Spark committed that batch (the
+checkpoint is not visible to it), and recording offsets Spark may replay would hide messages.
 
 ``endingOffsets`` and ``endingTimestamp`` are batch-only (an error on a stream);
 ``maxMessagesPerTrigger`` on a batch read is ignored with a warning. Streaming offsets carry a
@@ -59,7 +73,6 @@ committed since.
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -83,8 +96,15 @@ from pyspark.sql.types import StructType
 
 from rmq_spark.config import load_settings, parse_int, reject_unknown
 from rmq_spark.errors import InvalidMessageError, InvalidOptionError
-from rmq_spark.model import check_group, check_topic
-from rmq_spark.offsets import Offsets, latest_offsets, parse_offsets, resolve, to_json
+from rmq_spark.model import check_group, check_topic, is_tag
+from rmq_spark.offsets import (
+    Offsets,
+    check_queues,
+    latest_offsets,
+    parse_offsets,
+    resolve,
+    to_json,
+)
 from rmq_spark.reading import FILE_SCHEMA, CommitLogSlice, plan_slices, read_slice
 from rmq_spark.schema import CONSUMER_OFFSETS_SCHEMA
 from rmq_spark.sink import RmqTxBatchWriter, RmqTxStreamWriter, WriterOptions
@@ -131,7 +151,6 @@ STREAM_OPTIONS = (
 #: Version of the offset format this source writes into checkpoints.
 OFFSET_FORMAT_VERSION = 1
 TIMESTAMP_COLUMNS = ("queue_id", "queue_offset", "store_timestamp")
-_TAG = re.compile(r"^[^|\s][^|]*$")
 
 
 @dataclass(frozen=True)
@@ -151,6 +170,8 @@ class ReaderOptions:
     max_messages_per_trigger: int | None = None
     #: Streaming only: record this group's progress for lag reporting.
     consumer_group: str | None = None
+    #: The store's queues per topic (``store.queue_nums`` of the settings).
+    queue_nums: int = 4
 
     @classmethod
     def parse(cls, options: Mapping[str, str], *, streaming: bool = False) -> ReaderOptions:
@@ -187,8 +208,10 @@ class ReaderOptions:
             raise InvalidOptionError(
                 "option 'endingOffsets' cannot be 'earliest'; use 'latest' or per-queue offsets."
             )
+        store_settings = load_settings().store
         return cls(
-            path=given.get(PATH.lower()) or load_settings().store.path,
+            path=given.get(PATH.lower()) or store_settings.path,
+            queue_nums=store_settings.queue_nums,
             topics=topics,
             starting=starting,
             ending=ending,
@@ -225,7 +248,7 @@ def parse_tags(expression: str) -> frozenset[str] | None:
     if text in ("", "*"):
         return None
     tags = [t.strip() for t in text.split("||")]
-    if not all(tags) or not all(_TAG.match(t) for t in tags):
+    if not all(is_tag(t) for t in tags):
         raise InvalidOptionError(
             f"option 'tags' {expression!r} is not a subscription expression; use '*' or "
             "'TagA || TagB'."
@@ -268,6 +291,8 @@ class RmqTxBatchReader(DataSourceReader):
         self.options = options
         store = Store.open(options.path, create=False)
         latest = latest_offsets(store, options.topics)
+        check_queues(options.starting, STARTING_OFFSETS, options.queue_nums, latest)
+        check_queues(options.ending, ENDING_OFFSETS, options.queue_nums, latest)
         self.end = resolve(options.ending, latest)
         if options.ending_timestamp is not None:
             self.end = timestamp_offsets(store, options.topics, options.ending_timestamp, self.end)
@@ -290,7 +315,9 @@ class RmqTxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     """Streaming reader: offsets are ``{"version", "store", "offsets": {topic: {queue: n}}}``.
 
     ``store`` is the CommitLog's Delta table id, so a checkpoint restarted against another
-    store fails instead of reading wrong offsets. Queues that appear later start at offset 0.
+    store fails instead of reading wrong offsets. Queues that appear later start at offset 0,
+    unless ``startingOffsets`` names them: a named offset is honoured as given, also for a
+    queue with no messages yet (or fewer than the offset yet).
     """
 
     def __init__(self, options: ReaderOptions) -> None:
@@ -299,9 +326,13 @@ class RmqTxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._target: Offsets | None = None
         store = Store.open(options.path, create=False)
         self._store_id = store.table("commitlog").metadata().id
+        check_queues(options.starting, STARTING_OFFSETS, options.queue_nums, self._latest_of(store))
 
     def _latest(self) -> Offsets:
-        return latest_offsets(Store.open(self.options.path, create=False), self.options.topics)
+        return self._latest_of(Store.open(self.options.path, create=False))
+
+    def _latest_of(self, store: Store) -> Offsets:
+        return latest_offsets(store, self.options.topics)
 
     def _encode(self, offsets: Offsets) -> dict:
         return {
@@ -327,7 +358,7 @@ class RmqTxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 store, self.options.topics, self.options.starting_timestamp, latest
             )
         else:
-            start = resolve(self.options.starting, latest)
+            start = resolve(self.options.starting, latest, cap=False)
         return self._encode(start)
 
     def getDefaultReadLimit(self) -> ReadLimit:

@@ -46,7 +46,7 @@ def conf_file(tmp_path: Path) -> Path:
 def test_loop_stops_cleanly_on_sigterm(store: Store, tmp_path: Path) -> None:
     (p,) = store.prepare([Message("Orders", b"x", tags="COMMIT")], "pg")
     proc = rmqtx(
-        conf_file(tmp_path), store, "check", "--interval", "1s", "--checker", f"pg={FUNCS}:by_tag"
+        conf_file(tmp_path), store, "check", "--interval", "5s", "--checker", f"pg={FUNCS}:by_tag"
     )
     try:
         wait_for(lambda: store.table("check_runs").to_pyarrow_table().num_rows >= 2)

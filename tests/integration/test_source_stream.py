@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 
 from rmq_spark import Decision, LocalTransactionState, Message, Store
+from rmq_spark.config import Settings, StoreSettings
+from rmq_spark.model import queue_for
 
 COMMIT, ROLLBACK = LocalTransactionState.COMMIT, LocalTransactionState.ROLLBACK
 
@@ -170,3 +172,42 @@ def test_consumer_group_progress_is_recorded(spark, store: Store, tmp_path) -> N
     assert sum(r["next_offset"] for r in progress) == 4
     with pytest.raises(Exception, match="option consumerGroup 'bad group!' is not valid"):
         run_batches(stream(spark, store, consumerGroup="bad group!"), tmp_path / "cp2")
+
+
+def _keys_for(queue_id: int, queue_nums: int = 4) -> str:
+    return next(k for k in (f"k{i}" for i in range(1000)) if queue_for(k, queue_nums) == queue_id)
+
+
+def test_starting_offsets_of_a_queue_without_messages_yet_are_honoured(
+    spark, store: Store, tmp_path
+) -> None:
+    four = Store.open(store.root, settings=Settings(store=StoreSettings(queue_nums=4)))
+    q0, q3 = _keys_for(0), _keys_for(3)
+
+    def send(keys: str, n: int) -> list[str]:
+        prepared = four.prepare(
+            [Message("Orders", f"{keys}-{i}", keys=keys) for i in range(n)], "pg"
+        )
+        four.end_transactions([Decision(p.transaction_id, "pg", COMMIT) for p in prepared])
+        return [p.msg_id for p in prepared]
+
+    first = send(q0, 4)
+    df = stream(spark, store, startingOffsets='{"Orders": {"0": 2, "3": 5}}')
+    batches = run_batches(df, tmp_path / "cp")
+    assert sorted(i for _, b in batches for i in b) == sorted(first[2:])
+    later = send(q3, 7)  # queue 3 appears after the query started
+    batches = run_batches(df, tmp_path / "cp")
+    assert sorted(i for _, b in batches for i in b) == sorted(later[5:])
+
+
+@pytest.mark.parametrize("offsets", ['{"Orders": {"4": 0}}', '{"Orders": {"0": 0, "17": 3}}'])
+def test_starting_offsets_of_a_queue_the_store_does_not_have_are_an_error(
+    spark, store: Store, tmp_path, offsets
+) -> None:
+    commit(store, ["a"])
+    with pytest.raises(Exception, match=r"names queue (4|17) of topic 'Orders'.*queues 0 to 3"):
+        run_batches(stream(spark, store, startingOffsets=offsets), tmp_path / "cp")
+    with pytest.raises(Exception, match=r"names queue (4|17) of topic 'Orders'.*queues 0 to 3"):
+        spark.read.format("rmqtx").option("path", store.root).option("topic", "Orders").option(
+            "startingOffsets", offsets
+        ).load().collect()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from datetime import UTC, datetime
 
 import pyarrow as pa
@@ -57,3 +58,38 @@ def test_bad_checker_option(store: Store, capsys) -> None:
 def test_unknown_command() -> None:
     with pytest.raises(SystemExit):
         main(["launch"])
+
+
+def _no_spark_started() -> bool:
+    from pyspark import SparkContext
+
+    return SparkContext._active_spark_context is None
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (["check", "--once"], "no rmq-spark store"),
+        (["check", "--interval", "bogus"], "--interval needs a duration"),
+        (["check", "--interval", "0s"], "--interval 0s is below the minimum of 5 s"),
+        (["check", "--interval", "500ms"], "--interval 500ms is below the minimum of 5 s"),
+        (["check", "--once", "--checker", "pg=no_such_module:fn"], "checker module 'no_such"),
+    ],
+)
+def test_check_refuses_bad_arguments_before_touching_anything(tmp_path, capsys, args, match):
+    typo = tmp_path / "storag"
+    started = time.monotonic()
+    assert main(["--path", str(typo), *args]) == EXIT_CONFIG
+    assert match in capsys.readouterr().err
+    assert not typo.exists()  # no store created at a mistyped path
+    assert _no_spark_started()
+    assert time.monotonic() - started < 5
+
+
+def test_check_interval_minimum_applies_to_the_configured_default(store: Store, tmp_path, capsys):
+    conf = tmp_path / "rmq.toml"
+    conf.write_text('[transaction]\ntransaction_check_interval = "1s"\n')
+    assert main(["--conf", str(conf), "--path", store.root, "check"]) == EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert "transaction.transaction_check_interval 1s is below the minimum of 5 s" in err
+    assert _no_spark_started()

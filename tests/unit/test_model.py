@@ -21,6 +21,12 @@ from rmq_spark.model import new_id, queue_for, validate_message
         (Message("Orders", b""), "empty body"),
         (Message("Orders", 12), "body needs to be bytes or str"),  # type: ignore[arg-type]
         (Message("Orders", b"x", tags="A||B"), "single tag"),
+        (Message("Orders", b"x", tags="a|b"), "no '|'"),
+        (Message("Orders", b"x", tags=" padded"), "leading or trailing whitespace"),
+        (Message("Orders", b"x", tags="padded\t"), "leading or trailing whitespace"),
+        (Message("Orders", b"x", tags=""), "empty"),
+        (Message("Orders", b"x", tags=7), "single tag"),  # type: ignore[arg-type]
+        (Message("Orders", b"x", keys=5), "keys need to be a string or an iterable"),  # type: ignore[arg-type]
         (Message("Orders", b"x", keys=["k", 1]), "keys need to be strings"),  # type: ignore[list-item]
         (Message("Orders", b"x", properties={"a": 1}), "mapping of str to str"),  # type: ignore[dict-item]
         (
@@ -56,8 +62,16 @@ def test_valid_names_pass() -> None:
     ("answer", "state"),
     [
         (LocalTransactionState.COMMIT, LocalTransactionState.COMMIT),
-        ("commit", LocalTransactionState.COMMIT),
+        ("COMMIT", LocalTransactionState.COMMIT),
+        ("ROLLBACK", LocalTransactionState.ROLLBACK),
+        # RocketMQ's Java enum names, as users porting a listener write them.
+        ("COMMIT_MESSAGE", LocalTransactionState.COMMIT),
         ("ROLLBACK_MESSAGE", LocalTransactionState.ROLLBACK),
+        ("UNKNOW", LocalTransactionState.UNKNOWN),
+        # Anything else is UNKNOWN: a guess must never commit or roll back.
+        ("commit", LocalTransactionState.UNKNOWN),
+        ("Commit_Message", LocalTransactionState.UNKNOWN),
+        (" ROLLBACK", LocalTransactionState.UNKNOWN),
         (None, LocalTransactionState.UNKNOWN),
         (True, LocalTransactionState.UNKNOWN),
         ("maybe", LocalTransactionState.UNKNOWN),
@@ -77,3 +91,20 @@ def test_ids_are_unique_and_time_ordered() -> None:
 def test_same_keys_same_queue() -> None:
     assert len({queue_for("order-7", 4) for _ in range(20)}) == 1
     assert {queue_for(None, 4) for _ in range(200)} == {0, 1, 2, 3}
+
+
+def test_keys_from_a_generator_are_kept() -> None:
+    message = Message("Orders", b"x", keys=(k for k in ["order-7", "user-3"]))
+    assert validate_message(message) is message
+    assert message.keys == ("order-7", "user-3")
+    assert message.keys_string == "order-7 user-3"  # validation did not consume them
+    assert queue_for(message.keys_string, 4) == queue_for("order-7 user-3", 4)
+    assert Message("Orders", b"x", keys=iter([])).keys_string is None
+
+
+@pytest.mark.parametrize("tag", ["TagA", "Tag A", "*", "a-b_c.d", "标签"])
+def test_tags_a_subscription_can_name_pass(tag: str) -> None:
+    from rmq_spark.source import parse_tags
+
+    validate_message(Message("Orders", b"x", tags=tag))
+    assert tag in parse_tags(f"Other || {tag}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -141,3 +142,66 @@ def test_misuse_is_a_clear_error(store: Store) -> None:
     with producer, pytest.raises(InvalidMessageError, match="exceeds the limit"):
         producer.send_message_in_transaction(Message("Orders", b"x" * (4 * 1024 * 1024 + 1)))
     assert store.table("half").version() == 0
+
+
+def test_shutdown_while_many_threads_send_never_hangs_nor_fails_accepted_sends(
+    store: Store,
+) -> None:
+    class SlowListener(ScriptedListener):
+        """Commits after a short local transaction, so shutdown lands while some run."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.executed: set[str] = set()
+
+        def execute_local_transaction(self, msg: MessageExt, arg: object) -> LocalTransactionState:
+            time.sleep(0.02)
+            self.executed.add(msg.transaction_id)
+            return LocalTransactionState.COMMIT
+
+    listener = SlowListener()
+    producer = TransactionMQProducer("orders", listener, store=store).start()
+    results: list = []
+    refused: list[ProducerStateError] = []
+    unexpected: list[BaseException] = []
+    lock = threading.Lock()
+    started = threading.Barrier(17)
+
+    def sender(n: int) -> None:
+        started.wait()
+        for i in range(1000):
+            try:
+                r = producer.send_message_in_transaction(Message("Orders", f"{n}-{i}"))
+            except ProducerStateError as exc:
+                with lock:
+                    refused.append(exc)
+                return
+            except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+                with lock:
+                    unexpected.append(exc)
+                return
+            with lock:
+                results.append(r)
+
+    senders = [threading.Thread(target=sender, args=(n,), daemon=True) for n in range(16)]
+    for t in senders:
+        t.start()
+    started.wait()
+    time.sleep(1.0)  # let every sender get going, then shut down under them
+    stopper = threading.Thread(target=producer.shutdown, daemon=True)
+    stopper.start()
+    stopper.join(timeout=30)
+    assert not stopper.is_alive(), "shutdown() hung while sends were in flight"
+    for t in senders:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in senders), "a sender hung after shutdown"
+    assert not unexpected, unexpected
+    assert len(refused) == 16 and all("nothing was sent" in str(e) for e in refused)
+    # A refused send was refused before its half message: every half message belongs to a
+    # returned result, every local transaction that ran has its result, and shutdown
+    # recorded (and published) every COMMIT before returning.
+    assert results
+    half = set(store.table("half").to_pyarrow_table().column("transaction_id").to_pylist())
+    assert half == {r.transaction_id for r in results} == listener.executed
+    assert set(commitlog(store).column("msg_id").to_pylist()) == {r.msg_id for r in results}
+    assert not pending_ids(store)
