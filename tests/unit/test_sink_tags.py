@@ -33,7 +33,7 @@ def options(store: Store) -> WriterOptions:
 def test_tags_no_subscription_can_name_are_refused(store: Store, tag: str, match: str) -> None:
     batch = pa.record_batch({"body": ["a", "b"], "keys": ["k", "k"], "tags": ["Fine", tag]})
     with pytest.raises(InvalidMessageError, match=match):
-        stage(store, [batch], options(store), "sink", 0)
+        stage(store, [batch], options(store), "sink", 0, generation=0)
     assert store.table("half").version() == 0  # nothing staged
     with pytest.raises(InvalidMessageError):  # the producer's rule is the same
         validate_message(Message("Orders", b"x", tags=tag))
@@ -42,7 +42,7 @@ def test_tags_no_subscription_can_name_are_refused(store: Store, tag: str, match
 def test_tags_a_subscription_can_name_are_staged(store: Store) -> None:
     tags = ["TagA", "Tag A", "*", None, "标签"]
     batch = pa.record_batch({"body": list("abcde"), "keys": list("kkkkk"), "tags": tags})
-    staged = stage(store, [batch], options(store), "sink", 0)
+    staged = stage(store, [batch], options(store), "sink", 0, generation=0)
     assert staged.count == 5
     for tag in filter(None, tags):
         assert tag in parse_tags(f"Other || {tag}")
