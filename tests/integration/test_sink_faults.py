@@ -23,7 +23,9 @@ REPO = Path(__file__).resolve().parents[2]
 BATCHES = [[f"o{b}-{i}" for i in range(4)] for b in range(3)]
 
 
-def run_child(mode: str, paths: dict[str, Path], failpoint: str | None) -> int:
+def run_child(mode: str, paths: dict[str, Path], failpoint: str | None, expect: int) -> None:
+    """Run the pipeline in its own process; its exit code must be ``expect`` (its output is
+    shown otherwise)."""
     env = {k: v for k, v in os.environ.items() if k != ENV}
     if failpoint:
         env[ENV] = failpoint
@@ -36,7 +38,7 @@ def run_child(mode: str, paths: dict[str, Path], failpoint: str | None) -> int:
         capture_output=True,
         timeout=600,
     )
-    return child.returncode
+    assert child.returncode == expect, child.stderr.decode(errors="replace")[-4000:]
 
 
 @pytest.mark.parametrize(
@@ -64,10 +66,10 @@ def test_kill_at_each_step_then_restart(spark, store: Store, tmp_path: Path, mod
         ).coalesce(1).write.format("delta").mode("append").save(str(paths["input"]))
 
     if failpoint.endswith(":raise"):
-        assert run_child(mode, paths, failpoint) == 0  # Spark retried the failed task
+        run_child(mode, paths, failpoint, 0)  # Spark retried the failed task
     else:
-        assert run_child(mode, paths, failpoint) == -signal.SIGKILL
-        assert run_child(mode, paths, None) == 0
+        run_child(mode, paths, failpoint, -signal.SIGKILL)
+        run_child(mode, paths, None, 0)
     CheckBackJob(
         spark, store, {}, TransactionSettings(transaction_timeout=0.0, transaction_check_max=3)
     ).run_once()
