@@ -155,6 +155,16 @@ EPOCHS_SCHEMA = pa.schema(
     ]
 )
 
+#: Leases that let one process at a time do a store-wide chore (compacting a table: deltalake
+#: lets two concurrent OPTIMIZEs of one table both commit, which would store every row twice).
+LOCKS_SCHEMA = pa.schema(
+    [
+        pa.field("name", pa.string(), nullable=False),
+        pa.field("holder", pa.string(), nullable=False),
+        pa.field("expires", TIMESTAMP, nullable=False),
+    ]
+)
+
 #: Table properties of the internal tables. Nobody streams from them, and removed-file
 #: tombstones kept for a week would make every commit slower (deltalake's commit cost grows
 #: with the tombstones in the snapshot), so they are kept for an hour. Do not VACUUM them with
@@ -180,5 +190,6 @@ TABLES: dict[str, tuple[pa.Schema, list[str], dict[str, str]]] = {
     "check_runs": (CHECK_RUNS_SCHEMA, [], {}),
     "consumer_offsets": (CONSUMER_OFFSETS_SCHEMA, [], _INTERNAL),
     "epochs": (EPOCHS_SCHEMA, [], _INTERNAL),
+    "locks": (LOCKS_SCHEMA, [], _INTERNAL),
     "commitlog": (COMMITLOG_SCHEMA, ["topic"], {"delta.enableChangeDataFeed": "true"}),
 }

@@ -34,7 +34,7 @@ import time
 from bisect import bisect_left
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, TypeVar
@@ -78,6 +78,7 @@ from rmq_spark.schema import (
     COLUMNS_ADDED_LATER,
     COMMITLOG_SCHEMA,
     HALF_SCHEMA,
+    LOCKS_SCHEMA,
     OP_SCHEMA,
     TABLES,
     TIMESTAMP,
@@ -95,7 +96,9 @@ OP_CURSOR_APP_ID = "rmqtx.publish.op_version"
 _QUEUE_APP_ID = "rmqtx.queue.{topic}.{queue_id}"
 #: Tables added to layout 1 after its first stores were made: opening an older store creates
 #: them (empty) instead of refusing it. Any other missing table is damage.
-TABLES_ADDED_LATER = ("consumer_offsets", "epochs")
+TABLES_ADDED_LATER = ("consumer_offsets", "epochs", "locks")
+#: How long a compaction holds its table's lock at most (a killed compactor's lock expires).
+_COMPACTION_LOCK_SECONDS = 600.0
 _MAX_COMMIT_ATTEMPTS = 200
 #: Retries of a publish whose failure did not tell whether it landed.
 _MAX_UNSURE_ATTEMPTS = 3
@@ -582,7 +585,10 @@ class Store:
 
         Runs automatically every ``COMPACT_EVERY_COMMITS`` commits of a table. Compaction
         changes no data (``dataChange=false``): consumers, including Delta's own streaming
-        source, see nothing. Losing a race with another compaction is not an error.
+        source, see nothing. Compactions of one table take turns through a lock in ``locks``
+        (deltalake would let two concurrent ones both commit, storing every row twice); a
+        table being compacted elsewhere is skipped. A compaction racing a writer that rewrites
+        the same files loses to it (Delta's conflict check), which is not an error.
 
         Parameters
         ----------
@@ -592,18 +598,53 @@ class Store:
         Returns
         -------
         dict
-            Files removed per table.
+            Files removed per table compacted.
         """
         removed = {}
-        for name in names or tuple(TABLES):
+        # The lock table is not compacted: its MERGEs keep one live file per lock.
+        for name in [n for n in names or TABLES if n != "locks"]:
+            holder = new_id()
+            if not self._lock(f"compact:{name}", holder, _COMPACTION_LOCK_SECONDS):
+                log.debug("%s is being compacted by another process; skipped", name)
+                continue
             try:
                 metrics = self.table(name).optimize.compact(target_size=_COMPACT_TARGET_BYTES)
             except CommitFailedError:
                 log.debug("compaction of %s lost a race; the next one will do it", name)
                 continue
+            finally:
+                self._lock(f"compact:{name}", holder, 0.0)
             removed[name] = int(metrics.get("numFilesRemoved", 0))
             log.debug("compacted %s: %s", name, metrics)
         return removed
+
+    def _lock(self, name: str, holder: str, seconds: float) -> bool:
+        """Take (or, with ``seconds`` 0, release) the lock ``name`` for ``holder``: granted
+        when free, expired, or ``holder``'s already. Racing takers conflict in Delta's
+        optimistic concurrency check; exactly one gets it."""
+        now = self.clock()
+        source = pa.Table.from_pylist(
+            [
+                {
+                    "name": name,
+                    "holder": holder,
+                    "expires": now + timedelta(seconds=seconds),
+                    "now": now,
+                }
+            ],
+            schema=LOCKS_SCHEMA.append(pa.field("now", TIMESTAMP)),
+        )
+        self.merge(
+            "locks",
+            source,
+            "name",
+            lambda m: m.when_matched_update(
+                {"holder": "s.holder", "expires": "s.expires"},
+                predicate="t.expires <= s.now OR t.holder = s.holder",
+            ).when_not_matched_insert({c: f"s.{c}" for c in LOCKS_SCHEMA.names}),
+        )
+        rows = self.table("locks").to_pyarrow_table(filters=[("name", "=", name)])
+        return rows.column("holder").to_pylist() == [holder]
 
     # ------------------------------------------------------------------ end transaction
     def end_transactions(

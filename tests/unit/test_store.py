@@ -327,3 +327,24 @@ def test_publish_that_landed_but_reported_a_failure_sends_once(store: Store) -> 
     # The store goes on normally.
     store.send([Message("Orders", b"next", keys="k")], "pg")
     assert [r["queue_offset"] for r in commitlog(store).to_pylist()] == [0, 1]
+
+
+def _compactor(root: str, name: str, barrier, out) -> None:
+    store = Store.open(root, create=False)
+    barrier.wait(timeout=60)
+    out.put((name, store.compact("half")))
+
+
+def test_two_compactions_at_once_never_duplicate_rows(tmp_path: Path) -> None:
+    """deltalake lets two concurrent OPTIMIZEs both commit the same rewrite (every row twice):
+    compactions of a table take turns."""
+    from tests.conftest import race
+
+    for trial in range(3):
+        store = Store.open(tmp_path / f"s{trial}")
+        for i in range(30):
+            store.prepare([Message("Orders", f"m{i}".encode())], "pg")
+        results = race(_compactor, [(store.root, n) for n in ("a", "b")])
+        assert sum(r.get("half", 0) for r in results.values()) >= 30  # one of them compacted
+        half = store.table("half").to_pyarrow_table()
+        assert half.num_rows == 30 and len(set(half.column("msg_id").to_pylist())) == 30
