@@ -15,6 +15,7 @@ Read with deltalake (no Spark), after quiescence:
 
 from __future__ import annotations
 
+import json
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -152,6 +153,34 @@ def _exactly_once(
         "duplicated": len(dups),
         "leaked": len(leaked) + len(unexpected),
     }
+
+
+def _commits(table: Path) -> dict[int, list[dict]]:
+    commits = {}
+    for path in sorted((table / "_delta_log").glob("*.json")):
+        with open(path) as src:
+            commits[int(path.stem)] = [json.loads(line) for line in src if line.strip()]
+    return commits
+
+
+def _files_removed_twice(table: Path) -> list[tuple[str, list[int]]]:
+    """Data files that two commits both removed (e.g. two compactions that both committed)."""
+    removed = defaultdict(list)
+    for version, actions in _commits(table).items():
+        for action in actions:
+            if "remove" in action:
+                removed[action["remove"]["path"]].append(version)
+    return [(p, v) for p, v in removed.items() if len(v) > 1]
+
+
+def _operations(table: Path, versions: list[int]) -> list[str]:
+    names = []
+    for version in versions:
+        path = table / "_delta_log" / f"{version:020d}.json"
+        with open(path) as src:
+            info = [json.loads(line).get("commitInfo") for line in src if "commitInfo" in line]
+        names.append(f"v{version} {(info[0] or {}).get('operation') if info else '?'}")
+    return names
 
 
 def check_invariants(run: dict, root: Path) -> Results:
@@ -309,6 +338,29 @@ def check_invariants(run: dict, root: Path) -> Results:
                 Violation(
                     "discard marked re-driven but no such half message",
                     f"msg {d['msg_id']} marked {mark}, half has {sorted(found)}",
+                )
+            )
+
+    # ---- every half message stored once; no data file removed by two commits
+    stored = Counter((h["transaction_id"], h["msg_id"]) for h in store.half)
+    copies = [(k, n) for k, n in stored.items() if n > 1]
+    if copies:
+        (txn, msg), n = max(copies, key=lambda c: c[1])
+        results.violations.append(
+            Violation(
+                "half message stored more than once",
+                f"{len(copies)} half message(s) are stored several times (the most: msg {msg} "
+                f"of txn {txn}, x{n}); each copy is published when its transaction commits",
+            )
+        )
+    for name in ("half", "op", "commitlog", "check_state", "discard", "epochs"):
+        for path, versions in _files_removed_twice(Path(root) / name)[:MAX_DETAILS]:
+            results.violations.append(
+                Violation(
+                    "data file removed by two commits (rows duplicated)",
+                    f"{name}: {path} removed by versions {versions} "
+                    f"({', '.join(_operations(Path(root) / name, versions))}): two rewrites of "
+                    "the same file both committed, so its rows now exist twice",
                 )
             )
 

@@ -40,11 +40,17 @@ class Options:
     #: Mean seconds between two SIGKILLs by the orchestrator.
     kill_every: float = 12.0
     producers: int = 2
-    producer_threads: int = 3
+    producer_threads: int = 2
     check_back_jobs: int = 2
     check_max: int = 3
     transaction_timeout: float = 2.0
     check_interval: float = 1.0
+    #: Run the compactor process (Store.compact() every few seconds).
+    compactor: bool = True
+    #: Longest the finisher (drain + quiescence) may take per attempt.
+    finish_timeout: float = 1800.0
+    #: Seconds a Spark worker is left alone after its start-up before it may be killed.
+    jvm_grace: float = 15.0
     #: Print the timeline (starts, kills, ...) as it happens.
     verbose: bool = True
 
@@ -54,7 +60,7 @@ class Worker:
     """One long-running role, restarted after every death until the chaos ends."""
 
     name: str
-    kind: str  # producer, stream, batch, check-back, compactor
+    kind: str  # producer, writer, check-back, compactor
     jvm: bool
     incarnation: int = 0
     proc: subprocess.Popen | None = None
@@ -65,6 +71,7 @@ class Worker:
     #: Size of its log when this incarnation started (readiness is looked for after it).
     log_offset: int = 0
     ready: bool = False
+    ready_at: float = 0.0
 
     #: A line that says the worker is up (its JVM started, its loop running).
     @property
@@ -199,7 +206,7 @@ level = "INFO"
             "run_dir": str(self.run_dir),
             "producers": producers,
             "producer_threads": o.producer_threads,
-            "producer_pause": 0.4,
+            "producer_pause": 1.0,
             "check_max": o.check_max,
             "transaction_timeout": o.transaction_timeout,
             "stream_input": str(self.root / "inputs" / "stream"),
@@ -217,11 +224,11 @@ level = "INFO"
         self.feed_stream()  # the stream's source table must exist before the query starts
         for name in producers:
             self.workers.append(Worker(name, "producer", jvm=False))
-        self.workers.append(Worker("stream", "stream", jvm=True))
-        self.workers.append(Worker("batch", "batch", jvm=True))
+        self.workers.append(Worker("writer", "writer", jvm=True))
         for i in range(o.check_back_jobs):
             self.workers.append(Worker(f"check-back-{i}", "check-back", jvm=True))
-        self.workers.append(Worker("compactor", "compactor", jvm=False))
+        if o.compactor:
+            self.workers.append(Worker("compactor", "compactor", jvm=False))
 
     # ------------------------------------------------------------------ inputs
     def feed_stream(self) -> None:
@@ -314,15 +321,15 @@ level = "INFO"
     def start(self, w: Worker) -> None:
         w.incarnation += 1
         w.failpoint = None
-        if w.kind in ("stream", "batch"):
+        if w.kind == "writer":
             draw = self.rng.random()
-            if draw < 0.15:
+            if draw < 0.2:
                 w.failpoint = "sink.staged:raise"  # first attempts fail after staging
-            elif draw < 0.30:
-                kills = ["sink.staged", "sink.closed", "sink.published"]
-                if w.kind == "batch":
-                    kills += ["delta.staged", "delta.written", "delta.closed"]
-                w.failpoint = self.rng.choice(kills)
+            elif draw < 0.45:
+                w.failpoint = self.rng.choice(
+                    ["sink.staged", "sink.closed", "sink.published"]
+                    + ["delta.staged", "delta.written", "delta.closed"]
+                )
         if w.failpoint:
             self.stats.failpoints_armed[w.failpoint] += 1
         log_path = self.logs / f"{w.name}.log"
@@ -376,10 +383,38 @@ level = "INFO"
                 src.seek(w.log_offset)
                 w.ready = w.ready_marker in src.read()
             if w.ready:
+                w.ready_at = self.elapsed()
                 self.note(
                     f"{w.name}#{w.incarnation} ready after {self.elapsed() - w.started_at:.1f} s"
                 )
         return w.ready
+
+    #: Log lines of failures the system reported loudly (allowed by the contract; counted).
+    LOUD = {
+        "producer send raised": "send failed",
+        "producer end-transaction failed": "end-transaction failed",
+        "producer late end failed": "late end failed",
+        "sink / delta write failed (retried)": "failed (retrying)",
+        "check-back round failed": "check-back round failed",
+        "stream query failed": "StreamingQueryException",
+    }
+
+    def loud_failures(self) -> dict:
+        found: dict = {}
+        for path in sorted(self.logs.glob("*.log")):
+            for line in path.read_text(errors="replace").splitlines():
+                for what, needle in self.LOUD.items():
+                    if needle in line:
+                        entry = found.setdefault(what, {"count": 0, "example": ""})
+                        entry["count"] += 1
+                        entry["example"] = entry["example"] or f"{path.stem}: {line[:300]}"
+        return found
+
+    def killable(self, w: Worker) -> bool:
+        """Up, and (for a Spark worker) up long enough to have started some work."""
+        if w.proc is None or not self.is_ready(w):
+            return False
+        return not w.jvm or self.elapsed() - w.ready_at >= self.o.jvm_grace
 
     def kill(self, w: Worker, why: str = "chaos") -> None:
         if w.proc is None:
@@ -462,8 +497,13 @@ level = "INFO"
     # ------------------------------------------------------------------ phases
     def chaos(self) -> None:
         o = self.o
+        # Warm-up: the JVM workers start first, alone (a JVM takes a minute to start on a
+        # loaded 2-core machine); the others join when the chaos clock starts.
         for w in self.workers:
-            self.start(w)
+            if w.jvm:
+                self.start(w)
+            else:
+                w.restart_at = None
         # The chaos clock starts once every worker is up (JVMs take a minute to start on a
         # loaded machine), or after 240 s at the latest.
         end = None
@@ -476,25 +516,31 @@ level = "INFO"
             if end is None and ((ready and all(ready)) or now > 240):
                 end = time.monotonic() + o.chaos_seconds
                 self.stats.warm_up = now
-                self.note(f"all workers up: {o.chaos_seconds:.0f} s of chaos from now")
+                self.note(f"Spark workers up: {o.chaos_seconds:.0f} s of chaos from now")
+                for w in self.workers:
+                    if w.proc is None and w.restart_at is None:
+                        self.start(w)
             for w in self.workers:
                 if w.proc is None and w.restart_at is not None and now >= w.restart_at:
                     self.start(w)
-            if now >= next_feed:
+            if end is not None and now >= next_feed:
                 self.feed_stream()
                 next_feed = now + self.rng.uniform(2, 5)
-            if now >= next_batch and self.pending_batches() < 2:
+            if end is not None and now >= next_batch and self.pending_batches() < 2:
                 self.feed_batch()
                 next_batch = now + self.rng.uniform(2, 6)
             if now >= next_sample:
                 self.sample()
                 next_sample = now + 2.0
             if end is not None and self.rng.random() < tick / o.kill_every:
-                live = [w for w in self.workers if w.proc is not None and self.is_ready(w)]
-                weights = [{"compactor": 1, "check-back": 2}.get(w.kind, 3) for w in live]
+                live = [w for w in self.workers if self.killable(w)]
+                weights = [
+                    {"compactor": 1, "check-back": 2, "writer": 4}.get(w.kind, 3) for w in live
+                ]
                 if live:
                     self.kill(self.rng.choices(live, weights)[0])
-            self.maybe_resume()
+            if end is not None:
+                self.maybe_resume()
             time.sleep(tick)
         self.note("chaos over: SIGKILL every worker")
         (self.run_dir / "STOP").write_text("stop")
@@ -521,7 +567,7 @@ level = "INFO"
                     "finish", str(attempt)]  # fmt: skip
             proc, log = self.spawn("finish", argv)
             self.note(f"finish #{attempt} pid {proc.pid}")
-            deadline = time.monotonic() + 1800
+            deadline = time.monotonic() + self.o.finish_timeout
             while proc.poll() is None and time.monotonic() < deadline:
                 time.sleep(2)
                 self.sample()
@@ -565,6 +611,7 @@ level = "INFO"
             for line in errors.read_text().splitlines():
                 self.violations.append(Violation("harness", line))
         results = check_invariants(self.run, self.store)
+        results.facts["loud failures"] = self.loud_failures()
         self.violations.extend(results.violations)
         return {
             "seed": self.o.seed,

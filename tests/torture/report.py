@@ -59,6 +59,13 @@ def format_report(result: dict) -> str:
     for message, n in cr["failures"].items():
         lines.append(f"             x{n} {message}")
     lines.append(f"epochs:      closed by {_counter(facts['epochs closed'])}")
+    loud = facts.get("loud failures") or {}
+    lines.append(
+        "loud failures (allowed: raised, then retried by the harness as an operator would): "
+        + (", ".join(f"{k} x{v['count']}" for k, v in loud.items()) or "none")
+    )
+    for v in loud.values():
+        lines.append(f"             e.g. {v['example'][:240]}")
     rounds = s.quiesce_rounds
     if rounds:
         last = rounds[-1]

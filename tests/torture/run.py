@@ -18,11 +18,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=10.0, help="minutes of chaos")
     parser.add_argument("--root", help="run directory (default: a new temporary directory)")
     parser.add_argument("--kill-every", type=float, default=12.0, help="mean seconds between kills")
+    parser.add_argument(
+        "--no-compactor",
+        action="store_true",
+        help="no compactor process (the store still compacts every 50 commits of a table)",
+    )
     args = parser.parse_args(argv)
 
     from tests.torture.orchestrator import run
 
-    result, report = run(args.seed, args.minutes * 60, args.root, kill_every=args.kill_every)
+    result, report = run(
+        args.seed,
+        args.minutes * 60,
+        args.root,
+        kill_every=args.kill_every,
+        compactor=not args.no_compactor,
+    )
     print(report, flush=True)
     return 1 if result["violations"] else 0
 

@@ -7,10 +7,11 @@ Kinds:
 
 * ``producer``: a producer service: threads sending transactional messages whose local
   transaction is an SQLite write (:mod:`tests.torture.local_db`), with random outcomes.
-* ``stream``: ``df.writeStream.format("rmqtx")`` from a Delta input table fed by the
-  orchestrator, with slow and failing task attempts; restarted from its checkpoint.
-* ``batch``: ``df.write.format("rmqtx")`` (one ``sinkId`` per input batch, so an operator's
-  retry is idempotent) and ``publish_with_delta_write`` batches, in input order.
+* ``writer``: one Spark driver running ``df.writeStream.format("rmqtx")`` from a Delta input
+  table fed by the orchestrator (restarted from its checkpoint) and, meanwhile,
+  ``df.write.format("rmqtx")`` batches (one ``sinkId`` per input batch, so an operator's retry
+  is idempotent) and ``publish_with_delta_write`` batches, in input order; with slow and
+  failing task attempts.
 * ``compactor``: ``Store.compact()`` every few seconds.
 * ``finish``: after the chaos: drains the stream and the batches (no faults), then runs
   re-drive + check-back rounds with everything due until nothing is pending. Prints one JSON
@@ -202,7 +203,7 @@ def chaos(run: dict, tag: str, enabled: bool):
         if enabled:
             draw = rng.random()
             if draw < very_slow:
-                time.sleep(rng.uniform(15, 30))
+                time.sleep(rng.uniform(30, 90))
             elif draw < very_slow + slow:
                 time.sleep(rng.uniform(2, 8))
             if context.attemptNumber() == 0 and rng.random() < fail:
@@ -237,16 +238,30 @@ def _stream_query(run: dict, spark, drain: bool, incarnation: int):
     return writer.start()
 
 
-def stream(run: dict, name: str, incarnation: int) -> None:
-    spark = spark_session(run, "torture-stream")
+def writer(run: dict, name: str, incarnation: int) -> None:
+    """The pipeline driver: a streaming query and, meanwhile, the batch writes (one JVM for
+    both: a 2-core machine cannot start many)."""
+    spark = spark_session(run, "torture-writer")
     query = _stream_query(run, spark, False, incarnation)
+    failure: list[BaseException] = []
+
+    def batches() -> None:
+        try:
+            run_batches(run, spark, False, incarnation)
+        except BaseException as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=batches, daemon=True)
+    thread.start()
     last = None
-    while query.isActive:
+    while query.isActive and thread.is_alive():
         query.awaitTermination(5)
         progress = query.lastProgress
         if progress and progress.get("batchId") != last:
             last = progress.get("batchId")
             log("micro-batch", last, "rows", progress.get("numInputRows"))
+    if failure:
+        raise failure[0]
     query.awaitTermination()  # raises the query's error: the orchestrator restarts us
 
 
@@ -353,11 +368,6 @@ def run_batches(run: dict, spark, drain: bool, incarnation: int) -> None:
         log(kind, path.stem, f"done in {time.monotonic() - started:.1f} s")
 
 
-def batch(run: dict, name: str, incarnation: int) -> None:
-    spark = spark_session(run, "torture-batch")
-    run_batches(run, spark, False, incarnation)
-
-
 # --------------------------------------------------------------------------- compactor
 def compactor(run: dict, name: str, incarnation: int) -> None:
     from rmq_spark import Store
@@ -387,11 +397,15 @@ def undriven_discards(store) -> int:
 
 
 def finish(run: dict, name: str, incarnation: int) -> None:
+    import logging
+
     from rmq_spark import Store, load_settings
     from rmq_spark.checkback import CheckBackJob, redrive
     from rmq_spark.checkers import checkers_from_config
     from rmq_spark.config import TransactionSettings
 
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("rmq_spark").setLevel(logging.INFO)
     spark = spark_session(run, "torture-finish")
     drain_stream(run, spark)
     run_batches(run, spark, True, incarnation)
@@ -409,7 +423,11 @@ def finish(run: dict, name: str, incarnation: int) -> None:
     job = CheckBackJob(spark, store, checkers_from_config(settings.checkers), due_now)
     quiet = 0
     for round_ in range(run["quiesce_rounds"]):
-        redriven = redrive(store)
+        try:
+            redriven = redrive(store)
+        except Exception as exc:
+            log("resume failed:", f"{type(exc).__name__}: {exc}"[:500])
+            redriven = ["failed"]
         try:
             summary = job.run_once().summary
             summary_row = {
@@ -446,8 +464,7 @@ def finish(run: dict, name: str, incarnation: int) -> None:
 
 KINDS = {
     "producer": producer,
-    "stream": stream,
-    "batch": batch,
+    "writer": writer,
     "compactor": compactor,
     "finish": finish,
 }
