@@ -93,8 +93,15 @@ class _Store:
     def explain(self, key: str) -> str:
         """Everything the store knows about a business key, for a violation's detail."""
         parts = []
+        copies = Counter((h["transaction_id"], h["msg_id"]) for h in self.half_by_key.get(key, []))
+        shown = set()
         for h in self.half_by_key.get(key, []):
             txn = h["transaction_id"]
+            if (txn, h["msg_id"]) in shown:
+                continue
+            shown.add((txn, h["msg_id"]))
+            if copies[(txn, h["msg_id"])] > 1:
+                parts.append(f"[{copies[(txn, h['msg_id'])]} copies in half]")
             op = self.op.get(txn)
             decided = f"{op['decision']} by {op['decided_by']}" if op else "PENDING"
             props = _props(h["properties"])
@@ -114,7 +121,10 @@ class _Store:
                 f"discard txn {d['transaction_id']} msg {d['msg_id']} at check_count "
                 f"{d['check_count']}, re-driven as {d['redriven_transaction_id']}"
             )
-        for c in self.visible_by_key.get(key, []):
+        visible = self.visible_by_key.get(key, [])
+        if len(visible) > 3:
+            parts.append(f"visible {len(visible)} times, e.g.")
+        for c in visible[:3]:
             parts.append(
                 f"visible: txn {c['transaction_id']} msg {c['msg_id']} "
                 f"queue {c['queue_id']} offset {c['queue_offset']}"
