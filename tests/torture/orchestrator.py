@@ -628,6 +628,14 @@ level = "INFO"
 def run(seed: int | None = None, seconds: float = 120.0, root: str | Path | None = None,
         **overrides) -> tuple[dict, str]:  # fmt: skip
     """One torture run; returns (result, printable report)."""
+    import rmq_spark
+
+    if not str(Path(rmq_spark.__file__).resolve()).startswith(str(REPO) + os.sep):
+        raise RuntimeError(
+            f"rmq_spark is imported from {rmq_spark.__file__}, not from the checkout under test "
+            f"({REPO}); run from {REPO} (python -m tests.torture.run puts the working directory "
+            "first on sys.path)."
+        )
     seed = seed if seed is not None else random.SystemRandom().randrange(1, 10**9)
     root = Path(root) if root else Path(tempfile.mkdtemp(prefix=f"rmq-torture-{seed}-"))
     root.mkdir(parents=True, exist_ok=True)
