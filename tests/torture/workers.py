@@ -240,29 +240,26 @@ def _stream_query(run: dict, spark, drain: bool, incarnation: int):
 
 def writer(run: dict, name: str, incarnation: int) -> None:
     """The pipeline driver: a streaming query and, meanwhile, the batch writes (one JVM for
-    both: a 2-core machine cannot start many)."""
+    both: a 2-core machine cannot start many). The batches run on the main thread: a Python
+    data source is registered with the session, and writes from another Python thread do
+    not find it (DATA_SOURCE_NOT_FOUND)."""
     spark = spark_session(run, "torture-writer")
     query = _stream_query(run, spark, False, incarnation)
-    failure: list[BaseException] = []
+    last = [None]
 
-    def batches() -> None:
-        try:
-            run_batches(run, spark, False, incarnation)
-        except BaseException as exc:
-            failure.append(exc)
-
-    thread = threading.Thread(target=batches, daemon=True)
-    thread.start()
-    last = None
-    while query.isActive and thread.is_alive():
-        query.awaitTermination(5)
+    def watch_stream() -> None:
+        if not query.isActive:
+            query.awaitTermination()  # raises the query's error: the orchestrator restarts us
+            raise RuntimeError("the streaming query stopped")
         progress = query.lastProgress
-        if progress and progress.get("batchId") != last:
-            last = progress.get("batchId")
-            log("micro-batch", last, "rows", progress.get("numInputRows"))
-    if failure:
-        raise failure[0]
-    query.awaitTermination()  # raises the query's error: the orchestrator restarts us
+        if progress and progress.get("batchId") != last[0]:
+            last[0] = progress.get("batchId")
+            log("micro-batch", last[0], "rows", progress.get("numInputRows"))
+
+    run_batches(run, spark, False, incarnation, watch_stream)
+    while True:
+        watch_stream()
+        time.sleep(2)
 
 
 def drain_stream(run: dict, spark) -> None:
@@ -332,11 +329,12 @@ def write_delta(run: dict, spark, path: Path) -> None:
     )
 
 
-def run_batches(run: dict, spark, drain: bool, incarnation: int) -> None:
+def run_batches(run: dict, spark, drain: bool, incarnation: int, idle=lambda: None) -> None:
     """Write every input batch not done yet, in order (Delta versions must not be skipped);
     a failed batch is retried with the same sink id / version, as an operator would."""
     progress = Progress(run["batch_progress"])
     while True:
+        idle()
         done = progress.done()
         todo = [
             (kind, p)
