@@ -50,7 +50,7 @@ class Options:
     #: Longest the finisher (drain + quiescence) may take per attempt.
     finish_timeout: float = 1800.0
     #: Seconds a Spark worker is left alone after its start-up before it may be killed.
-    jvm_grace: float = 15.0
+    jvm_grace: float = 30.0
     #: Print the timeline (starts, kills, ...) as it happens.
     verbose: bool = True
 
@@ -535,7 +535,7 @@ level = "INFO"
             if end is not None and self.rng.random() < tick / o.kill_every:
                 live = [w for w in self.workers if self.killable(w)]
                 weights = [
-                    {"compactor": 1, "check-back": 2, "writer": 4}.get(w.kind, 3) for w in live
+                    {"compactor": 1, "check-back": 1, "writer": 3}.get(w.kind, 3) for w in live
                 ]
                 if live:
                     self.kill(self.rng.choices(live, weights)[0])
