@@ -206,7 +206,7 @@ level = "INFO"
             "run_dir": str(self.run_dir),
             "producers": producers,
             "producer_threads": o.producer_threads,
-            "producer_pause": 1.0,
+            "producer_pause": 1.5,
             "check_max": o.check_max,
             "transaction_timeout": o.transaction_timeout,
             "stream_input": str(self.root / "inputs" / "stream"),
@@ -431,7 +431,7 @@ level = "INFO"
     def maybe_resume(self) -> None:
         """``rmqtx resume`` now and then; sometimes two at once, sometimes killed."""
         self.transient = [t for t in self.transient if t[1].poll() is None]
-        if self.transient or self.rng.random() > 0.08:
+        if self.transient or self.rng.random() > 0.025:
             return
         n = 2 if self.rng.random() < 0.35 else 1
         self.stats.resumes += n
