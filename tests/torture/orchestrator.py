@@ -73,10 +73,14 @@ class Worker:
     ready: bool = False
     ready_at: float = 0.0
 
-    #: A line that says the worker is up (its JVM started, its loop running).
+    #: A line that says the worker is up and working: a check-back job has finished its
+    #: first round (the first Spark jobs of a JVM take a minute or more on a loaded 2-core
+    #: machine), the others have started (their JVM is up).
     @property
     def ready_marker(self) -> bytes:
-        return b"check-back loop every" if self.kind == "check-back" else b" imports "
+        return (
+            b"rmq_spark.checkback: check-back run " if self.kind == "check-back" else b" imports "
+        )
 
 
 @dataclass
