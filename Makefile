@@ -1,6 +1,7 @@
 # The project's own setup: everything a fresh machine needs comes from here.
 #   make demo   - set up (first time only) and run the end-to-end demo on storage/
 #   make test   - set up (first time only) and run the test suite
+#   make torture SEED=42 MINUTES=10 - the torture test, on demand (SEED: default a new one)
 PYTHON ?= python3.11
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -9,7 +10,7 @@ PYTEST_ARGS ?=
 
 export RMQ_SPARK_JARS := $(abspath $(JARS))
 
-.PHONY: setup demo test lint bench check-back notebooks clean
+.PHONY: setup demo test torture lint bench check-back notebooks clean
 setup: $(VENV)/.installed $(JARS)/.fetched
 
 $(VENV)/.installed: setup.py
@@ -32,6 +33,15 @@ demo: setup
 # pytest exits 5 when it collects no test; that is not a failure of the suite.
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+
+# The torture test on demand: producers, sinks, publish_with_delta_write, check-back jobs,
+# resumes and compaction in real processes, SIGKILLed at random; then check-back to quiescence
+# and the exactly-once invariants. Prints a report; exits 1 on a violation. Replay a run with
+# its SEED. (The suite runs a short one: pytest -m torture.)
+SEED    ?=
+MINUTES ?= 10
+torture: setup
+	$(PY) -m tests.torture.run $(if $(SEED),--seed $(SEED)) --minutes $(MINUTES)
 
 # The check-back job through spark-submit, e.g. make check-back ARGS="--once".
 check-back: setup

@@ -1,0 +1,401 @@
+"""The torture test's final invariants, checked against ground truth that does not come from
+the system under test: the producers' SQLite databases and the writers' input files.
+
+Read with deltalake (no Spark), after quiescence:
+
+* every locally committed order's message, and every sink / ``publish_with_delta_write``
+  input row, is in the CommitLog exactly once (after resume + check-back quiescence);
+* nothing rolled back, fenced or never written locally is visible; nothing unexpected is;
+* the business table of ``publish_with_delta_write`` holds each input row once and agrees
+  with the published messages;
+* nothing is pending; every visible transaction is COMMITted in ``op``;
+* offsets per (topic, queue) are dense from 0 with no repeat; msg ids are unique;
+* every discarded message is re-driven at most once (and then marked), or still listed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow.parquet as pq
+from deltalake import DeltaTable
+
+from tests.torture import local_db
+from tests.torture.workers import BATCH_TOPIC, DELTA_TOPIC, PRODUCER_TOPIC, STREAM_TOPIC
+
+REDRIVEN_FROM = "REDRIVEN_FROM_TRANSACTION_ID"
+#: Most details kept per kind of violation.
+MAX_DETAILS = 25
+
+
+@dataclass(frozen=True)
+class Violation:
+    invariant: str
+    detail: str
+
+
+@dataclass
+class Results:
+    violations: list[Violation] = field(default_factory=list)
+    facts: dict = field(default_factory=dict)
+
+
+def _rows(path: Path, columns: list[str] | None = None) -> list[dict]:
+    return DeltaTable(str(path)).to_pyarrow_table(columns=columns).to_pylist()
+
+
+def _props(value) -> dict:
+    if value is None:
+        return {}
+    return dict(value) if not isinstance(value, dict) else value
+
+
+class _Store:
+    """The store's tables as Python rows, indexed for diagnostics."""
+
+    def __init__(self, root: Path) -> None:
+        self.commitlog = _rows(
+            root / "commitlog",
+            ["topic", "queue_id", "queue_offset", "msg_id", "transaction_id", "keys"],
+        )
+        self.half = _rows(
+            root / "half",
+            ["transaction_id", "msg_id", "producer_group", "topic", "keys", "properties"],
+        )
+        self.op = {r["transaction_id"]: r for r in _rows(root / "op")}
+        self.discard = _rows(
+            root / "discard",
+            ["transaction_id", "msg_id", "keys", "producer_group", "check_count",
+             "redriven_transaction_id"],
+        )  # fmt: skip
+        self.check_runs = _rows(root / "check_runs", ["status", "discarded", "message"])
+        try:
+            self.epochs = _rows(root / "epochs")
+        except Exception:  # another layout: diagnostics only
+            self.epochs = []
+        self.epoch_of: dict[str, str] = {}
+        for e in self.epochs:
+            for t in e.get("transaction_ids") or []:
+                self.epoch_of[t] = f"{e['sink_id']}#{e['epoch']} closed by {e['closed_by']}"
+        self.half_by_key: dict[str, list[dict]] = defaultdict(list)
+        for h in self.half:
+            self.half_by_key[h["keys"]].append(h)
+        self.visible_by_key: dict[str, list[dict]] = defaultdict(list)
+        for c in self.commitlog:
+            self.visible_by_key[c["keys"]].append(c)
+        self.discard_by_key: dict[str, list[dict]] = defaultdict(list)
+        for d in self.discard:
+            self.discard_by_key[d["keys"]].append(d)
+
+    def explain(self, key: str) -> str:
+        """Everything the store knows about a business key, for a violation's detail."""
+        parts = []
+        copies = Counter((h["transaction_id"], h["msg_id"]) for h in self.half_by_key.get(key, []))
+        shown = set()
+        for h in self.half_by_key.get(key, []):
+            txn = h["transaction_id"]
+            if (txn, h["msg_id"]) in shown:
+                continue
+            shown.add((txn, h["msg_id"]))
+            if copies[(txn, h["msg_id"])] > 1:
+                parts.append(f"[{copies[(txn, h['msg_id'])]} copies in half]")
+            op = self.op.get(txn)
+            decided = f"{op['decision']} by {op['decided_by']}" if op else "PENDING"
+            props = _props(h["properties"])
+            extra = []
+            if REDRIVEN_FROM in props:
+                extra.append(f"re-driven from {props[REDRIVEN_FROM]}")
+            for p in ("RMQTX_SINK_ID", "RMQTX_EPOCH"):
+                if p in props:
+                    extra.append(f"{p}={props[p]}")
+            if txn in self.epoch_of:
+                extra.append(f"on the list of epoch {self.epoch_of[txn]}")
+            elif "RMQTX_SINK_ID" in props:
+                extra.append("on no epoch's list")
+            parts.append(f"half txn {txn} msg {h['msg_id']}: {decided}; {', '.join(extra)}")
+        for d in self.discard_by_key.get(key, []):
+            parts.append(
+                f"discard txn {d['transaction_id']} msg {d['msg_id']} at check_count "
+                f"{d['check_count']}, re-driven as {d['redriven_transaction_id']}"
+            )
+        visible = self.visible_by_key.get(key, [])
+        if len(visible) > 3:
+            parts.append(f"visible {len(visible)} times, e.g.")
+        for c in visible[:3]:
+            parts.append(
+                f"visible: txn {c['transaction_id']} msg {c['msg_id']} "
+                f"queue {c['queue_id']} offset {c['queue_offset']}"
+            )
+        return "; ".join(parts) or "no trace in the store"
+
+
+def _exactly_once(
+    results: Results,
+    store: _Store,
+    topic: str,
+    expected: set[str],
+    forbidden: set[str],
+    label: str,
+    describe=lambda key: "",
+) -> dict:
+    counts = Counter(c["keys"] for c in store.commitlog if c["topic"] == topic)
+    missing = sorted(expected - set(counts))
+    dups = sorted(k for k, n in counts.items() if n > 1)
+    leaked = sorted(k for k in counts if k in forbidden)
+    unexpected = sorted(k for k in counts if k not in expected and k not in forbidden)
+    for kind, keys in (
+        (f"{label}: committed but not visible", missing),
+        (f"{label}: visible more than once", dups),
+        (f"{label}: visible but not committed locally", leaked),
+        (f"{label}: visible but never an input", unexpected),
+    ):
+        for key in keys:
+            results.violations.append(
+                Violation(kind, f"key {key} {describe(key)}: {store.explain(key)}")
+            )
+    return {
+        "expected": len(expected),
+        "visible": sum(counts.values()),
+        "missing": len(missing),
+        "duplicated": len(dups),
+        "leaked": len(leaked) + len(unexpected),
+    }
+
+
+def _commits(table: Path) -> dict[int, list[dict]]:
+    commits = {}
+    for path in sorted((table / "_delta_log").glob("*.json")):
+        with open(path) as src:
+            commits[int(path.stem)] = [json.loads(line) for line in src if line.strip()]
+    return commits
+
+
+def _files_removed_twice(table: Path) -> list[tuple[str, list[int]]]:
+    """Data files that two commits both removed (e.g. two compactions that both committed)."""
+    removed = defaultdict(list)
+    for version, actions in _commits(table).items():
+        for action in actions:
+            if "remove" in action:
+                removed[action["remove"]["path"]].append(version)
+    return [(p, v) for p, v in removed.items() if len(v) > 1]
+
+
+def _operations(table: Path, versions: list[int]) -> list[str]:
+    names = []
+    for version in versions:
+        path = table / "_delta_log" / f"{version:020d}.json"
+        with open(path) as src:
+            info = [json.loads(line).get("commitInfo") for line in src if "commitInfo" in line]
+        names.append(f"v{version} {(info[0] or {}).get('operation') if info else '?'}")
+    return names
+
+
+def check_invariants(run: dict, root: Path) -> Results:
+    results = Results()
+    store = _Store(Path(root))
+    facts = results.facts
+
+    # ---- producers: the SQLite databases are the truth
+    intents: dict[str, dict] = {}
+    committed: set[str] = set()
+    for spec in run["producers"].values():
+        i, o = local_db.read_truth(spec["db"])
+        intents.update(i)
+        committed |= o
+    not_committed = set(intents) - committed
+
+    def describe_intent(key: str) -> str:
+        i = intents.get(key)
+        if not i:
+            return "(no intent)"
+        return (
+            f"(plan {i['plan']}, local status {i['status']}, stalls {i['stall_checks']}, "
+            f"checks {i['checks']})"
+        )
+
+    facts["producer"] = _exactly_once(
+        results, store, PRODUCER_TOPIC, committed, not_committed, "producer", describe_intent
+    )
+    facts["producer"]["intents"] = len(intents)
+    facts["producer"]["plans"] = dict(Counter(i["plan"] for i in intents.values()))
+    facts["producer"]["local status"] = dict(Counter(i["status"] for i in intents.values()))
+    discarded_keys = {d["keys"] for d in store.discard if d["producer_group"].startswith("svc-")}
+    facts["producer"]["discarded keys"] = len(discarded_keys)
+    facts["producer"]["discarded, committed locally (re-driven by resume)"] = len(
+        discarded_keys & committed
+    )
+    facts["producer"]["stalling checkers (past check max)"] = sum(
+        1 for i in intents.values() if i["stall_checks"] >= run["check_max"]
+    )
+
+    # ---- sinks and publish_with_delta_write: the input files are the truth
+    stream_keys = set(
+        DeltaTable(run["stream_input"]).to_pyarrow_table(columns=["key"]).column("key").to_pylist()
+    )
+    facts["stream sink"] = _exactly_once(
+        results, store, STREAM_TOPIC, stream_keys, set(), "stream sink"
+    )
+    folder = Path(run["batch_inputs"])
+    batch_keys = {
+        k for p in folder.glob("batch-*.parquet") for k in pq.read_table(p)["key"].to_pylist()
+    }
+    delta_keys = {
+        k for p in folder.glob("delta-*.parquet") for k in pq.read_table(p)["key"].to_pylist()
+    }
+    facts["batch sink"] = _exactly_once(
+        results, store, BATCH_TOPIC, batch_keys, set(), "batch sink"
+    )
+    facts["batch sink"]["batches"] = len(list(folder.glob("batch-*.parquet")))
+    facts["delta publish"] = _exactly_once(
+        results, store, DELTA_TOPIC, delta_keys, set(), "publish_with_delta_write"
+    )
+    business = Path(run["business_table"])
+    rows = _rows(business, ["key"]) if (business / "_delta_log").exists() else []
+    business_counts = Counter(r["key"] for r in rows)
+    facts["delta publish"]["business rows"] = len(rows)
+    for key in sorted(delta_keys - set(business_counts))[:MAX_DETAILS]:
+        results.violations.append(
+            Violation("business table: input row missing", f"key {key}: {store.explain(key)}")
+        )
+    for key, n in sorted(business_counts.items()):
+        if n > 1 or key not in delta_keys:
+            results.violations.append(
+                Violation("business table: row written twice or never an input", f"key {key} x{n}")
+            )
+    visible_delta = {c["keys"] for c in store.commitlog if c["topic"] == DELTA_TOPIC}
+    for key in sorted(set(business_counts) ^ visible_delta)[:MAX_DETAILS]:
+        results.violations.append(
+            Violation(
+                "business table and messages disagree",
+                f"key {key}: business rows {business_counts.get(key, 0)}, "
+                f"visible {key in visible_delta}; {store.explain(key)}",
+            )
+        )
+
+    # ---- nothing pending; visible means committed
+    pending = defaultdict(list)
+    for h in store.half:
+        if h["transaction_id"] not in store.op:
+            pending[h["transaction_id"]].append(h)
+    for txn, halves in pending.items():
+        results.violations.append(
+            Violation(
+                "still pending after quiescence",
+                f"txn {txn} group {halves[0]['producer_group']} ({len(halves)} message(s), e.g. "
+                f"key {halves[0]['keys']}): {store.explain(halves[0]['keys'])}",
+            )
+        )
+    for c in store.commitlog:
+        op = store.op.get(c["transaction_id"]) if c["transaction_id"] else None
+        if c["transaction_id"] and (op is None or op["decision"] != "COMMIT"):
+            results.violations.append(
+                Violation(
+                    "visible but not COMMITted in op",
+                    f"msg {c['msg_id']} txn {c['transaction_id']} decision "
+                    f"{op['decision'] if op else 'none'}",
+                )
+            )
+
+    # ---- offsets dense from 0, no repeat; msg ids unique
+    queues = defaultdict(list)
+    for c in store.commitlog:
+        queues[(c["topic"], c["queue_id"])].append(c["queue_offset"])
+    for (topic, queue), offsets in sorted(queues.items()):
+        offsets.sort()
+        if offsets != list(range(len(offsets))):
+            repeats = sorted(o for o, n in Counter(offsets).items() if n > 1)[:10]
+            gaps = sorted(set(range(max(offsets) + 1)) - set(offsets))[:10]
+            results.violations.append(
+                Violation(
+                    "offsets not dense",
+                    f"{topic}/{queue}: {len(offsets)} rows, max {max(offsets)}, repeated "
+                    f"{repeats}, missing {gaps}",
+                )
+            )
+    for msg_id, n in Counter(c["msg_id"] for c in store.commitlog).items():
+        if n > 1:
+            results.violations.append(Violation("msg id visible twice", f"msg {msg_id} x{n}"))
+
+    # ---- discards: re-driven once (and marked) or still listed
+    redrives = defaultdict(set)  # (original txn, msg id) -> re-driven txns found in half
+    for h in store.half:
+        origin = _props(h["properties"]).get(REDRIVEN_FROM)
+        if origin:
+            redrives[(origin, h["msg_id"])].add(h["transaction_id"])
+    for d in store.discard:
+        found = redrives.get((d["transaction_id"], d["msg_id"]), set())
+        mark = d["redriven_transaction_id"]
+        if len(found) > 1:
+            results.violations.append(
+                Violation(
+                    "discard re-driven more than once",
+                    f"msg {d['msg_id']} (key {d['keys']}) of txn {d['transaction_id']} re-driven "
+                    f"as {sorted(found)}, marked {mark}; {store.explain(d['keys'])}",
+                )
+            )
+        elif found and mark is None:
+            results.violations.append(
+                Violation(
+                    "discard re-driven but still listed",
+                    f"msg {d['msg_id']} re-driven as {sorted(found)} but not marked",
+                )
+            )
+        elif mark is not None and mark not in found:
+            results.violations.append(
+                Violation(
+                    "discard marked re-driven but no such half message",
+                    f"msg {d['msg_id']} marked {mark}, half has {sorted(found)}",
+                )
+            )
+
+    # ---- every half message stored once; no data file removed by two commits
+    stored = Counter((h["transaction_id"], h["msg_id"]) for h in store.half)
+    copies = [(k, n) for k, n in stored.items() if n > 1]
+    if copies:
+        (txn, msg), n = max(copies, key=lambda c: c[1])
+        results.violations.append(
+            Violation(
+                "half message stored more than once",
+                f"{len(copies)} half message(s) are stored several times (the most: msg {msg} "
+                f"of txn {txn}, x{n}); each copy is published when its transaction commits",
+            )
+        )
+    for name in ("half", "op", "commitlog", "check_state", "discard", "epochs"):
+        for path, versions in _files_removed_twice(Path(root) / name)[:MAX_DETAILS]:
+            results.violations.append(
+                Violation(
+                    "data file removed by two commits (rows duplicated)",
+                    f"{name}: {path} removed by versions {versions} "
+                    f"({', '.join(_operations(Path(root) / name, versions))}): two rewrites of "
+                    "the same file both committed, so its rows now exist twice",
+                )
+            )
+
+    # ---- what happened, for the report
+    facts["decisions"] = dict(
+        Counter(f"{o['decided_by']} {o['decision']}" for o in store.op.values())
+    )
+    facts["transactions"] = len({h["transaction_id"] for h in store.half})
+    facts["half messages"] = len(store.half)
+    facts["visible messages"] = len(store.commitlog)
+    facts["discard"] = {
+        "messages": len(store.discard),
+        "transactions": len({d["transaction_id"] for d in store.discard}),
+        "re-driven": sum(1 for d in store.discard if d["redriven_transaction_id"]),
+        "still listed": sum(1 for d in store.discard if not d["redriven_transaction_id"]),
+        "by group": dict(Counter(d["producer_group"] for d in store.discard)),
+    }
+    facts["check runs"] = {
+        "runs": len(store.check_runs),
+        "failed": sum(1 for r in store.check_runs if r["status"] != "finished"),
+        "failures": dict(
+            Counter(
+                (r["message"] or "")[:160] for r in store.check_runs if r["status"] != "finished"
+            ).most_common(5)
+        ),
+    }
+    facts["epochs closed"] = dict(Counter(e["closed_by"] for e in store.epochs))
+    return results

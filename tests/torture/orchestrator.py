@@ -1,0 +1,665 @@
+"""The torture test's orchestrator: starts the workers, feeds the inputs, kills and restarts
+processes at random (seeded) moments, samples check-back state, then drives the store to
+quiescence and checks the invariants (:mod:`tests.torture.invariants`).
+
+Run it with ``python -m tests.torture.run --seed S --minutes M`` or ``make torture``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from tests.torture import local_db
+from tests.torture.invariants import Violation, check_invariants
+from tests.torture.report import format_report
+from tests.torture.workers import BATCH_TOPIC, DELTA_TOPIC, PRODUCER_TOPIC, STREAM_TOPIC
+
+REPO = Path(__file__).resolve().parents[2]
+PYTHON = sys.executable
+TOPICS = (PRODUCER_TOPIC, STREAM_TOPIC, BATCH_TOPIC, DELTA_TOPIC)
+
+
+@dataclass
+class Options:
+    seed: int
+    chaos_seconds: float
+    root: Path
+    #: Mean seconds between two SIGKILLs by the orchestrator.
+    kill_every: float = 12.0
+    producers: int = 2
+    producer_threads: int = 2
+    check_back_jobs: int = 2
+    check_max: int = 3
+    transaction_timeout: float = 2.0
+    check_interval: float = 1.0
+    #: Run the compactor process (Store.compact() every few seconds).
+    compactor: bool = True
+    #: Longest the finisher (drain + quiescence) may take per attempt.
+    finish_timeout: float = 1800.0
+    #: Seconds a Spark worker is left alone after its start-up before it may be killed.
+    jvm_grace: float = 30.0
+    #: Print the timeline (starts, kills, ...) as it happens.
+    verbose: bool = True
+
+
+@dataclass
+class Worker:
+    """One long-running role, restarted after every death until the chaos ends."""
+
+    name: str
+    kind: str  # producer, writer, check-back, compactor
+    jvm: bool
+    incarnation: int = 0
+    proc: subprocess.Popen | None = None
+    log: object = None
+    restart_at: float | None = 0.0
+    failpoint: str | None = None
+    started_at: float = 0.0
+    #: Size of its log when this incarnation started (readiness is looked for after it).
+    log_offset: int = 0
+    ready: bool = False
+    ready_at: float = 0.0
+
+    #: A line that says the worker is up and working: a check-back job has finished its
+    #: first round (the first Spark jobs of a JVM take a minute or more on a loaded 2-core
+    #: machine), the others have started (their JVM is up).
+    @property
+    def ready_marker(self) -> bytes:
+        return (
+            b"rmq_spark.checkback: check-back run " if self.kind == "check-back" else b" imports "
+        )
+
+
+@dataclass
+class Stats:
+    started: Counter = field(default_factory=Counter)
+    kills: Counter = field(default_factory=Counter)
+    failpoint_kills: Counter = field(default_factory=Counter)
+    failpoints_armed: Counter = field(default_factory=Counter)
+    exits: Counter = field(default_factory=Counter)
+    unexpected_exits: list = field(default_factory=list)
+    resumes: int = 0
+    resumes_concurrent: int = 0
+    samples: int = 0
+    stream_files: int = 0
+    batch_inputs: int = 0
+    quiesce_rounds: list = field(default_factory=list)
+    finish_attempts: int = 0
+    finish_ok: bool = False
+    max_check_count: int = 0
+    timeline: list = field(default_factory=list)
+    warm_up: float = 0.0
+
+
+def session_processes(sid: int) -> list[tuple[int, int]]:
+    """(pid, process group) of every live process in session ``sid``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if int(fields[3]) == sid:
+            found.append((int(entry), int(fields[2])))
+    return found
+
+
+def kill_session(proc: subprocess.Popen) -> None:
+    """SIGKILL every process group of the worker's session (driver, JVM, PySpark daemon and
+    its workers: the daemon runs in a group of its own), as when a machine is lost."""
+    groups = {pgid for _, pgid in session_processes(proc.pid)} | {proc.pid}
+    for pgid in groups:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+class Orchestrator:
+    def __init__(self, options: Options) -> None:
+        self.o = options
+        self.rng = random.Random(options.seed)
+        self.root = options.root
+        self.run_dir = self.root
+        self.store = self.root / "store"
+        self.logs = self.root / "logs"
+        self.stats = Stats()
+        self.violations: list[Violation] = []
+        self.t0 = time.monotonic()
+        self.workers: list[Worker] = []
+        self.transient: list[tuple[str, subprocess.Popen, object]] = []
+        self.check_seen: dict[str, tuple[int, object]] = {}
+        self.queue_seen: dict[str, int] = {}
+        self.stream_seq = 0
+        self.batch_seq = 0
+        self.order_id = 0
+
+    # ------------------------------------------------------------------ setup
+    def setup(self) -> None:
+        from rmq_spark import Store
+        from rmq_spark.config import load_settings
+
+        for d in (self.logs, self.root / "inputs" / "batches", self.root / "dbs"):
+            d.mkdir(parents=True, exist_ok=True)
+        o = self.o
+        producers = {}
+        for i in range(o.producers):
+            db = self.root / "dbs" / f"producer-{i}.sqlite"
+            local_db.create(db)
+            producers[f"producer-{i}"] = {"db": str(db), "group": f"svc-{i % 2}"}
+        self.conf = self.root / "rmq-spark.toml"
+        checker = 'kind = "callable"\nfunction = "tests.torture.local_db:check_order"\n'
+        checkers = "".join(f"\n[checkers.svc-{g}]\n{checker}" for g in range(min(2, o.producers)))
+        self.conf.write_text(
+            f"""# written by the torture test (seed {o.seed})
+[store]
+path = "{self.store}"
+queue_nums = 4
+
+[transaction]
+transaction_timeout = "{o.transaction_timeout}s"
+transaction_check_interval = "{o.check_interval}s"
+transaction_check_max = {o.check_max}
+max_check_age = "72h"
+
+[spark]
+"spark.master" = "local[1]"
+"spark.driver.memory" = "1g"
+"spark.sql.shuffle.partitions" = "2"
+"spark.default.parallelism" = "2"
+
+[logging]
+level = "INFO"
+{checkers}"""
+        )
+        self.env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(
+                [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
+            ),
+            "RMQ_SPARK_CONF": str(self.conf),
+            "PYTHONUNBUFFERED": "1",
+        }
+        self.env.pop("RMQ_SPARK_FAILPOINT", None)
+        self.env.setdefault("RMQ_SPARK_JARS", str(REPO / ".jars"))
+        os.environ["RMQ_SPARK_CONF"] = str(self.conf)
+        Store.open(self.store, settings=load_settings(self.conf))
+        self.run = {
+            "seed": o.seed,
+            "root": str(self.store),
+            "run_dir": str(self.run_dir),
+            "producers": producers,
+            "producer_threads": o.producer_threads,
+            "producer_pause": 1.5,
+            "check_max": o.check_max,
+            "transaction_timeout": o.transaction_timeout,
+            "stream_input": str(self.root / "inputs" / "stream"),
+            "stream_checkpoint": str(self.root / "checkpoints" / "stream"),
+            "batch_inputs": str(self.root / "inputs" / "batches"),
+            "batch_progress": str(self.root / "batch-progress.txt"),
+            "business_table": str(self.root / "business"),
+            "slow_task_probability": 0.15,
+            "very_slow_task_probability": 0.04,
+            "failing_task_probability": 0.12,
+            "quiesce_rounds": 40,
+        }
+        self.run_json = self.root / "run.json"
+        self.run_json.write_text(json.dumps(self.run, indent=2))
+        self.feed_stream()  # the stream's source table must exist before the query starts
+        for name in producers:
+            self.workers.append(Worker(name, "producer", jvm=False))
+        self.workers.append(Worker("writer", "writer", jvm=True))
+        for i in range(o.check_back_jobs):
+            self.workers.append(Worker(f"check-back-{i}", "check-back", jvm=True))
+        if o.compactor:
+            self.workers.append(Worker("compactor", "compactor", jvm=False))
+
+    # ------------------------------------------------------------------ inputs
+    def feed_stream(self) -> None:
+        from deltalake import write_deltalake
+
+        n = self.rng.randint(5, 40)
+        keys = [f"s{self.stream_seq + i:06d}" for i in range(n)]
+        self.stream_seq += n
+        bodies = [f"{k}:" + "y" * self.rng.randint(1, 400) for k in keys]
+        write_deltalake(
+            self.run["stream_input"], pa.table({"key": keys, "body": bodies}), mode="append"
+        )
+        self.stats.stream_files += 1
+
+    def pending_batches(self) -> int:
+        done = Path(self.run["batch_progress"])
+        finished = set(done.read_text().split("\n")) if done.exists() else set()
+        return sum(
+            1
+            for j in range(self.batch_seq)
+            if f"delta batch-{j:05d}" not in finished or f"sink batch-{j:05d}" not in finished
+        )
+
+    def feed_batch(self) -> None:
+        """One sink batch and one ``publish_with_delta_write`` batch (the batch file last:
+        it tells the writer both are there)."""
+        j = self.batch_seq
+        folder = Path(self.run["batch_inputs"])
+        n = self.rng.randint(3, 30)
+        keys = [f"d{j:05d}-{i:03d}" for i in range(n)]
+        delta = pa.table(
+            {
+                "key": keys,
+                "body": [f"{k}:" + "z" * self.rng.randint(1, 200) for k in keys],
+                "order_id": pa.array(range(self.order_id, self.order_id + n), pa.int64()),
+            }
+        )
+        self.order_id += n
+        n = self.rng.randint(5, 60)
+        keys = [f"b{j:05d}-{i:03d}" for i in range(n)]
+        sink = pa.table(
+            {"key": keys, "body": [f"{k}:" + "w" * self.rng.randint(1, 300) for k in keys]}
+        )
+        for name, table in ((f"delta-{j:05d}", delta), (f"batch-{j:05d}", sink)):
+            tmp = folder / f".{name}.tmp"
+            pq.write_table(table, tmp)
+            os.rename(tmp, folder / f"{name}.parquet")
+        self.batch_seq += 1
+        self.stats.batch_inputs += 1
+
+    # ------------------------------------------------------------------ processes
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def note(self, text: str) -> None:
+        line = f"{self.elapsed():7.1f}s {text}"
+        self.stats.timeline.append(line)
+        if self.o.verbose:
+            print(line, flush=True)
+        with open(self.logs / "orchestrator.log", "a") as out:
+            out.write(line + "\n")
+
+    def argv(self, w: Worker) -> list[str]:
+        if w.kind == "check-back":
+            return [
+                PYTHON, "-m", "rmq_spark.cli", "--path", str(self.store), "check",
+                "--interval", f"{self.o.check_interval}s",
+            ]  # fmt: skip
+        return [PYTHON, "-m", "tests.torture.workers", str(self.run_json), w.kind, w.name,
+                str(w.incarnation)]  # fmt: skip
+
+    def spawn(self, name: str, argv: list[str], failpoint: str | None = None):
+        env = dict(self.env)
+        if failpoint:
+            env["RMQ_SPARK_FAILPOINT"] = failpoint
+        log = open(self.logs / f"{name}.log", "ab")
+        log.write(f"\n===== {' '.join(argv)} failpoint={failpoint}\n".encode())
+        log.flush()
+        proc = subprocess.Popen(
+            argv,
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        return proc, log
+
+    def start(self, w: Worker) -> None:
+        w.incarnation += 1
+        w.failpoint = None
+        if w.kind == "writer":
+            draw = self.rng.random()
+            if draw < 0.2:
+                w.failpoint = "sink.staged:raise"  # first attempts fail after staging
+            elif draw < 0.45:
+                w.failpoint = self.rng.choice(
+                    ["sink.staged", "sink.closed", "sink.published"]
+                    + ["delta.staged", "delta.written", "delta.closed"]
+                )
+        if w.failpoint:
+            self.stats.failpoints_armed[w.failpoint] += 1
+        log_path = self.logs / f"{w.name}.log"
+        w.log_offset = log_path.stat().st_size if log_path.exists() else 0
+        w.ready = False
+        w.proc, w.log = self.spawn(f"{w.name}", self.argv(w), w.failpoint)
+        w.started_at = self.elapsed()
+        w.restart_at = None
+        self.stats.started[w.kind] += 1
+        self.note(f"start {w.name}#{w.incarnation} pid {w.proc.pid} failpoint={w.failpoint}")
+
+    def reap(self, chaos: bool) -> None:
+        for w in self.workers:
+            if w.proc is None or w.proc.poll() is None:
+                continue
+            rc = w.proc.returncode
+            w.log.close()
+            self.stats.exits[f"{w.kind} rc={rc}"] += 1
+            if rc == -signal.SIGKILL and w.failpoint and ":" not in w.failpoint:
+                self.stats.failpoint_kills[w.failpoint] += 1
+                self.note(f"{w.name}#{w.incarnation} killed itself at failpoint {w.failpoint}")
+            elif rc == 3:
+                self.violations.append(
+                    Violation("harness", f"{w.name} imported rmq_spark from the wrong place")
+                )
+            else:
+                tail = self.tail(w.name)
+                self.stats.unexpected_exits.append((w.name, w.incarnation, rc, tail))
+                self.note(f"{w.name}#{w.incarnation} exited rc={rc}: {tail[-300:]}")
+            w.proc = None
+            if chaos:
+                w.restart_at = self.elapsed() + self.rng.uniform(0.5, 3.0)
+
+    def tail(self, name: str, lines: int = 6) -> str:
+        try:
+            text = (self.logs / f"{name}.log").read_bytes().decode(errors="replace")
+        except OSError:
+            return ""
+        wanted = [
+            line
+            for line in text.splitlines()
+            if "Error" in line or "Exception" in line or "error" in line or "failed" in line
+        ]
+        return " | ".join((wanted or text.splitlines())[-lines:])[-1500:]
+
+    def is_ready(self, w: Worker) -> bool:
+        """Whether the worker's incarnation is up: a SIGKILL during a JVM's start-up (a minute
+        on a loaded 2-core machine) would only test that Spark can start."""
+        if not w.ready and w.proc is not None:
+            with open(self.logs / f"{w.name}.log", "rb") as src:
+                src.seek(w.log_offset)
+                w.ready = w.ready_marker in src.read()
+            if w.ready:
+                w.ready_at = self.elapsed()
+                self.note(
+                    f"{w.name}#{w.incarnation} ready after {self.elapsed() - w.started_at:.1f} s"
+                )
+        return w.ready
+
+    #: Log lines of failures the system reported loudly (allowed by the contract; counted).
+    LOUD = {
+        "producer send raised": "send failed",
+        "producer end-transaction failed": "end-transaction failed",
+        "producer late end failed": "late end failed",
+        "sink / delta write failed (retried)": "failed (retrying)",
+        "check-back round failed": "check-back round failed",
+        "stream query failed": "StreamingQueryException",
+    }
+
+    def loud_failures(self) -> dict:
+        found: dict = {}
+        for path in sorted(self.logs.glob("*.log")):
+            for line in path.read_text(errors="replace").splitlines():
+                for what, needle in self.LOUD.items():
+                    if needle in line:
+                        entry = found.setdefault(what, {"count": 0, "example": ""})
+                        entry["count"] += 1
+                        entry["example"] = entry["example"] or f"{path.stem}: {line[:300]}"
+        return found
+
+    def killable(self, w: Worker) -> bool:
+        """Up, and (for a Spark worker) up long enough to have started some work."""
+        if w.proc is None or not self.is_ready(w):
+            return False
+        return not w.jvm or self.elapsed() - w.ready_at >= self.o.jvm_grace
+
+    def kill(self, w: Worker, why: str = "chaos") -> None:
+        if w.proc is None:
+            return
+        kill_session(w.proc)
+        w.log.close()
+        self.stats.kills[w.kind] += 1
+        self.note(
+            f"SIGKILL {w.name}#{w.incarnation} ({why}) after {self.elapsed() - w.started_at:.1f} s"
+        )
+        w.proc = None
+        w.restart_at = self.elapsed() + self.rng.uniform(0.5, 3.0)
+
+    def maybe_resume(self) -> None:
+        """``rmqtx resume`` now and then; sometimes two at once, sometimes killed."""
+        self.transient = [t for t in self.transient if t[1].poll() is None]
+        if self.transient or self.rng.random() > 0.025:
+            return
+        n = 2 if self.rng.random() < 0.35 else 1
+        self.stats.resumes += n
+        self.stats.resumes_concurrent += n == 2
+        for i in range(n):
+            argv = [PYTHON, "-m", "rmq_spark.cli", "--path", str(self.store), "resume"]
+            proc, log = self.spawn(f"resume-{self.stats.resumes}-{i}", argv)
+            self.transient.append((f"resume-{self.stats.resumes}-{i}", proc, log))
+            self.stats.started["resume"] += 1
+        self.note(f"resume x{n}")
+
+    # ------------------------------------------------------------------ sampling
+    def sample(self) -> None:
+        """Check counts never go down; queue offsets never go down."""
+        from deltalake import DeltaTable
+
+        from rmq_spark.store import queue_app_id
+
+        try:
+            state = DeltaTable(str(self.store / "check_state")).to_pyarrow_table(
+                columns=["transaction_id", "check_count", "first_seen"]
+            )
+            commitlog = DeltaTable(str(self.store / "commitlog"))
+        except Exception as exc:  # a snapshot read racing a writer: try next time
+            self.note(f"sample failed: {exc!r}"[:300])
+            return
+        self.stats.samples += 1
+        at = self.elapsed()
+        for txn, count, first in zip(
+            state.column("transaction_id").to_pylist(),
+            state.column("check_count").to_pylist(),
+            state.column("first_seen").to_pylist(),
+            strict=True,
+        ):
+            self.stats.max_check_count = max(self.stats.max_check_count, count)
+            seen = self.check_seen.get(txn)
+            if seen is not None and count < seen[0]:
+                self.violations.append(
+                    Violation(
+                        "check count went down",
+                        f"transaction {txn}: check_count {seen[0]} (first_seen {seen[1]}, "
+                        f"sampled at {seen[2]:.1f}s) then {count} (first_seen {first}, sampled "
+                        f"at {at:.1f}s)",
+                    )
+                )
+            if seen is None or count >= seen[0]:
+                self.check_seen[txn] = (count, first, at)
+        for topic in TOPICS:
+            for q in range(4):
+                app = queue_app_id(topic, q)
+                version = commitlog.transaction_version(app)
+                if version is None:
+                    continue
+                if version < self.queue_seen.get(app, -1):
+                    self.violations.append(
+                        Violation(
+                            "queue offset went down",
+                            f"{app}: next offset {self.queue_seen[app]} then {version}",
+                        )
+                    )
+                self.queue_seen[app] = max(version, self.queue_seen.get(app, -1))
+
+    # ------------------------------------------------------------------ phases
+    def chaos(self) -> None:
+        o = self.o
+        # Warm-up: the JVM workers start first, alone (a JVM takes a minute to start on a
+        # loaded 2-core machine); the others join when the chaos clock starts.
+        for w in self.workers:
+            if w.jvm:
+                self.start(w)
+            else:
+                w.restart_at = None
+        # The chaos clock starts once every worker is up (JVMs take a minute to start on a
+        # loaded machine), or after 240 s at the latest.
+        end = None
+        next_feed, next_batch, next_sample = 0.0, 0.0, 0.0
+        tick = 0.5
+        while end is None or time.monotonic() < end:
+            now = self.elapsed()
+            self.reap(chaos=True)
+            ready = [self.is_ready(w) for w in self.workers if w.proc is not None]
+            if end is None and ((ready and all(ready)) or now > 240):
+                end = time.monotonic() + o.chaos_seconds
+                self.stats.warm_up = now
+                self.note(f"Spark workers up: {o.chaos_seconds:.0f} s of chaos from now")
+                for w in self.workers:
+                    if w.proc is None and w.restart_at is None:
+                        self.start(w)
+            for w in self.workers:
+                if w.proc is None and w.restart_at is not None and now >= w.restart_at:
+                    self.start(w)
+            if end is not None and now >= next_feed:
+                self.feed_stream()
+                next_feed = now + self.rng.uniform(2, 5)
+            if end is not None and now >= next_batch and self.pending_batches() < 2:
+                self.feed_batch()
+                next_batch = now + self.rng.uniform(2, 6)
+            if now >= next_sample:
+                self.sample()
+                next_sample = now + 2.0
+            if end is not None and self.rng.random() < tick / o.kill_every:
+                live = [w for w in self.workers if self.killable(w)]
+                weights = [
+                    {"compactor": 1, "check-back": 1, "writer": 3}.get(w.kind, 3) for w in live
+                ]
+                if live:
+                    self.kill(self.rng.choices(live, weights)[0])
+            if end is not None:
+                self.maybe_resume()
+            time.sleep(tick)
+        self.note("chaos over: SIGKILL every worker")
+        (self.run_dir / "STOP").write_text("stop")
+        self.reap(chaos=False)
+        for w in self.workers:
+            if w.proc is not None:
+                self.kill(w, "end of chaos")
+                w.restart_at = None
+        for _name, proc, log in self.transient:
+            if proc.poll() is None:
+                kill_session(proc)
+                self.stats.kills["resume"] += 1
+            log.close()
+        self.transient = []
+        self.sample()
+
+    def finish(self) -> None:
+        """Drain the writers and run re-drive + check-back to quiescence (no faults)."""
+        (self.run_dir / "STOP").unlink()
+        for attempt in range(3):
+            self.stats.finish_attempts += 1
+            self.stats.started["finish"] += 1
+            argv = [PYTHON, "-m", "tests.torture.workers", str(self.run_json), "finish",
+                    "finish", str(attempt)]  # fmt: skip
+            proc, log = self.spawn("finish", argv)
+            self.note(f"finish #{attempt} pid {proc.pid}")
+            deadline = time.monotonic() + self.o.finish_timeout
+            while proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(2)
+                self.sample()
+            if proc.poll() is None:
+                kill_session(proc)
+            log.close()
+            rounds = [
+                json.loads(line[len("QUIESCE ") :])
+                for line in (self.logs / "finish.log").read_text(errors="replace").splitlines()
+                if line.startswith("QUIESCE ")
+            ]
+            self.stats.quiesce_rounds = rounds
+            self.note(f"finish #{attempt} rc={proc.returncode} rounds={len(rounds)}")
+            if proc.returncode == 0:
+                self.stats.finish_ok = True
+                return
+            self.stats.unexpected_exits.append(
+                ("finish", attempt, proc.returncode, self.tail("finish"))
+            )
+        self.violations.append(
+            Violation(
+                "no quiescence",
+                "the finisher (drain + re-drive + check-back rounds) did not reach quiescence: "
+                + self.tail("finish"),
+            )
+        )
+
+    def run_all(self) -> dict:
+        self.setup()
+        self.note(f"seed {self.o.seed}, chaos {self.o.chaos_seconds:.0f} s, root {self.root}")
+        try:
+            self.chaos()
+            chaos_end = self.elapsed()
+            self.finish()
+        finally:
+            for w in self.workers:
+                if w.proc is not None:
+                    kill_session(w.proc)
+        errors = self.run_dir / "harness_errors.txt"
+        if errors.exists():
+            for line in errors.read_text().splitlines():
+                self.violations.append(Violation("harness", line))
+        results = check_invariants(self.run, self.store)
+        results.facts["loud failures"] = self.loud_failures()
+        self.violations.extend(results.violations)
+        return {
+            "seed": self.o.seed,
+            "chaos_seconds": round(chaos_end, 1),
+            "duration_seconds": round(self.elapsed(), 1),
+            "root": str(self.root),
+            "options": {k: str(v) for k, v in self.o.__dict__.items()},
+            "stats": self.stats,
+            "facts": results.facts,
+            "violations": self.violations,
+        }
+
+
+def run(seed: int | None = None, seconds: float = 120.0, root: str | Path | None = None,
+        **overrides) -> tuple[dict, str]:  # fmt: skip
+    """One torture run; returns (result, printable report)."""
+    import rmq_spark
+
+    if not str(Path(rmq_spark.__file__).resolve()).startswith(str(REPO) + os.sep):
+        raise RuntimeError(
+            f"rmq_spark is imported from {rmq_spark.__file__}, not from the checkout under test "
+            f"({REPO}); run from {REPO} (python -m tests.torture.run puts the working directory "
+            "first on sys.path)."
+        )
+    seed = seed if seed is not None else random.SystemRandom().randrange(1, 10**9)
+    root = Path(root) if root else Path(tempfile.mkdtemp(prefix=f"rmq-torture-{seed}-"))
+    root.mkdir(parents=True, exist_ok=True)
+    orchestrator = Orchestrator(Options(seed=seed, chaos_seconds=seconds, root=root, **overrides))
+    print(f"rmq-spark torture: seed {seed}, chaos {seconds:.0f} s, run dir {root}", flush=True)
+    result = orchestrator.run_all()
+    report = format_report(result)
+    (root / "report.txt").write_text(report)
+    (root / "report.json").write_text(json.dumps(jsonable(result), indent=1))
+    return result, report
+
+
+def jsonable(value):
+    """``result`` as plain JSON types (dataclasses, counters, tuples)."""
+    if is_dataclass(value):
+        value = {f.name: getattr(value, f.name) for f in fields(value)}
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set):
+        return [jsonable(v) for v in value]
+    if isinstance(value, int | float | str | bool) or value is None:
+        return value
+    return str(value)

@@ -1,0 +1,26 @@
+"""The torture test of "Exactly-once under adversity", short run (about 3-4 minutes on 2
+cores): real processes (producer services, batch and streaming sinks with slow and failing
+tasks, ``publish_with_delta_write``, two check-back jobs, resumes, compaction) SIGKILLed at
+random, then check-back to quiescence and the invariants. See tests/torture/orchestrator.py.
+
+Replay a failure with its seed: ``TORTURE_SEED=<seed> pytest -m torture`` or
+``make torture SEED=<seed> MINUTES=<minutes>``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+@pytest.mark.torture
+@pytest.mark.timeout(1200)
+def test_exactly_once_under_adversity(tmp_path) -> None:
+    from tests.torture.orchestrator import run
+
+    seed = int(os.environ["TORTURE_SEED"]) if os.environ.get("TORTURE_SEED") else None
+    seconds = float(os.environ.get("TORTURE_SECONDS", "100"))
+    result, report = run(seed, seconds, tmp_path / "torture", verbose=False)
+    print(report)
+    assert not result["violations"], "\n" + report

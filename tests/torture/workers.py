@@ -1,0 +1,487 @@
+"""The torture test's worker processes, started (and SIGKILLed, and restarted) by
+:mod:`tests.torture.orchestrator`.
+
+Usage: python -m tests.torture.workers RUN_JSON KIND NAME INCARNATION
+
+Kinds:
+
+* ``producer``: a producer service: threads sending transactional messages whose local
+  transaction is an SQLite write (:mod:`tests.torture.local_db`), with random outcomes.
+* ``writer``: one Spark driver running ``df.writeStream.format("rmqtx")`` from a Delta input
+  table fed by the orchestrator (restarted from its checkpoint) and, meanwhile,
+  ``df.write.format("rmqtx")`` batches (one ``sinkId`` per input batch, so an operator's retry
+  is idempotent) and ``publish_with_delta_write`` batches, in input order; with slow and
+  failing task attempts.
+* ``compactor``: ``Store.compact()`` every few seconds.
+* ``finish``: after the chaos: drains the stream and the batches (no faults), then runs
+  re-drive + check-back rounds with everything due until nothing is pending. Prints one JSON
+  line per round (``QUIESCE {...}``).
+
+Check-back jobs and resumes are the product's own CLI (``python -m rmq_spark.cli``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+#: Topics and producer groups of the writers.
+STREAM_TOPIC, STREAM_GROUP = "TortureStream", "pipeline-stream"
+BATCH_TOPIC, BATCH_GROUP = "TortureBatch", "pipeline-batch"
+DELTA_TOPIC, DELTA_GROUP, DELTA_APP = "TortureDelta", "pipeline-delta", "torture-delta"
+PRODUCER_TOPIC = "TortureOrders"
+
+
+def log(*parts: object) -> None:
+    print(time.strftime("%H:%M:%S"), *parts, flush=True)
+
+
+def harness_error(run: dict, text: str) -> None:
+    """Record a fault of the harness itself (reported as a violation by the orchestrator)."""
+    with open(Path(run["run_dir"]) / "harness_errors.txt", "a") as out:
+        out.write(text.replace("\n", " ") + "\n")
+
+
+def check_imports(run: dict, spark=None) -> None:
+    """rmq_spark must come from the repository under test, here and in Spark's workers."""
+    import rmq_spark
+
+    paths = {"driver": rmq_spark.__file__}
+    if spark is not None:
+        import pyarrow as pa
+
+        def where(batches):
+            import rmq_spark as r
+
+            for _ in batches:
+                yield pa.RecordBatch.from_pydict({"path": [r.__file__]})
+
+        paths["executor"] = spark.range(1).mapInArrow(where, "path string").collect()[0].path
+    for side, path in paths.items():
+        if not str(Path(path).resolve()).startswith(str(REPO) + os.sep):
+            harness_error(run, f"rmq_spark imported from {path} in the {side}, not from {REPO}")
+            raise SystemExit(3)
+    log("imports", paths)
+
+
+def stopped(run: dict) -> bool:
+    return (Path(run["run_dir"]) / "STOP").exists()
+
+
+# --------------------------------------------------------------------------- producer
+def producer(run: dict, name: str, incarnation: int) -> None:
+    from rmq_spark import Message, TransactionMQProducer, load_settings
+    from tests.torture import local_db
+
+    check_imports(run)
+    spec = run["producers"][name]
+    db, group = spec["db"], spec["group"]
+    settings = load_settings()
+    # The listener dispatches to one OrderListener per thread (SQLite connections are
+    # per thread); the producer is shared by the threads, as a service would share it.
+    listeners = threading.local()
+
+    class Dispatch(local_db.TransactionListener):
+        def execute_local_transaction(self, msg, arg):
+            return listeners.value.execute_local_transaction(msg, arg)
+
+        def check_local_transaction(self, msg):
+            return local_db.check_order(msg)
+
+    counts = {"sent": 0, "errors": 0}
+
+    def sender(thread: int) -> None:
+        rng = random.Random(f"{run['seed']}/{name}/{incarnation}/{thread}")
+        conn = local_db.connect(db)
+        listeners.value = local_db.OrderListener(db)
+        plans, weights = zip(*local_db.PLANS.items(), strict=True)
+        n = 0
+        while not stopped(run):
+            key = f"{name}.{incarnation}.{thread}.{n}"
+            n += 1
+            plan = rng.choices(plans, weights)[0]
+            # Some checkers stall: a few times (absorbed by the check max), or past it (the
+            # transaction is discarded and must be re-driven by a resume).
+            stall = rng.choices([0, 1, 2, run["check_max"], run["check_max"] + 1], [8, 2, 2, 1, 1])[
+                0
+            ]
+            listeners.value.slow_seconds = rng.uniform(0.5, 2 * run["transaction_timeout"])
+            local_db.record_intent(conn, key, plan, stall)
+            body = json.dumps({"key": key, "plan": plan, "pad": "x" * rng.randint(0, 300)})
+            msg = Message(
+                PRODUCER_TOPIC,
+                body,
+                tags=plan,
+                keys=key,
+                properties={local_db.PROPERTY_DB: db},
+            )
+            try:
+                result = prod.send_message_in_transaction(msg, arg=(key, plan))
+            except Exception as exc:
+                counts["errors"] += 1
+                local_db.mark(conn, key, "send_failed")
+                log("send failed", key, f"{type(exc).__name__}: {exc}"[:300])
+                time.sleep(0.5)
+                continue
+            counts["sent"] += 1
+            if plan == "UNKNOWN_AFTER_LATE_END":
+
+                def late(result=result) -> None:
+                    time.sleep(rng.uniform(0.5, 3 * run["transaction_timeout"]))
+                    try:
+                        outcome = prod.end_transaction(result, local_db.COMMIT)
+                        log("late end", result.transaction_id, outcome.status.value)
+                    except Exception as exc:
+                        log("late end failed", f"{type(exc).__name__}: {exc}"[:300])
+
+                threading.Thread(target=late, daemon=True).start()
+            time.sleep(rng.uniform(0.0, run["producer_pause"]))
+
+    with TransactionMQProducer(group, Dispatch(), path=run["root"], settings=settings) as prod:
+        threads = [
+            threading.Thread(target=sender, args=(t,), daemon=True)
+            for t in range(run["producer_threads"])
+        ]
+        for t in threads:
+            t.start()
+        last = time.monotonic()
+        while any(t.is_alive() for t in threads):
+            time.sleep(1)
+            if time.monotonic() - last > 10:
+                log("progress", counts)
+                last = time.monotonic()
+        log("stopped", counts)
+
+
+# --------------------------------------------------------------------------- Spark writers
+def spark_session(run: dict, app: str):
+    from rmq_spark import get_spark
+
+    spark = get_spark(
+        app,
+        extra_conf={
+            # Up to 2 attempts per task: a failed attempt is retried, as on a cluster.
+            "spark.master": "local[2,2]",
+            "spark.driver.memory": "1g",
+            "spark.sql.shuffle.partitions": "2",
+            "spark.default.parallelism": "2",
+        },
+    )
+    check_imports(run, spark)
+    return spark
+
+
+def chaos(run: dict, tag: str, enabled: bool):
+    """A mapInArrow function: some task attempts are slow, some first attempts fail."""
+    import pyarrow as pa  # noqa: F401 - used on the executors
+
+    seed, slow, very_slow, fail = (
+        run["seed"],
+        run["slow_task_probability"],
+        run["very_slow_task_probability"],
+        run["failing_task_probability"],
+    )
+
+    def apply(batches):
+        from pyspark import TaskContext
+
+        context = TaskContext.get()
+        batch_id = context.getLocalProperty("streaming.sql.batchId") or ""
+        rng = random.Random(
+            f"{seed}/{tag}/{batch_id}/{context.stageId()}/{context.partitionId()}/"
+            f"{context.attemptNumber()}"
+        )
+        rows = list(batches)
+        if enabled:
+            draw = rng.random()
+            if draw < very_slow:
+                time.sleep(rng.uniform(30, 90))
+            elif draw < very_slow + slow:
+                time.sleep(rng.uniform(2, 8))
+            if context.attemptNumber() == 0 and rng.random() < fail:
+                raise RuntimeError("torture: this task attempt fails (Spark retries it)")
+        yield from rows
+
+    return apply
+
+
+def _stream_query(run: dict, spark, drain: bool, incarnation: int):
+    source = (
+        spark.readStream.format("delta")
+        .option("maxFilesPerTrigger", 3)
+        .load(run["stream_input"])
+        .select("key", "body")
+    )
+    rows = source.repartition(2).mapInArrow(
+        chaos(run, f"stream/{incarnation}", not drain), source.schema
+    )
+    writer = (
+        rows.selectExpr("body", "key AS keys")
+        .writeStream.format("rmqtx")
+        .option("path", run["root"])
+        .option("topic", STREAM_TOPIC)
+        .option("producerGroup", STREAM_GROUP)
+        .option("checkpointLocation", run["stream_checkpoint"])
+        .queryName(f"torture_stream_{incarnation}")
+    )
+    writer = (
+        writer.trigger(availableNow=True) if drain else writer.trigger(processingTime="2 seconds")
+    )
+    return writer.start()
+
+
+def writer(run: dict, name: str, incarnation: int) -> None:
+    """The pipeline driver: a streaming query and, meanwhile, the batch writes (one JVM for
+    both: a 2-core machine cannot start many). The batches run on the main thread: a Python
+    data source is registered with the session, and writes from another Python thread do
+    not find it (DATA_SOURCE_NOT_FOUND)."""
+    spark = spark_session(run, "torture-writer")
+    query = _stream_query(run, spark, False, incarnation)
+    last = [None]
+
+    def watch_stream() -> None:
+        if not query.isActive:
+            query.awaitTermination()  # raises the query's error: the orchestrator restarts us
+            raise RuntimeError("the streaming query stopped")
+        progress = query.lastProgress
+        if progress and progress.get("batchId") != last[0]:
+            last[0] = progress.get("batchId")
+            log("micro-batch", last[0], "rows", progress.get("numInputRows"))
+
+    run_batches(run, spark, False, incarnation, watch_stream)
+    while True:
+        watch_stream()
+        time.sleep(2)
+
+
+def drain_stream(run: dict, spark) -> None:
+    for attempt in range(6):
+        query = _stream_query(run, spark, True, 1000 + attempt)
+        try:
+            query.awaitTermination()
+            log("stream drained")
+            return
+        except Exception as exc:
+            log("stream drain failed (retrying):", f"{type(exc).__name__}: {exc}"[:500])
+            time.sleep(2)
+    raise RuntimeError("the stream could not be drained in 6 attempts")
+
+
+class Progress:
+    """Which input batches a writer finished (an operator's run log; may lag a crash)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+
+    def done(self) -> set[str]:
+        return set(self.path.read_text().split("\n")) if self.path.exists() else set()
+
+    def add(self, item: str) -> None:
+        with open(self.path, "a") as out:
+            out.write(item + "\n")
+            out.flush()
+            os.fsync(out.fileno())
+
+
+def _batch_inputs(run: dict, kind: str) -> list[Path]:
+    return sorted(Path(run["batch_inputs"]).glob(f"{kind}-*.parquet"))
+
+
+def write_batch(run: dict, spark, path: Path, chaos_on: bool, incarnation: int) -> None:
+    source = spark.read.parquet(str(path)).select("key", "body")
+    rows = source.repartition(2).mapInArrow(
+        chaos(run, f"batch/{path.stem}/{incarnation}", chaos_on), source.schema
+    )
+    (
+        rows.selectExpr("body", "key AS keys")
+        .write.format("rmqtx")
+        .mode("append")
+        .option("path", run["root"])
+        .option("topic", BATCH_TOPIC)
+        .option("producerGroup", BATCH_GROUP)
+        .option("sinkId", f"torture-{path.stem}")  # an operator's retry publishes nothing more
+        .save()
+    )
+
+
+def write_delta(run: dict, spark, path: Path) -> None:
+    from rmq_spark import publish_with_delta_write
+
+    version = int(path.stem.split("-")[1])
+    source = spark.read.parquet(str(path))
+    publish_with_delta_write(
+        source.select("key", "order_id"),
+        run["business_table"],
+        source.selectExpr("body", "key AS keys"),
+        app_id=DELTA_APP,
+        version=version,
+        producer_group=DELTA_GROUP,
+        topic=DELTA_TOPIC,
+        path=run["root"],
+    )
+
+
+def run_batches(run: dict, spark, drain: bool, incarnation: int, idle=lambda: None) -> None:
+    """Write every input batch not done yet, in order (Delta versions must not be skipped);
+    a failed batch is retried with the same sink id / version, as an operator would."""
+    progress = Progress(run["batch_progress"])
+    while True:
+        idle()
+        done = progress.done()
+        todo = [
+            (kind, p)
+            for p in _batch_inputs(run, "batch")
+            for kind in ("sink", "delta")
+            if f"{kind} {p.stem}" not in done
+        ]
+        if not todo:
+            if drain or stopped(run):
+                return
+            time.sleep(0.5)
+            continue
+        kind, path = todo[0]
+        delta_path = path.with_name(path.name.replace("batch-", "delta-"))
+        for attempt in range(5):
+            started = time.monotonic()
+            try:
+                if kind == "sink":
+                    write_batch(run, spark, path, not drain, incarnation)
+                else:
+                    write_delta(run, spark, delta_path)
+                break
+            except Exception as exc:
+                log(kind, path.stem, "failed (retrying):", f"{type(exc).__name__}: {exc}"[:800])
+                time.sleep(1 + attempt)
+        else:
+            raise RuntimeError(f"{kind} {path.stem} failed 5 times")
+        progress.add(f"{kind} {path.stem}")
+        log(kind, path.stem, f"done in {time.monotonic() - started:.1f} s")
+
+
+# --------------------------------------------------------------------------- compactor
+def compactor(run: dict, name: str, incarnation: int) -> None:
+    from rmq_spark import Store
+
+    check_imports(run)
+    rng = random.Random(f"{run['seed']}/{name}/{incarnation}")
+    store = Store.open(run["root"], create=False)
+    while not stopped(run):
+        started = time.monotonic()
+        removed = store.compact()
+        log("compacted", removed, f"{time.monotonic() - started:.1f} s")
+        time.sleep(rng.uniform(2, 6))
+
+
+# --------------------------------------------------------------------------- finish
+def pending_transactions(store) -> set[str]:
+    half = store.table("half").to_pyarrow_table(columns=["transaction_id"])
+    op = store.table("op").to_pyarrow_table(columns=["transaction_id"])
+    return set(half.column("transaction_id").to_pylist()) - set(
+        op.column("transaction_id").to_pylist()
+    )
+
+
+def undriven_discards(store) -> int:
+    discard = store.table("discard").to_pyarrow_table(columns=["redriven_transaction_id"])
+    return discard.column("redriven_transaction_id").null_count
+
+
+def finish(run: dict, name: str, incarnation: int) -> None:
+    import logging
+
+    from rmq_spark import Store, load_settings
+    from rmq_spark.checkback import CheckBackJob, redrive
+    from rmq_spark.checkers import checkers_from_config
+    from rmq_spark.config import TransactionSettings
+
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("rmq_spark").setLevel(logging.INFO)
+    spark = spark_session(run, "torture-finish")
+    drain_stream(run, spark)
+    run_batches(run, spark, True, incarnation)
+    log("writers drained")
+
+    settings = load_settings()
+    store = Store.open(run["root"], settings=settings, create=False)
+    # Everything is due at once: no timeout, no interval; the same check max as the chaos.
+    due_now = TransactionSettings(
+        transaction_timeout=0.0,
+        transaction_check_interval=0.0,
+        transaction_check_max=settings.transaction.transaction_check_max,
+        max_check_age=30 * 86400.0,
+    )
+    job = CheckBackJob(spark, store, checkers_from_config(settings.checkers), due_now)
+    quiet = 0
+    for round_ in range(run["quiesce_rounds"]):
+        try:
+            redriven = redrive(store)
+        except Exception as exc:
+            log("resume failed:", f"{type(exc).__name__}: {exc}"[:500])
+            redriven = ["failed"]
+        try:
+            summary = job.run_once().summary
+            summary_row = {
+                k: v
+                for k, v in summary.__dict__.items()
+                if isinstance(v, int) and not isinstance(v, bool)
+            }
+        except Exception as exc:
+            summary_row = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+        pending = pending_transactions(store)
+        undriven = undriven_discards(store)
+        print(
+            "QUIESCE "
+            + json.dumps(
+                {
+                    "round": round_,
+                    "redriven": len(redriven),
+                    "summary": summary_row,
+                    "pending": len(pending),
+                    "undriven_discards": undriven,
+                }
+            ),
+            flush=True,
+        )
+        # Quiescent: nothing pending, nothing left to re-drive, and a round that changed
+        # nothing after that (so late publishes have landed).
+        quiet = quiet + 1 if not pending and not undriven and not redriven else 0
+        if quiet >= 2:
+            log("quiescent after", round_ + 1, "round(s)")
+            return
+    log("NOT quiescent after", run["quiesce_rounds"], "rounds")
+    raise SystemExit(4)
+
+
+KINDS = {
+    "producer": producer,
+    "writer": writer,
+    "compactor": compactor,
+    "finish": finish,
+}
+
+
+def main(argv: list[str]) -> None:
+    run_json, kind, name, incarnation = argv
+    run = json.loads(Path(run_json).read_text())
+    log("start", kind, name, incarnation, "pid", os.getpid())
+    try:
+        KINDS[kind](run, name, int(incarnation))
+    except SystemExit:
+        raise
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        raise SystemExit(1) from None
+    log("exit", kind, name)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
