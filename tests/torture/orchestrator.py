@@ -44,7 +44,7 @@ class Options:
     check_back_jobs: int = 2
     check_max: int = 3
     transaction_timeout: float = 2.0
-    check_interval: float = 1.0
+    check_interval: float = 5.0  # the CLI refuses shorter intervals
     #: Run the compactor process (Store.compact() every few seconds).
     compactor: bool = True
     #: Longest the finisher (drain + quiescence) may take per attempt.

@@ -19,7 +19,8 @@ import pytest
 def test_exactly_once_under_adversity(tmp_path) -> None:
     from tests.torture.orchestrator import run
 
-    seed = int(os.environ["TORTURE_SEED"]) if os.environ.get("TORTURE_SEED") else None
+    # A fixed seed in the suite (its decisions replay; timings still vary); any seed on demand.
+    seed = int(os.environ.get("TORTURE_SEED", "5"))
     seconds = float(os.environ.get("TORTURE_SECONDS", "100"))
     result, report = run(seed, seconds, tmp_path / "torture", verbose=False)
     print(report)
