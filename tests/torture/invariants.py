@@ -63,8 +63,9 @@ class _Store:
         )
         self.half = _rows(
             root / "half",
-            ["transaction_id", "msg_id", "producer_group", "topic", "keys", "properties"],
-        )
+            ["transaction_id", "msg_id", "producer_group", "topic", "keys", "properties",
+             "sink_id", "epoch", "generation"],
+        )  # fmt: skip
         self.op = {r["transaction_id"]: r for r in _rows(root / "op")}
         self.discard = _rows(
             root / "discard",
@@ -108,12 +109,11 @@ class _Store:
             extra = []
             if REDRIVEN_FROM in props:
                 extra.append(f"re-driven from {props[REDRIVEN_FROM]}")
-            for p in ("RMQTX_SINK_ID", "RMQTX_EPOCH"):
-                if p in props:
-                    extra.append(f"{p}={props[p]}")
+            if h["sink_id"] is not None:
+                extra.append(f"sink {h['sink_id']} epoch {h['epoch']} gen {h['generation']}")
             if txn in self.epoch_of:
                 extra.append(f"on the list of epoch {self.epoch_of[txn]}")
-            elif "RMQTX_SINK_ID" in props:
+            elif h["sink_id"] is not None:
                 extra.append("on no epoch's list")
             parts.append(f"half txn {txn} msg {h['msg_id']}: {decided}; {', '.join(extra)}")
         for d in self.discard_by_key.get(key, []):
@@ -351,6 +351,24 @@ def check_invariants(run: dict, root: Path) -> Results:
                 )
             )
 
+    # ---- one epochs row per (sink, epoch); a closed epoch's transactions are all committed
+    keys = Counter((e["sink_id"], e["epoch"]) for e in store.epochs)
+    for (sink, epoch), n in list(keys.items()):
+        if n > 1:
+            results.violations.append(
+                Violation("epoch stored more than once", f"sink {sink} epoch {epoch}: {n} rows")
+            )
+    for e in store.epochs:
+        for t in e.get("transaction_ids") or []:
+            decision = store.op.get(t, {}).get("decision")
+            if decision != "COMMIT":
+                results.violations.append(
+                    Violation(
+                        "closed epoch lists a transaction that is not committed",
+                        f"sink {e['sink_id']} epoch {e['epoch']}: txn {t} is {decision}",
+                    )
+                )
+
     # ---- every half message stored once; no data file removed by two commits
     stored = Counter((h["transaction_id"], h["msg_id"]) for h in store.half)
     copies = [(k, n) for k, n in stored.items() if n > 1]
@@ -363,7 +381,7 @@ def check_invariants(run: dict, root: Path) -> Results:
                 f"of txn {txn}, x{n}); each copy is published when its transaction commits",
             )
         )
-    for name in ("half", "op", "commitlog", "check_state", "discard", "epochs"):
+    for name in ("half", "op", "commitlog", "check_state", "discard", "epochs", "locks"):
         for path, versions in _files_removed_twice(Path(root) / name)[:MAX_DETAILS]:
             results.violations.append(
                 Violation(
@@ -398,4 +416,5 @@ def check_invariants(run: dict, root: Path) -> Results:
         ),
     }
     facts["epochs closed"] = dict(Counter(e["closed_by"] for e in store.epochs))
+    facts["epochs by state"] = dict(Counter(e.get("state") or "CLOSED" for e in store.epochs))
     return results

@@ -59,6 +59,7 @@ def format_report(result: dict) -> str:
     for message, n in cr["failures"].items():
         lines.append(f"             x{n} {message}")
     lines.append(f"epochs:      closed by {_counter(facts['epochs closed'])}")
+    lines.append(f"             states {_counter(facts['epochs by state'])}")
     loud = facts.get("loud failures") or {}
     lines.append(
         "loud failures (allowed: raised, then retried by the harness as an operator would): "
