@@ -532,7 +532,10 @@ class CheckBackJob:
             ],
             schema=DISCARD_SCHEMA,
         )
-        self.store.merge("discard", rows, "msg_id", lambda m: m.when_not_matched_insert_all())
+        # A re-driven message keeps its msg_id: each discarded transaction has its own row.
+        self.store.merge(
+            "discard", rows, ["transaction_id", "msg_id"], lambda m: m.when_not_matched_insert_all()
+        )
         log.warning(
             "discarded %d message(s) after %d unanswered checks; inspect the discard "
             "table and re-drive with 'rmqtx resume'",

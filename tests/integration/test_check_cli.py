@@ -30,7 +30,8 @@ def rmqtx(conf: Path, store: Store, *args: str) -> subprocess.Popen:
     )
 
 
-def wait_for(condition, timeout: float = 180) -> None:
+def wait_for(condition, timeout: float = 600) -> None:
+    """Poll ``condition`` (a hang detector: Spark may take minutes to start on a loaded host)."""
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, "timed out"
@@ -51,7 +52,7 @@ def test_loop_stops_cleanly_on_sigterm(store: Store, tmp_path: Path) -> None:
     try:
         wait_for(lambda: store.table("check_runs").to_pyarrow_table().num_rows >= 2)
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=120)
+        _, err = proc.communicate(timeout=300)
     finally:
         proc.kill()
     assert proc.returncode == 0, err

@@ -142,6 +142,17 @@ def test_unknown_until_check_max_then_rolled_back_discarded_and_redriven(spark, 
     assert (s.pending_found, s.not_yet_due) == (1, 1)
     clock.advance(10)
     assert job(spark, store, clock).run_once().summary.unknown == 1
+    # Unanswered again up to the check max: discarded again (a row of its own), re-drivable.
+    for _ in range(2):
+        clock.advance(10)
+        s = job(spark, store, clock).run_once().summary
+    assert s.discarded == 1
+    discard = store.table("discard").to_pyarrow_table().to_pylist()
+    assert sorted((d["transaction_id"], d["redriven_transaction_id"]) for d in discard) == sorted(
+        [(tid, new_tid), (new_tid, None)]
+    )
+    (third,) = redrive(store)
+    assert pending(store) == {third}
 
 
 def test_checker_that_raises_counts_as_unknown(spark, store: Store) -> None:
