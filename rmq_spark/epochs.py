@@ -43,7 +43,7 @@ from rmq_spark.errors import EpochLostError, StoreError
 from rmq_spark.failpoints import failpoint
 from rmq_spark.model import LocalTransactionState
 from rmq_spark.schema import EPOCHS_SCHEMA
-from rmq_spark.store import Decision, Store
+from rmq_spark.store import Decision, Store, sql_string
 
 log = logging.getLogger(__name__)
 
@@ -102,9 +102,8 @@ def read_epochs(store: Store, keys: Iterable[tuple[str, int]]) -> dict[tuple[str
     wanted = set(keys)
     if not wanted:
         return {}
-    rows = store.table("epochs").to_pyarrow_table(
-        filters=[("sink_id", "in", sorted({s for s, _ in wanted}))]
-    )
+    sinks = ", ".join(sql_string(s) for s in sorted({s for s, _ in wanted}))
+    rows = store.query("epochs", f"sink_id IN ({sinks})")
     found = {}
     for r in rows.to_pylist():
         key = (r["sink_id"], r["epoch"])

@@ -643,7 +643,7 @@ class Store:
                 predicate="t.expires <= s.now OR t.holder = s.holder",
             ).when_not_matched_insert({c: f"s.{c}" for c in LOCKS_SCHEMA.names}),
         )
-        rows = self.table("locks").to_pyarrow_table(filters=[("name", "=", name)])
+        rows = self.query("locks", f"name = {sql_string(name)}")
         return rows.column("holder").to_pylist() == [holder]
 
     # ------------------------------------------------------------------ end transaction
@@ -950,10 +950,12 @@ class Store:
         return _with_uris(self.table(name), self.table_uri(name))
 
     def query(self, name: str, where: str) -> pa.Table:
-        """Rows of one of the store's tables matching a SQL condition (DataFusion).
+        """Rows of one of the store's tables matching a SQL condition (DataFusion), in plain
+        Arrow types. Quote values with :func:`sql_string`.
 
         Files are pruned by their column statistics; ids are time-ordered, so lookups by id
-        read few files.
+        read few files. (pyarrow dataset filters are not used: files written by deltalake's
+        MERGE carry view types that pyarrow's statistics pruning cannot compare.)
         """
         return _query(self.table(name), name, where)
 
@@ -1083,6 +1085,11 @@ def read_files(
         return rows
     mask = keep(rows)
     return rows if pc.all(mask).as_py() and not mask.null_count else rows.filter(mask)
+
+
+def sql_string(value: str) -> str:
+    """``value`` as a SQL string literal (for :meth:`Store.query` conditions)."""
+    return "'" + value.replace("'", "''") + "'"
 
 
 def _query(table: DeltaTable, name: str, where: str) -> pa.Table:
