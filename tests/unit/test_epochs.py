@@ -132,3 +132,18 @@ def test_an_epoch_belongs_to_one_owner(store: Store) -> None:
     with pytest.raises(EpochLostError, match="belongs to 'query-1'"):
         hold(store, "orders", 0, "query-2", lease_seconds=60)
     assert hold(store, "orders", 0, "query-1", lease_seconds=60).state == CLOSED  # a replay
+
+
+def test_epochs_stay_readable_as_the_table_grows_and_is_compacted(store: Store) -> None:
+    """MERGE writes string_view files; after compaction, pyarrow's dataset filters could not
+    compare them (found by the torture test: every sink task failed to hold its epoch)."""
+    from rmq_spark.epochs import read_epochs
+
+    for epoch in range(60):  # past COMPACT_EVERY_COMMITS
+        hold(store, f"sink{epoch % 3}", epoch, "owner", lease_seconds=60)
+        if epoch % 2:
+            close(store, f"sink{epoch % 3}", epoch, 0, [f"t{epoch}"], "sink")
+    rows = read_epochs(store, [(f"sink{e % 3}", e) for e in range(60)])
+    assert len(rows) == 60
+    assert all((r.state == CLOSED) == bool(r.epoch % 2) for r in rows.values())
+    assert rows[("sink1", 1)].transaction_ids == ("t1",)
