@@ -12,7 +12,7 @@ import pyarrow as pa
 import pytest
 from pyspark.sql import functions as F
 
-from rmq_spark import LocalTransactionState, Message, Store
+from rmq_spark import LocalTransactionState, Message, Store, publish_with_delta_write
 from rmq_spark.checkback import CheckBackJob
 from rmq_spark.checkers import CallableChecker
 from rmq_spark.config import TransactionSettings
@@ -171,6 +171,40 @@ def test_the_delta_write_names_the_attempt_that_is_published(
     CheckBackJob(spark, store, {}, TIGHT).run_once()
     assert bodies(store) == ["second"]
     assert first.transaction_id not in pending(store)  # rolled back
+
+
+def test_a_delta_write_that_raises_after_landing_still_publishes(
+    spark, store: Store, tmp_path: Path
+) -> None:
+    """The Delta commit lands, then a post-commit hook fails and the write raises: the rows are
+    in the table, so the messages must be published (not rolled back), and the call succeeds.
+
+    The hook is Delta's symlink manifest, made to fail by a file where its directory goes;
+    ``postCommitHook.throwOnError`` turns the hook's failure into the write's error."""
+    table = tmp_path / "orders"
+    spark.createDataFrame([], "order_id int").write.format("delta").option(
+        "delta.compatibility.symlinkFormatManifest.enabled", "true"
+    ).save(str(table))
+    (table / "_symlink_format_manifest").write_text("not a directory")
+    conf = "spark.databricks.delta.postCommitHook.throwOnError"
+    spark.conf.set(conf, "true")
+    try:
+        outcome = publish_with_delta_write(
+            spark.createDataFrame([(1,)], "order_id int"),
+            str(table),
+            spark.createDataFrame([("order 1 created",)], "body string"),
+            app_id="orders-job",
+            version=0,
+            producer_group="orders",
+            topic="OrderEvents",
+            path=store.root,
+        )
+    finally:
+        spark.conf.unset(conf)
+    assert outcome.first and len(outcome.committed) == 1
+    assert spark.read.format("delta").load(str(table)).count() == 1
+    assert bodies(store) == ["order 1 created"]
+    assert pending(store) == set()
 
 
 def test_a_sink_id_reused_by_a_new_checkpoint_is_an_error(
