@@ -7,6 +7,7 @@ Run it with ``python -m tests.torture.run --seed S --minutes M`` or ``make tortu
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import random
@@ -118,6 +119,13 @@ def session_processes(sid: int) -> list[tuple[int, int]]:
         if int(fields[3]) == sid:
             found.append((int(entry), int(fields[2])))
     return found
+
+
+def _die_with_parent() -> None:
+    """In a worker, before exec: get SIGKILLed when the orchestrator dies (Linux
+    ``PR_SET_PDEATHSIG``), so a killed run leaves no workers behind. A worker's JVM exits
+    when its Python driver does (PySpark's gateway watches its stdin)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
 
 
 def kill_session(proc: subprocess.Popen) -> None:
@@ -319,6 +327,7 @@ level = "INFO"
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         return proc, log
 
