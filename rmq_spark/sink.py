@@ -500,6 +500,13 @@ def publish_with_delta_write(
     EpochLostError
         The epoch was abandoned under this call (its lease ran out): nothing is published;
         run the batch again.
+
+    Notes
+    -----
+    A re-run whose Delta write is skipped (an earlier attempt's rows landed) publishes the
+    messages it staged itself: the earlier attempt's may have been rolled back with its
+    abandoned generation. Compute ``messages`` deterministically from the batch (no ``uuid()``
+    or ``now()``), as for any Spark retry, so that every attempt stages the same messages.
     """
     options = {
         PATH: path,
