@@ -92,11 +92,29 @@ class TransactionSettings:
 
 
 @dataclass(frozen=True)
+class RetentionSettings:
+    """What maintenance (``rmqtx maintain``, and the check-back loop) removes, and when."""
+
+    #: ``fileReservedTime``: committed messages older than this leave the CommitLog (72 h).
+    file_reserved_time: float = 72 * 3600.0
+    #: Half and op rows of transactions decided (and, for COMMIT, published) longer ago than
+    #: this are removed, as are re-driven discard rows. Undecided ones never are.
+    transaction_reserved_time: float = 72 * 3600.0
+    #: Delta's ``deletedFileRetentionDuration`` for the CommitLog: files it no longer uses are
+    #: deleted from storage (VACUUM) only this long after (a reader may still be reading them).
+    #: The internal tables keep their own table property (1 h).
+    deleted_file_retention: float = 7 * 86400.0
+    #: How often ``rmqtx check`` runs maintenance between rounds; 0 turns that off.
+    maintenance_interval: float = 3600.0
+
+
+@dataclass(frozen=True)
 class Settings:
     """All rmq-spark settings."""
 
     store: StoreSettings = field(default_factory=StoreSettings)
     transaction: TransactionSettings = field(default_factory=TransactionSettings)
+    retention: RetentionSettings = field(default_factory=RetentionSettings)
     #: Extra Spark configuration applied by :func:`rmq_spark.session.get_spark`.
     spark: dict[str, str] = field(default_factory=dict)
     #: Log level for the ``rmq_spark`` loggers in jobs and the CLI.
@@ -141,7 +159,7 @@ def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
         data = tomllib.loads(Path(chosen).read_text(encoding="utf-8"))
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise InvalidOptionError(f"cannot read settings file {str(chosen)!r}: {exc}") from exc
-    sections = {"store", "transaction", "spark", "logging", "checkers"}
+    sections = {"store", "transaction", "retention", "spark", "logging", "checkers"}
     unknown = sorted(set(data) - sections)
     if unknown:
         raise InvalidOptionError(
@@ -170,12 +188,19 @@ def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
             "transaction_check_max": lambda v, n: parse_int(v, n, 1),
         },
     )
+    retention = _section(
+        data.get("retention", {}),
+        RetentionSettings,
+        "retention",
+        {f.name: parse_duration for f in fields(RetentionSettings)},
+    )
     logging_section = data.get("logging", {})
     if set(logging_section) - {"level"}:
         raise InvalidOptionError("the [logging] section only takes 'level'.")
     return Settings(
         store=store,
         transaction=transaction,
+        retention=retention,
         spark={str(k): str(v) for k, v in data.get("spark", {}).items()},
         log_level=str(logging_section.get("level", "INFO")).upper(),
         checkers={str(k): dict(v) for k, v in data.get("checkers", {}).items()},

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 import pyarrow.compute as pc
 
 from rmq_spark.errors import InvalidOptionError
-from rmq_spark.store import Store, queue_app_id, read_arrow
+from rmq_spark.store import Store, earliest_app_id, queue_app_id, read_arrow
 
 #: Per-topic, per-queue offsets. Queue ids are strings in JSON, ints here.
 Offsets = dict[str, dict[int, int]]
@@ -38,6 +38,19 @@ def latest_offsets(store: Store, topics: Sequence[str]) -> Offsets:
                 queues[queue_id] = version
         result[topic] = queues
     return result
+
+
+def earliest_offsets(store: Store, topics: Sequence[str]) -> Offsets:
+    """The earliest offset still stored in every queue of ``topics`` that has messages (0
+    unless retention has removed messages: :mod:`rmq_spark.retention`)."""
+    commitlog = store.table("commitlog")
+    return {
+        topic: {
+            queue_id: commitlog.transaction_version(earliest_app_id(topic, queue_id)) or 0
+            for queue_id in queues
+        }
+        for topic, queues in latest_offsets(store, topics).items()
+    }
 
 
 def parse_offsets(text: str, option: str, topics: Sequence[str]) -> str | Offsets:

@@ -94,6 +94,7 @@ STORE_FORMAT = "rmq-spark-store"
 #: Application id under which ``commitlog`` records the last ``op`` version it published.
 OP_CURSOR_APP_ID = "rmqtx.publish.op_version"
 _QUEUE_APP_ID = "rmqtx.queue.{topic}.{queue_id}"
+_EARLIEST_APP_ID = "rmqtx.earliest.{topic}.{queue_id}"
 #: Tables added to layout 1 after its first stores were made: opening an older store creates
 #: them (empty) instead of refusing it. Any other missing table is damage.
 TABLES_ADDED_LATER = ("consumer_offsets", "epochs", "locks")
@@ -111,6 +112,12 @@ _COMPACT_TARGET_BYTES = 16 * 1024 * 1024
 def queue_app_id(topic: str, queue_id: int) -> str:
     """The application id whose version is the next offset of a queue in ``commitlog``."""
     return _QUEUE_APP_ID.format(topic=topic, queue_id=queue_id)
+
+
+def earliest_app_id(topic: str, queue_id: int) -> str:
+    """The application id whose version is the earliest offset still in a queue of
+    ``commitlog`` (absent: 0). Set by retention (:mod:`rmq_spark.retention`)."""
+    return _EARLIEST_APP_ID.format(topic=topic, queue_id=queue_id)
 
 
 class EndTransactionStatus(StrEnum):
@@ -957,7 +964,39 @@ class Store:
         read few files. (pyarrow dataset filters are not used: files written by deltalake's
         MERGE carry view types that pyarrow's statistics pruning cannot compare.)
         """
-        return _query(self.table(name), name, where)
+        return self.sql(name, f"SELECT * FROM {name} WHERE {where}")
+
+    def sql(
+        self,
+        name: str,
+        statement: str,
+        *,
+        version: int | None = None,
+        table: DeltaTable | None = None,
+    ) -> pa.Table:
+        """Run a SQL ``statement`` (DataFusion) over one of the store's tables, registered
+        under its name, in plain Arrow types.
+
+        Parameters
+        ----------
+        name : str
+            The table, as named in ``statement``.
+        statement : str
+            A SELECT; quote values with :func:`sql_string`.
+        version : int, optional
+            Read this version of the table instead of the latest.
+        table : DeltaTable, optional
+            Read this snapshot (a caller that commits on it next).
+        """
+        if table is None:
+            table = (
+                self.table(name)
+                if version is None
+                else DeltaTable(
+                    self.table_uri(name), version=version, storage_options=self._storage_options
+                )
+            )
+        return read_arrow(QueryBuilder().register(name, table).execute(statement))
 
     def _normal_rows(self, normal: Sequence[tuple[Message, str]]) -> pa.Table:
         now = self.clock()
@@ -1090,13 +1129,6 @@ def read_files(
 def sql_string(value: str) -> str:
     """``value`` as a SQL string literal (for :meth:`Store.query` conditions)."""
     return "'" + value.replace("'", "''") + "'"
-
-
-def _query(table: DeltaTable, name: str, where: str) -> pa.Table:
-    """Rows of a table matching a SQL condition, read with DataFusion."""
-    return read_arrow(
-        QueryBuilder().register(name, table).execute(f"SELECT * FROM {name} WHERE {where}")
-    )
 
 
 def normalise_root(root: str) -> str:

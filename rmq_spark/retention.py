@@ -1,0 +1,275 @@
+"""Retention: what a store no longer needs leaves it, the way a RocketMQ broker deletes
+CommitLog files after ``fileReservedTime``.
+
+:func:`maintain` (``rmqtx maintain``, and ``rmqtx check`` every ``maintenance_interval``)
+does, in this order:
+
+1. **CommitLog.** Per queue, the new earliest offset is the smallest offset of a message stored
+   within ``file_reserved_time`` (the next offset when there is none); the messages below it
+   are deleted. Timestamps alone would not do: publishers' clocks differ, so a queue's
+   timestamps are not monotonic, and deleting by age could punch holes. The queue stays dense
+   from its earliest offset, which is recorded as a Delta application transaction in the same
+   commit as the delete (:func:`rmq_spark.store.earliest_app_id`).
+2. **Transactions.** A transaction is *expired* when its decision is older than
+   ``transaction_reserved_time``, it is in the ``op`` snapshot that ``commitlog`` records as
+   published (so a COMMIT's messages are in the CommitLog), and, when the check max rolled it
+   back, its messages are in ``discard``. Undecided half messages are never expired, whatever
+   their age. The rows go in an order that keeps every intermediate state safe, so a run
+   killed anywhere, or two runs at once, lose and duplicate nothing:
+
+   a. its ``half`` rows. Nothing needs them any more: they are published or rolled back, and
+      a discarded message is kept whole in ``discard``;
+   b. re-driven ``discard`` rows whose discarded transaction is expired (its half rows are
+      gone, so the check-back job cannot write the row again) and whose re-driven transaction
+      is decided (so a re-drive cannot stage it again). A discard row not yet re-driven stays;
+   c. its ``op`` rows, last: while a half row exists, its ``op`` row is what keeps a late,
+      opposite decision from publishing it. Once the half rows are gone, a late decision
+      finds nothing to publish.
+3. **Files.** VACUUM: files a table stopped using more than its retention ago are deleted
+   (``deleted_file_retention`` for the CommitLog, the tables' own 1 h for the internal ones),
+   so a reader that planned its files before the delete still finds them.
+
+Runs take turns through the store's ``maintain`` lock; a run that finds it held does nothing.
+``epochs`` rows are kept (one small row per sink epoch: they make a replayed epoch publish
+nothing twice), and so is ``check_runs``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from deltalake import CommitProperties, Transaction
+
+from rmq_spark.config import RetentionSettings
+from rmq_spark.failpoints import failpoint
+from rmq_spark.model import new_id
+from rmq_spark.store import OP_CURSOR_APP_ID, Store, _retry_commits, earliest_app_id, sql_string
+
+log = logging.getLogger(__name__)
+
+#: ``op.decided_by`` of check-max rollbacks (their messages must be in ``discard`` first).
+_CHECK_MAX = "check-back:check-max"
+#: How long a maintenance run holds the store's ``maintain`` lock at most.
+_LOCK_SECONDS = 3600.0
+#: Transactions removed per MERGE (bounds the memory of one commit).
+_CHUNK = 200_000
+_INTERNAL_TABLES = ("half", "op", "discard", "check_state", "epochs", "consumer_offsets")
+
+
+@dataclass
+class MaintenanceSummary:
+    """What one maintenance run removed."""
+
+    run_id: str
+    skipped: str | None = None
+    #: Committed messages deleted from the CommitLog, and the queues whose earliest offset moved.
+    messages_expired: int = 0
+    queues_advanced: int = 0
+    #: Expired transactions, and the rows removed for them.
+    transactions_expired: int = 0
+    half_removed: int = 0
+    discards_removed: int = 0
+    op_removed: int = 0
+    #: Files deleted from storage per table, and the bytes the tables' live files hold after.
+    files_vacuumed: dict[str, int] = field(default_factory=dict)
+    live_bytes: dict[str, int] = field(default_factory=dict)
+    duration_seconds: float = 0.0
+
+    def format(self) -> str:
+        """A readable multi-line summary for logs and terminals."""
+        if self.skipped:
+            return f"maintenance run {self.run_id} skipped: {self.skipped}"
+        rows = [
+            (
+                "messages expired",
+                self.messages_expired,
+                f"{self.queues_advanced} queue(s) moved up",
+            ),
+            ("transactions", self.transactions_expired, "decided, published, past retention"),
+            ("half rows", self.half_removed, "removed"),
+            ("discard rows", self.discards_removed, "re-driven and decided, removed"),
+            ("op rows", self.op_removed, "removed"),
+            ("files vacuumed", sum(self.files_vacuumed.values()), "deleted from storage"),
+            ("live bytes", sum(self.live_bytes.values()), "in the tables' current files"),
+        ]
+        lines = [f"maintenance run {self.run_id} finished in {self.duration_seconds:.1f} s"]
+        lines += [f"  {name:<18}{value:>14,}   {note}" for name, value, note in rows]
+        return "\n".join(lines)
+
+
+def maintain(
+    store: Store,
+    settings: RetentionSettings | None = None,
+    *,
+    clock: Callable[[], datetime] | None = None,
+) -> MaintenanceSummary:
+    """Remove what the store's retention settings no longer keep (see the module notes).
+
+    Parameters
+    ----------
+    store : Store
+        The store to maintain.
+    settings : RetentionSettings, optional
+        Retention periods (defaults: RocketMQ's 72 h, Delta's 7 days for files).
+    clock : callable, optional
+        Returns the current UTC time (default: the store's clock).
+
+    Returns
+    -------
+    MaintenanceSummary
+        What was removed; ``skipped`` says why nothing was when another run holds the lock.
+    """
+    settings = settings or RetentionSettings()
+    now = (clock or store.clock)()
+    summary = MaintenanceSummary(run_id=new_id())
+    started = time.monotonic()
+    if not store._lock("maintain", summary.run_id, _LOCK_SECONDS):
+        summary.skipped = "another maintenance run holds the store's maintain lock"
+        log.info("%s", summary.format())
+        return summary
+    try:
+        _expire_messages(store, now - timedelta(seconds=settings.file_reserved_time), summary)
+        failpoint("maintain.commitlog")
+        _expire_transactions(
+            store, now - timedelta(seconds=settings.transaction_reserved_time), summary
+        )
+        _vacuum(store, settings, summary)
+    finally:
+        store._lock("maintain", summary.run_id, 0.0)
+    summary.duration_seconds = time.monotonic() - started
+    log.info("%s", summary.format())
+    return summary
+
+
+# --------------------------------------------------------------------------- CommitLog
+def _expire_messages(store: Store, cutoff: datetime, summary: MaintenanceSummary) -> None:
+    """Delete each queue's messages below the first one stored at or after ``cutoff``."""
+
+    def attempt(_: int) -> tuple[int, int]:
+        commitlog = store.table("commitlog")
+        queues = store.sql(
+            "commitlog",
+            "SELECT topic, queue_id, MIN(queue_offset) AS lowest, "
+            "MAX(queue_offset) + 1 AS next_offset, "
+            f"MIN(CASE WHEN store_timestamp >= {_sql_time(cutoff)} THEN queue_offset END) "
+            "AS keep_from FROM commitlog GROUP BY topic, queue_id",
+            table=commitlog,
+        ).to_pylist()
+        moves = []
+        for q in queues:
+            earliest = q["next_offset"] if q["keep_from"] is None else q["keep_from"]
+            if earliest > q["lowest"]:
+                moves.append((q["topic"], q["queue_id"], earliest, earliest - q["lowest"]))
+        if not moves:
+            return 0, 0
+        predicate = " OR ".join(
+            f"(topic = {sql_string(t)} AND queue_id = {q} AND queue_offset < {e})"
+            for t, q, e, _ in moves
+        )
+        metrics = commitlog.delete(
+            predicate,
+            commit_properties=CommitProperties(
+                app_transactions=[Transaction(earliest_app_id(t, q), e) for t, q, e, _ in moves],
+                custom_metadata={"rmqtx.operation": "retention"},
+            ),
+        )
+        deleted = int(metrics.get("num_deleted_rows", 0))
+        if deleted != sum(n for *_, n in moves):
+            log.warning(
+                "retention deleted %d CommitLog rows, expected %d from the queue bounds",
+                deleted,
+                sum(n for *_, n in moves),
+            )
+        return deleted, len(moves)
+
+    summary.messages_expired, summary.queues_advanced = _retry_commits(
+        "expire CommitLog messages", "commitlog", attempt
+    )
+
+
+def _sql_time(moment: datetime) -> str:
+    return f"TIMESTAMP '{moment.isoformat()}'"
+
+
+# --------------------------------------------------------------------------- transactions
+def _expire_transactions(store: Store, cutoff: datetime, summary: MaintenanceSummary) -> None:
+    cursor = store.table("commitlog").transaction_version(OP_CURSOR_APP_ID)
+    if cursor is None:
+        return  # nothing was ever published (rollbacks alone wait for the first publish)
+    expired = store.sql(
+        "op",
+        f"SELECT transaction_id, decided_by FROM op WHERE decided_timestamp < {_sql_time(cutoff)}",
+        version=cursor,
+    )
+    maxed = [
+        t
+        for t, by in zip(
+            expired.column("transaction_id").to_pylist(),
+            expired.column("decided_by").to_pylist(),
+            strict=True,
+        )
+        if by == _CHECK_MAX
+    ]
+    if maxed:  # a check-max rollback goes once its messages are in discard
+        recorded = set(
+            store.sql("discard", "SELECT DISTINCT transaction_id FROM discard")
+            .column(0)
+            .to_pylist()
+        )
+        waiting = set(maxed) - recorded
+        if waiting:
+            keep = pa.array(sorted(waiting), pa.string())
+            expired = expired.filter(pc.invert(pc.is_in(expired.column(0), value_set=keep)))
+    ids = sorted(expired.column("transaction_id").to_pylist())
+    summary.transactions_expired = len(ids)
+    for start in range(0, len(ids), _CHUNK):
+        chunk = pa.table({"transaction_id": pa.array(ids[start : start + _CHUNK], pa.string())})
+        summary.half_removed += _delete_matching(store, "half", chunk)
+        failpoint("maintain.half")
+        summary.discards_removed += _delete_redriven_discards(store, chunk, cutoff)
+        summary.op_removed += _delete_matching(store, "op", chunk)
+
+
+def _delete_matching(store: Store, name: str, ids: pa.Table) -> int:
+    metrics = store.merge(name, ids, "transaction_id", lambda m: m.when_matched_delete())
+    return int(metrics.get("num_target_rows_deleted", 0))
+
+
+def _delete_redriven_discards(store: Store, expired: pa.Table, cutoff: datetime) -> int:
+    """Discard rows of expired transactions that were re-driven, and whose re-driven
+    transaction is decided, discarded before ``cutoff``."""
+    wanted = set(expired.column(0).to_pylist())
+    rows = store.sql(
+        "discard",
+        "SELECT transaction_id, redriven_transaction_id FROM discard "
+        f"WHERE redriven_transaction_id IS NOT NULL AND discarded_timestamp < {_sql_time(cutoff)}",
+    ).to_pylist()
+    rows = [r for r in rows if r["transaction_id"] in wanted]
+    decided = store.decisions(sorted({r["redriven_transaction_id"] for r in rows}))
+    gone = sorted({r["transaction_id"] for r in rows if r["redriven_transaction_id"] in decided})
+    if not gone:
+        return 0
+    return _delete_matching(
+        store, "discard", pa.table({"transaction_id": pa.array(gone, pa.string())})
+    )
+
+
+# --------------------------------------------------------------------------- files
+def _vacuum(store: Store, settings: RetentionSettings, summary: MaintenanceSummary) -> None:
+    for name in ("commitlog", *_INTERNAL_TABLES):
+        table = store.table(name)
+        if name == "commitlog":
+            hours = max(0, int(settings.deleted_file_retention // 3600))
+            removed = table.vacuum(
+                retention_hours=hours, dry_run=False, enforce_retention_duration=False
+            )
+        else:
+            removed = table.vacuum(dry_run=False)  # the table's own retention
+        summary.files_vacuumed[name] = len(removed)
+        summary.live_bytes[name] = int(sum(store.data_files(name).column("size_bytes").to_pylist()))

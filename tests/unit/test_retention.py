@@ -1,0 +1,218 @@
+"""Retention (``rmqtx maintain``) on real Delta tables: what it removes, what it never removes,
+and that a killed or doubled run loses and duplicates nothing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from rmq_spark import Decision, LocalTransactionState, Message, Store
+from rmq_spark.checkback import CheckBackJob, redrive
+from rmq_spark.config import RetentionSettings
+from rmq_spark.offsets import earliest_offsets, latest_offsets
+from rmq_spark.retention import maintain
+from tests.conftest import commitlog, race
+
+COMMIT, ROLLBACK = LocalTransactionState.COMMIT, LocalTransactionState.ROLLBACK
+CHECK_MAX = "check-back:check-max"
+REPO = Path(__file__).resolve().parents[2]
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+LATER = T0 + timedelta(hours=73)  # past the default 72 h retentions
+KEEP_FILES = RetentionSettings(deleted_file_retention=0)
+
+
+class Clock:
+    def __init__(self, now: datetime = T0) -> None:
+        self.now = now
+
+    def __call__(self) -> datetime:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def store(tmp_path: Path, clock: Clock) -> Store:
+    return Store.open(tmp_path / "store", clock=clock)
+
+
+def send(store: Store, topic: str, n: int, keys: str = "k") -> None:
+    store.send([Message(topic, f"{topic}-{i}".encode(), keys=keys) for i in range(n)], "pg")
+
+
+def offsets_by_queue(store: Store) -> dict[tuple[str, int], list[int]]:
+    rows = commitlog(store).select(["topic", "queue_id", "queue_offset"]).to_pylist()
+    found: dict[tuple[str, int], list[int]] = {}
+    for r in rows:
+        found.setdefault((r["topic"], r["queue_id"]), []).append(r["queue_offset"])
+    return found
+
+
+def assert_dense_from_earliest(store: Store, topics: list[str]) -> None:
+    earliest, latest = earliest_offsets(store, topics), latest_offsets(store, topics)
+    for (topic, queue), offsets in offsets_by_queue(store).items():
+        first = earliest[topic].get(queue, 0)
+        assert offsets == list(range(first, latest[topic][queue])), (topic, queue)
+
+
+def test_expired_messages_leave_and_each_queue_stays_dense(store: Store, clock: Clock) -> None:
+    send(store, "Old", 5)
+    send(store, "Mixed", 3, keys="a")
+    clock.now = T0 + timedelta(hours=10)
+    send(store, "Mixed", 2, keys="a")
+    clock.now = LATER
+    summary = maintain(store, KEEP_FILES)
+    (queue,) = latest_offsets(store, ["Mixed"])["Mixed"]
+    assert earliest_offsets(store, ["Old", "Mixed"]) == {"Old": {0: 5}, "Mixed": {queue: 3}}
+    assert commitlog(store).column("body").to_pylist() == [b"Mixed-0", b"Mixed-1"]
+    assert (summary.messages_expired, summary.queues_advanced) == (8, 2)
+    assert_dense_from_earliest(store, ["Old", "Mixed"])
+    send(store, "Old", 2)  # a queue emptied by retention goes on from its next offset
+    assert offsets_by_queue(store)[("Old", 0)] == [5, 6]
+    assert maintain(store, KEEP_FILES).messages_expired == 0  # nothing more is old enough
+
+
+def test_a_message_stored_by_a_slow_clock_leaves_no_hole(store: Store, clock: Clock) -> None:
+    """Publishers' clocks differ: an old timestamp above a young one in the same queue stays
+    until the young one expires too, so the queue never has a hole."""
+    clock.now = T0 + timedelta(hours=50)
+    send(store, "Orders", 1)
+    clock.now = T0  # a publisher whose clock is 50 h behind
+    send(store, "Orders", 1)
+    clock.now = LATER
+    maintain(store, KEEP_FILES)
+    ((queue, offsets),) = offsets_by_queue(store).items()
+    assert offsets == [0, 1]
+    clock.now = LATER + timedelta(hours=50)
+    maintain(store, KEEP_FILES)
+    assert offsets_by_queue(store) == {}
+    assert earliest_offsets(store, ["Orders"]) == {"Orders": {queue[1]: 2}}
+
+
+def decide(store: Store, txns: list[str], state, decided_by="producer", publish=True) -> None:
+    store.end_transactions([Decision(t, "pg", state, decided_by) for t in txns], publish=publish)
+
+
+def history(store: Store) -> dict[str, str]:
+    """One transaction of each kind retention must tell apart, all decided (or not) at T0."""
+    names = ["committed", "rolled_back", "undecided", "maxed", "maxed_redriven", "maxed_bare"]
+    names.append("unpublished")
+    prepared = store.prepare([Message("Orders", n.encode()) for n in names], "pg")
+    ids = {n: p.transaction_id for n, p in zip(names, prepared, strict=True)}
+    decide(store, [ids["committed"]], COMMIT)
+    decide(store, [ids["rolled_back"]], ROLLBACK)
+    decide(store, [ids[n] for n in ("maxed", "maxed_redriven", "maxed_bare")], ROLLBACK, CHECK_MAX)
+    # The check-back job records the discards of two; its write for the third was cut off.
+    job = CheckBackJob(None, store, {})
+    job._insert_discards([ids["maxed"], ids["maxed_redriven"]], store.clock())
+    (ids["redriven"],) = redrive(store, [ids["maxed_redriven"]])
+    decide(store, [ids["redriven"]], COMMIT)
+    decide(store, [ids["unpublished"]], COMMIT, publish=False)
+    return ids
+
+
+def remaining(store: Store, table: str) -> set[str]:
+    return set(store.table(table).to_pyarrow_table().column("transaction_id").to_pylist())
+
+
+def test_only_decided_published_transactions_leave(store: Store, clock: Clock) -> None:
+    ids = history(store)
+    visible = commitlog(store).num_rows
+    clock.now = LATER
+    summary = maintain(store, RetentionSettings(file_reserved_time=10 * 86400))
+    name = {v: k for k, v in ids.items()}
+    assert {name[t] for t in remaining(store, "half")} == {"undecided", "maxed_bare", "unpublished"}
+    assert {name[t] for t in remaining(store, "op")} == {"maxed_bare", "unpublished"}
+    assert {name[t] for t in remaining(store, "discard")} == {"maxed"}  # not re-driven
+    expired = {"committed", "rolled_back", "maxed", "maxed_redriven", "redriven"}
+    assert summary.transactions_expired == len(expired)
+    assert (summary.half_removed, summary.op_removed, summary.discards_removed) == (5, 5, 1)
+    assert commitlog(store).num_rows == visible  # messages follow file_reserved_time only
+    # Nothing comes back: only the discard never re-driven is re-driven, and once.
+    again = redrive(store)
+    assert store.half_messages(again).column("body").to_pylist() == [b"maxed"]
+    decide(store, [ids["rolled_back"]], COMMIT)  # a late opposite decision publishes nothing
+    bodies = commitlog(store).column("body").to_pylist()
+    assert sorted(bodies) == [b"committed", b"maxed_redriven", b"unpublished"]
+
+
+MAINTAIN = (
+    "import sys; from datetime import datetime; from rmq_spark import Store; "
+    "from rmq_spark.retention import maintain; "
+    "now = datetime.fromisoformat(sys.argv[2]); "
+    "print(maintain(Store.open(sys.argv[1], create=False, clock=lambda: now)).format())"
+)
+
+
+@pytest.mark.parametrize("failpoint", ["maintain.commitlog", "maintain.half"])
+def test_a_killed_run_is_finished_by_the_next(store: Store, clock: Clock, failpoint: str) -> None:
+    send(store, "Orders", 3)
+    ids = history(store)
+    clock.now = LATER
+    child = subprocess.run(
+        [sys.executable, "-c", MAINTAIN, store.root, LATER.isoformat()],
+        env={**os.environ, "RMQ_SPARK_FAILPOINT": failpoint},
+        cwd=REPO,
+        start_new_session=True,  # the failpoint kills the child's whole session
+        timeout=300,
+    )
+    assert child.returncode == -signal.SIGKILL
+    # The killed run's lock is still held: a run before it expires does nothing.
+    assert maintain(store).skipped
+    clock.now = LATER + timedelta(hours=2)
+    summary = maintain(store)
+    assert summary.skipped is None
+    kept = {"undecided", "maxed_bare", "unpublished"}
+    assert {k for k, v in ids.items() if v in remaining(store, "half")} == kept
+    assert {k for k, v in ids.items() if v in remaining(store, "op")} == kept - {"undecided"}
+    assert {k for k, v in ids.items() if v in remaining(store, "discard")} == {"maxed"}
+    assert commitlog(store).num_rows == 0
+    assert_dense_from_earliest(store, ["Orders"])
+    assert store.half_messages(redrive(store)).column("body").to_pylist() == [b"maxed"]
+
+
+def _maintain(root: str, now: str, barrier, out) -> None:
+    store = Store.open(root, create=False, clock=lambda: datetime.fromisoformat(now))
+    barrier.wait(timeout=120)
+    summary = maintain(store, KEEP_FILES)
+    out.put((summary.run_id, summary))
+
+
+def test_two_runs_at_once_remove_everything_once(store: Store, clock: Clock) -> None:
+    send(store, "Orders", 4)
+    history(store)
+    runs = race(_maintain, [(store.root, LATER.isoformat()), (store.root, LATER.isoformat())])
+    done = [s for s in runs.values() if s.skipped is None]
+    assert len(done) >= 1
+    assert sum(s.messages_expired for s in done) == 4 + 2  # the sends and 2 committed
+    assert sum(s.transactions_expired for s in done) >= 5
+    assert sum(s.half_removed for s in done) == 5
+    assert commitlog(store).num_rows == 0
+
+
+def test_vacuum_leaves_only_the_files_the_rows_need(store: Store, clock: Clock) -> None:
+    for _ in range(6):
+        send(store, "Orders", 20)
+    clock.now = LATER
+    send(store, "Orders", 5)
+    summary = maintain(store, KEEP_FILES)
+    assert summary.files_vacuumed["commitlog"] > 0
+    table = Path(store.table_uri("commitlog"))
+    on_disk = sum(
+        f.stat().st_size
+        for f in table.rglob("*.parquet")
+        if "_delta_log" not in f.parts and "_change_data" not in f.parts
+    )
+    assert on_disk == summary.live_bytes["commitlog"]
+    assert [r["body"] for r in commitlog(store).to_pylist()] == [
+        f"Orders-{i}".encode() for i in range(5)
+    ]
