@@ -45,12 +45,13 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from rmq_spark.checkers import Checker, CheckerConfigError
-from rmq_spark.config import TransactionSettings
+from rmq_spark.config import RetentionSettings, TransactionSettings
 from rmq_spark.epochs import WRITER_ALIVE, EpochChecker
 from rmq_spark.errors import InvalidOptionError
 from rmq_spark.failpoints import failpoint
 from rmq_spark.model import PROPERTY_CHECK_IMMUNITY, LocalTransactionState, new_id
 from rmq_spark.report import read_table
+from rmq_spark.retention import maintain
 from rmq_spark.schema import (
     CHECK_RUNS_SCHEMA,
     CHECK_STATE_SCHEMA,
@@ -165,6 +166,9 @@ class CheckBackJob:
     skip_unrouted : bool, default False
         Pending transactions of groups without a checker are an error at start unless this is
         set; then they are left pending and reported as ``unrouted``.
+    retention : RetentionSettings, optional
+        When given, :meth:`run_forever` also runs maintenance (:func:`rmq_spark.retention.
+        maintain`) every ``retention.maintenance_interval``.
     clock : callable, optional
         Returns the current UTC time (tests move it).
 
@@ -182,6 +186,7 @@ class CheckBackJob:
         settings: TransactionSettings | None = None,
         *,
         skip_unrouted: bool = False,
+        retention: RetentionSettings | None = None,
         clock: Callable[[], datetime] = _utcnow,
     ) -> None:
         self.spark = spark
@@ -189,6 +194,7 @@ class CheckBackJob:
         self.checkers = dict(checkers)
         self.settings = settings or TransactionSettings()
         self.skip_unrouted = skip_unrouted
+        self.retention = retention
         self.clock = clock
 
     # ------------------------------------------------------------------ entry points
@@ -243,6 +249,7 @@ class CheckBackJob:
         tables, so nothing is left behind).
         """
         rounds = 0
+        maintained: float | None = None
         while not stop.is_set():
             started = time.monotonic()
             try:
@@ -252,9 +259,20 @@ class CheckBackJob:
             except Exception:
                 log.exception("check-back round failed; retrying in %.0f s", interval)
             rounds += 1
+            if self._maintenance_due(maintained):
+                maintained = time.monotonic()
+                try:
+                    maintain(self.store, self.retention, clock=self.clock)
+                except Exception:
+                    log.exception("maintenance failed; the next one starts from the tables")
             stop.wait(max(0.0, interval - (time.monotonic() - started)))
         log.info("check-back loop stopped after %d round(s)", rounds)
         return rounds
+
+    def _maintenance_due(self, last: float | None) -> bool:
+        if self.retention is None or self.retention.maintenance_interval <= 0:
+            return False
+        return last is None or time.monotonic() - last >= self.retention.maintenance_interval
 
     # ------------------------------------------------------------------ steps
     def _check_batch(self, now: datetime) -> DataFrame:

@@ -6,6 +6,7 @@ rmqtx check --once                       # one check-back round on the configure
 rmqtx check --interval 30s               # a round every 30 s (at least 5s) until SIGTERM
 rmqtx check --once --checker order-service=my_service.checks:check_order
 rmqtx resume                             # re-drive every discarded message
+rmqtx maintain                           # apply retention: expire old messages, vacuum
 rmqtx status                             # topics, producer/consumer groups, discards, last run
 rmqtx status --json                      # the same, for scripts
 rmqtx tail OrderEvents -n 20             # newest committed messages of a topic
@@ -78,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="a discarded transaction to re-drive (repeatable; default: all)",
     )
 
+    sub.add_parser(
+        "maintain",
+        help="apply the [retention] settings: expire old messages and decided transactions, "
+        "vacuum unused files (rmqtx check also does it every maintenance_interval)",
+    )
+
     status = sub.add_parser(
         "status",
         help="topics, pending transactions per producer group, consumer lag, discards, last run",
@@ -136,7 +143,12 @@ def _check(args: argparse.Namespace, settings: Settings) -> int:
 
     spark = get_spark("rmqtx-check-back", settings=settings)
     job = CheckBackJob(
-        spark, store, checkers, settings.transaction, skip_unrouted=args.skip_unrouted
+        spark,
+        store,
+        checkers,
+        settings.transaction,
+        skip_unrouted=args.skip_unrouted,
+        retention=settings.retention,
     )
     job.validate()
     if interval is None:
@@ -166,6 +178,14 @@ def _resume(args: argparse.Namespace, settings: Settings) -> int:
     return EXIT_OK
 
 
+def _maintain(args: argparse.Namespace, settings: Settings) -> int:
+    from rmq_spark.retention import maintain
+
+    summary = maintain(Store.open(args.path, settings=settings, create=False), settings.retention)
+    print(summary.format())
+    return EXIT_OK
+
+
 def _status(args: argparse.Namespace, settings: Settings) -> int:
     from rmq_spark.status import format_status, store_status, to_json
 
@@ -190,9 +210,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = load_settings(args.conf)
         configure_logging(settings.log_level)
-        handler = {"check": _check, "resume": _resume, "status": _status, "tail": _tail}[
-            args.command
-        ]
+        handler = {
+            "check": _check,
+            "resume": _resume,
+            "maintain": _maintain,
+            "status": _status,
+            "tail": _tail,
+        }[args.command]
         return handler(args, settings)
     except RmqSparkError as exc:
         print(f"rmqtx {args.command}: {exc}", file=sys.stderr)

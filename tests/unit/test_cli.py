@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pyarrow as pa
@@ -38,6 +38,19 @@ def test_resume_redrives_discarded_messages(store: Store, capsys) -> None:
     assert redriven[0]["body"] == b"lost" and redriven[0]["keys"] == "o-1"
     assert main(["--path", store.root, "resume"]) == EXIT_OK  # nothing left: a no-op
     assert "re-drove 0" in capsys.readouterr().out
+
+
+def test_maintain_expires_what_retention_no_longer_keeps(tmp_path, capsys) -> None:
+    long_ago = datetime.now(UTC) - timedelta(hours=100)
+    old = Store.open(tmp_path / "store", clock=lambda: long_ago)
+    old.send([Message("Orders", b"old")], "pg")
+    Store.open(tmp_path / "store").send([Message("Orders", b"new")], "pg")
+    conf = tmp_path / "rmq.toml"
+    conf.write_text('[retention]\nfile_reserved_time = "72h"\n')
+    assert main(["--conf", str(conf), "--path", old.root, "maintain"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "messages expired" in out and " 1   1 queue(s) moved up" in out
+    assert old.table("commitlog").to_pyarrow_table().column("body").to_pylist() == [b"new"]
 
 
 def test_resume_unknown_transaction_is_a_clear_error(store: Store, capsys) -> None:
