@@ -13,6 +13,7 @@ from rmq_spark._version import __version__
 from rmq_spark.config import Settings, load_settings
 from rmq_spark.errors import (
     CorruptStoreError,
+    DataLossError,
     EpochLostError,
     InvalidMessageError,
     InvalidOptionError,
@@ -44,6 +45,7 @@ from rmq_spark.store import (
 __all__ = [
     "publish_with_delta_write",
     "CorruptStoreError",
+    "DataLossError",
     "Decision",
     "EndTransactionResult",
     "EndTransactionStatus",

@@ -71,3 +71,10 @@ class EpochLostError(RmqSparkError, RuntimeError):
     lease ran out) or belongs to another writer. The write fails so that it is retried."""
 
     error_class = "EPOCH_LOST"
+
+
+class DataLossError(RmqSparkError):
+    """A read starts below the earliest offset still stored: retention removed the messages
+    in between (Spark's Kafka source fails the same way unless ``failOnDataLoss`` is false)."""
+
+    error_class = "DATA_LOSS"

@@ -9,12 +9,15 @@ so reading up to it never skips or duplicates a message, whatever writers do mea
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping, Sequence
 
 import pyarrow.compute as pc
 
-from rmq_spark.errors import InvalidOptionError
+from rmq_spark.errors import DataLossError, InvalidOptionError
 from rmq_spark.store import Store, earliest_app_id, queue_app_id, read_arrow
+
+log = logging.getLogger(__name__)
 
 #: Per-topic, per-queue offsets. Queue ids are strings in JSON, ints here.
 Offsets = dict[str, dict[int, int]]
@@ -51,6 +54,46 @@ def earliest_offsets(store: Store, topics: Sequence[str]) -> Offsets:
         }
         for topic, queues in latest_offsets(store, topics).items()
     }
+
+
+def skip_lost(start: Offsets, earliest: Offsets, *, fail: bool) -> Offsets:
+    """``start`` with every queue that starts below its earliest offset moved up to it.
+
+    Parameters
+    ----------
+    start : Offsets
+        Where a read starts.
+    earliest : Offsets
+        The earliest offset still stored per queue (:func:`earliest_offsets`).
+    fail : bool
+        ``failOnDataLoss``: raise instead of moving up (and log a warning when moving).
+
+    Raises
+    ------
+    DataLossError
+        With ``fail``, naming every queue's lost range.
+    """
+    lost = [
+        (topic, queue_id, offset, earliest[topic][queue_id])
+        for topic, queues in sorted(start.items())
+        for queue_id, offset in sorted(queues.items())
+        if offset < earliest.get(topic, {}).get(queue_id, 0)
+    ]
+    if not lost:
+        return start
+    ranges = ", ".join(f"{t} queue {q} offsets [{s}, {e})" for t, q, s, e in lost[:10])
+    ranges += f" and {len(lost) - 10} more queue(s)" if len(lost) > 10 else ""
+    if fail:
+        raise DataLossError(
+            f"messages were removed by retention before this read reached them: {ranges}. "
+            "They cannot be read any more. Set option failOnDataLoss to false to go on from the "
+            "earliest offsets (with a warning), or read from startingOffsets 'earliest'."
+        )
+    log.warning("skipping messages removed by retention (failOnDataLoss is false): %s", ranges)
+    moved = {topic: dict(queues) for topic, queues in start.items()}
+    for topic, queue_id, _, first in lost:
+        moved[topic][queue_id] = first
+    return moved
 
 
 def parse_offsets(text: str, option: str, topics: Sequence[str]) -> str | Offsets:
