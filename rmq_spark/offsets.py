@@ -130,10 +130,13 @@ def parse_offsets(text: str, option: str, topics: Sequence[str]) -> str | Offset
     return parsed
 
 
-def resolve(spec: str | Offsets, latest: Offsets, *, cap: bool = True) -> Offsets:
+def resolve(
+    spec: str | Offsets, latest: Offsets, *, earliest: Offsets | None = None, cap: bool = True
+) -> Offsets:
     """Concrete offsets for every queue of ``latest``: ``spec`` where it says, else its rule.
 
-    Queues a JSON spec does not name start at the earliest offset, as in the Kafka source.
+    Queues a JSON spec does not name start at the earliest offset (``earliest``, default 0),
+    as in the Kafka source.
     With ``cap`` (batch bounds), offsets are capped at ``latest`` and only its queues count.
     Without it (a stream's starting offsets), a JSON offset is kept as given, and queues the
     spec names that have no messages yet are included: reading them starts there once they
@@ -146,7 +149,8 @@ def resolve(spec: str | Offsets, latest: Offsets, *, cap: bool = True) -> Offset
         for queue_id in sorted(set(queues) | (set() if cap else set(named))):
             end = queues.get(queue_id, 0)
             wanted = named.get(queue_id, LATEST if spec == "latest" else EARLIEST)
-            offset = end if wanted == LATEST else 0 if wanted == EARLIEST else wanted
+            first = (earliest or {}).get(topic, {}).get(queue_id, 0)
+            offset = end if wanted == LATEST else first if wanted == EARLIEST else wanted
             resolved[topic][queue_id] = min(offset, end) if cap else offset
     return resolved
 
