@@ -75,6 +75,11 @@ class StoreSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     #: Passed to deltalake and fsspec for object stores (credentials, region, ...).
     storage_options: dict[str, str] = field(default_factory=dict)
+    #: Most messages in one publish commit: a backlog is published in commits of this size.
+    publish_max_messages: int = 10_000
+    #: Most body bytes in one publish commit (a single decision larger than either limit is
+    #: published in one commit of its own).
+    publish_max_bytes: int = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -173,6 +178,8 @@ def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
         {
             "queue_nums": lambda v, n: parse_int(v, n, 1),
             "max_body_bytes": lambda v, n: parse_int(v, n, 1),
+            "publish_max_messages": lambda v, n: parse_int(v, n, 1),
+            "publish_max_bytes": lambda v, n: parse_int(v, n, 1),
             "path": lambda v, n: str(v),
             "storage_options": lambda v, n: {str(k): str(x) for k, x in dict(v).items()},
         },

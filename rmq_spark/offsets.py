@@ -12,10 +12,8 @@ import json
 import logging
 from collections.abc import Mapping, Sequence
 
-import pyarrow.compute as pc
-
 from rmq_spark.errors import DataLossError, InvalidOptionError
-from rmq_spark.store import Store, earliest_app_id, queue_app_id, read_arrow
+from rmq_spark.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -27,31 +25,21 @@ OFFSETS_EXAMPLE = '{"OrderEvents": {"0": 42, "1": -2}}'
 
 
 def latest_offsets(store: Store, topics: Sequence[str]) -> Offsets:
-    """The next offset of every queue of ``topics`` (queues that have messages)."""
-    commitlog = store.table("commitlog")
-    files = read_arrow(commitlog.get_add_actions(flatten=True))
-    result: Offsets = {}
-    for topic in topics:
-        mine = files.filter(pc.equal(files.column("partition.topic"), topic))
-        top = pc.max(mine.column("max.queue_id")).as_py() if mine.num_rows else None
-        queues = {}
-        for queue_id in range(0 if top is None else top + 1):
-            version = commitlog.transaction_version(queue_app_id(topic, queue_id))
-            if version is not None:
-                queues[queue_id] = version
-        result[topic] = queues
+    """The next offset of every queue of ``topics`` (queues that have messages), from one read
+    of the latest ``commitlog`` snapshot (:meth:`Store.next_offsets`)."""
+    result: Offsets = {topic: {} for topic in topics}
+    for (topic, queue_id), offset in sorted(store.next_offsets().items()):
+        if topic in result:
+            result[topic][queue_id] = offset
     return result
 
 
 def earliest_offsets(store: Store, topics: Sequence[str]) -> Offsets:
     """The earliest offset still stored in every queue of ``topics`` that has messages (0
     unless retention has removed messages: :mod:`rmq_spark.retention`)."""
-    commitlog = store.table("commitlog")
+    earliest = store.earliest_stored()
     return {
-        topic: {
-            queue_id: commitlog.transaction_version(earliest_app_id(topic, queue_id)) or 0
-            for queue_id in queues
-        }
+        topic: {queue_id: earliest.get((topic, queue_id), 0) for queue_id in queues}
         for topic, queues in latest_offsets(store, topics).items()
     }
 

@@ -66,6 +66,7 @@ from rmq_spark.errors import (
     StoreError,
     StoreVersionError,
 )
+from rmq_spark.failpoints import failpoint
 from rmq_spark.model import (
     LocalTransactionState,
     Message,
@@ -84,6 +85,7 @@ from rmq_spark.schema import (
     TIMESTAMP,
     WRITER_COLUMNS,
 )
+from rmq_spark.txnlog import app_transactions
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -93,8 +95,10 @@ MARKER_FILE = "_rmqtx_store.json"
 STORE_FORMAT = "rmq-spark-store"
 #: Application id under which ``commitlog`` records the last ``op`` version it published.
 OP_CURSOR_APP_ID = "rmqtx.publish.op_version"
-_QUEUE_APP_ID = "rmqtx.queue.{topic}.{queue_id}"
-_EARLIEST_APP_ID = "rmqtx.earliest.{topic}.{queue_id}"
+_QUEUE_APP_ID_PREFIX = "rmqtx.queue."
+_QUEUE_APP_ID = _QUEUE_APP_ID_PREFIX + "{topic}.{queue_id}"
+_EARLIEST_APP_ID_PREFIX = "rmqtx.earliest."
+_EARLIEST_APP_ID = _EARLIEST_APP_ID_PREFIX + "{topic}.{queue_id}"
 #: Tables added to layout 1 after its first stores were made: opening an older store creates
 #: them (empty) instead of refusing it. Any other missing table is damage.
 TABLES_ADDED_LATER = ("consumer_offsets", "epochs", "locks")
@@ -782,37 +786,61 @@ class Store:
     def publish(self, normal: Sequence[tuple[Message, str]] = ()) -> PublishResult:
         """Move committed messages into ``commitlog``, and send normal messages.
 
-        Publishes every COMMIT recorded in ``op`` since the last publish (by anyone), plus the
-        given normal messages, in one Delta commit with dense per-queue offsets. Safe to call
-        from any number of processes at once; a crash at any point loses nothing and
-        duplicates nothing.
+        Publishes every COMMIT recorded in ``op`` before the call (by anyone) that no publisher
+        has published yet, plus the given normal messages, with dense per-queue offsets, in
+        decision order. Safe to call from any number of processes at once; a crash at any point
+        loses nothing and duplicates nothing.
 
         Parameters
         ----------
         normal : sequence of (Message, producer_group)
-            Non-transactional messages to send in the same commit (already validated).
+            Non-transactional messages to send (already validated), all in one commit: the
+            last one, after the committed messages.
 
         Returns
         -------
         PublishResult
-            What was written, and where the normal messages went.
+            What this call wrote (over all its commits), and where the normal messages went.
 
         Notes
         -----
-        The normal messages get their ``msg_id`` and timestamps once, before the first
-        attempt, so every attempt writes the same messages. A commit lost to a concurrent
-        publisher (``CommitFailedError``) did not land and is retried from the new state. A
-        failure that does not say whether the commit landed (an I/O error, or a step after the
-        commit such as writing a checkpoint) is retried as well, but the retry first looks the
-        normal messages' ids up in ``commitlog`` (by file statistics) and does not write them
-        again if they are there. Committed transactions need no such check: a landed commit
-        moved the ``op`` cursor past them.
+        A backlog is published in successive commits of at most ``publish_max_messages``
+        messages and ``publish_max_bytes`` body bytes (store settings), each holding whole
+        ``op`` versions and moving the ``op`` cursor to the last one it holds, so memory stays
+        bounded and racing publishers share the work instead of repeating one huge write. One
+        ``op`` version larger than the limits (a large sink epoch) is one commit of its own.
+
+        Each commit is retried on its own (see :meth:`_publish_chunk`); another publisher that
+        published a chunk first makes this one go on from where that one stopped.
         """
         unsent = self._normal_rows(normal)  # ids and timestamps fixed for every attempt
+        target = self.table("op").version()
+        published, sent = 0, []
+        while True:
+            result, done = self._publish_chunk(target, unsent)
+            published += result.published
+            sent += result.sent
+            if done:
+                return PublishResult(published, result.op_version, result.commitlog_version, sent)
+            failpoint("publish.chunk")
+
+    def _publish_chunk(self, target: int, unsent: pa.Table) -> tuple[PublishResult, bool]:
+        """Publish the next chunk of committed messages up to ``op`` version ``target`` in one
+        commit, with the normal messages ``unsent`` if it is the last; return what it wrote and
+        whether it was the last.
+
+        A commit lost to a concurrent publisher (``CommitFailedError``) did not land and is
+        retried from the new state. Before writing, the attempt checks that no other publisher
+        moved the ``op`` cursor while it read the chunk (it would write data files for a commit
+        bound to fail). A failure that does not say whether the commit landed (an I/O error, or
+        a step after the commit such as writing a checkpoint) is retried as well: a landed
+        chunk moved the cursor, and the normal messages' ids are looked up in ``commitlog`` (by
+        file statistics) and not written again if they are there.
+        """
         landed: list[tuple[str, int, int]] = []  # normal messages an unsure attempt did send
         unsure: list[Exception] = []
 
-        def attempt(_: int) -> PublishResult:
+        def attempt(_: int) -> tuple[PublishResult, bool]:
             nonlocal unsent
             if unsure and unsent.num_rows:
                 found = self._landed(unsent)
@@ -821,8 +849,7 @@ class Store:
                     landed.extend(found)
                     unsent = unsent.slice(0, 0)
             commitlog = self.table("commitlog")
-            cursor = commitlog.transaction_version(OP_CURSOR_APP_ID)
-            cursor = -1 if cursor is None else cursor
+            cursor = self._op_cursor(commitlog)
             if len(unsure) > _MAX_UNSURE_ATTEMPTS:
                 if not landed:
                     raise StoreError(
@@ -830,16 +857,21 @@ class Store:
                         "messages given were not sent. Check the store's filesystem, then retry."
                     ) from unsure[-1]
                 # They were sent; committed transactions left over go with the next publish.
-                return PublishResult(len(landed), cursor, commitlog.version(), list(landed))
-            op = self.table("op")
-            op_version = op.version()
-            batch = pa.concat_tables([self._committed_since(op, cursor, op_version), unsent])
-            if batch.num_rows == 0 and op_version <= cursor:
+                return PublishResult(len(landed), cursor, commitlog.version(), list(landed)), True
+            if cursor >= target and unsent.num_rows == 0:
                 version = commitlog.version() if landed else None
-                return PublishResult(len(landed), cursor, version, list(landed))
-            batch, txns = self._assign_offsets(commitlog, batch)
-            if op_version > cursor:
-                txns.append(Transaction(OP_CURSOR_APP_ID, op_version))
+                return PublishResult(len(landed), cursor, version, list(landed)), True
+            end, batch = self._next_chunk(self.table("op"), cursor, target)
+            last = end >= target
+            if last:
+                batch = pa.concat_tables([batch, unsent])
+            read_version = commitlog.version()
+            commitlog.update_incremental()
+            if commitlog.version() != read_version and self._op_cursor(commitlog) != cursor:
+                raise CommitFailedError("another publisher moved the op cursor")
+            batch, txns = self._assign_offsets(self.next_offsets(commitlog), batch)
+            if end > cursor:
+                txns.append(Transaction(OP_CURSOR_APP_ID, end))
             try:
                 write_deltalake(
                     commitlog,
@@ -866,12 +898,50 @@ class Store:
                     strict=True,
                 )
             )
-            log.debug("published %d message(s) up to op version %d", batch.num_rows, op_version)
-            return PublishResult(
-                batch.num_rows + len(landed), op_version, commitlog.version(), landed + sent
+            log.debug("published %d message(s) up to op version %d", batch.num_rows, end)
+            result = PublishResult(
+                batch.num_rows + len(landed), max(end, cursor), commitlog.version(), landed + sent
             )
+            return result, last
 
         return _retry_commits("publish", "commitlog", attempt)
+
+    def _op_cursor(self, commitlog: DeltaTable) -> int:
+        """The last ``op`` version published into this ``commitlog`` snapshot (-1: none)."""
+        return self._app_transactions(commitlog).get(OP_CURSOR_APP_ID, -1)
+
+    def _app_transactions(self, commitlog: DeltaTable) -> Mapping[str, int]:
+        return app_transactions(
+            commitlog, self.table_uri("commitlog"), self.settings.storage_options
+        )
+
+    def next_offsets(self, commitlog: DeltaTable | None = None) -> dict[tuple[str, int], int]:
+        """The next offset of every queue that holds messages, ``{(topic, queue_id): offset}``.
+
+        Read once per ``commitlog`` snapshot (see :mod:`rmq_spark.txnlog`): the cost does not
+        grow with the number of topics and queues.
+
+        Parameters
+        ----------
+        commitlog : DeltaTable, optional
+            The snapshot to read; defaults to the latest.
+        """
+        return self._per_queue(_QUEUE_APP_ID_PREFIX, commitlog)
+
+    def earliest_stored(self, commitlog: DeltaTable | None = None) -> dict[tuple[str, int], int]:
+        """The earliest offset still stored of every queue retention has trimmed (absent: 0),
+        read like :meth:`next_offsets`."""
+        return self._per_queue(_EARLIEST_APP_ID_PREFIX, commitlog)
+
+    def _per_queue(self, prefix: str, commitlog: DeltaTable | None) -> dict[tuple[str, int], int]:
+        """``{(topic, queue_id): version}`` of the application ids ``prefix + topic.queue``."""
+        txns = self._app_transactions(commitlog or self.table("commitlog"))
+        versions = {}
+        for app_id, version in txns.items():
+            if app_id.startswith(prefix):
+                topic, queue_id = app_id[len(prefix) :].rsplit(".", 1)
+                versions[(topic, int(queue_id))] = version
+        return versions
 
     def _landed(self, rows: pa.Table) -> list[tuple[str, int, int]] | None:
         """``(msg_id, queue_id, queue_offset)`` of the normal messages ``rows`` if an earlier
@@ -891,27 +961,43 @@ class Store:
             )
         return [(m, *where[m]) for m in ids]
 
-    def _committed_since(self, op: DeltaTable, cursor: int, op_version: int) -> pa.Table:
-        """Half messages of transactions committed in op versions (cursor, op_version]."""
-        if op_version <= cursor:
-            return COMMITLOG_SCHEMA.empty_table()
-        changes = read_arrow(op.load_cdf(starting_version=cursor + 1, ending_version=op_version))
-        changes = changes.filter(
-            pc.and_(
-                pc.equal(changes.column("_change_type"), "insert"),
-                pc.equal(changes.column("decision"), "COMMIT"),
-            )
-        )
-        if changes.num_rows == 0:
-            return COMMITLOG_SCHEMA.empty_table()
-        # Publish in decision order so offsets follow commit order.
-        changes = changes.sort_by([("_commit_version", "ascending")])
-        txn_ids = changes.column("transaction_id")
+    def _next_chunk(self, op: DeltaTable, cursor: int, target: int) -> tuple[int, pa.Table]:
+        """The next chunk to publish: ``(end, rows)``, the half messages of the transactions
+        committed in ``op`` versions (cursor, end], in decision order, for the largest
+        ``end <= target`` within the publish limits (but at least one version).
+
+        Memory stays bounded: the change feed is read in growing windows of versions only until
+        ``publish_max_messages`` committed transactions are found (each has one message or
+        more), and only the half messages of those are read.
+        """
+        max_messages = self.settings.publish_max_messages
+        decided, found, end, window = [], 0, cursor, 16
+        while end < target and found < max_messages:
+            stop = min(target, end + window)
+            decided.append(self._commits_in(op, end + 1, stop))
+            found += decided[-1].num_rows
+            end, window = stop, window * 2
+        if not found:
+            return end, COMMITLOG_SCHEMA.empty_table()
+        decisions = pa.concat_tables(decided)
+        versions = decisions.column("_commit_version").to_numpy()
+        if found > max_messages:
+            end = _cut(versions, max_messages)
+            decisions = decisions.filter(pa.array(versions <= end))
+        txn_ids = decisions.column("transaction_id")
         halves = self.half_messages(txn_ids.to_pylist())
         # Decision order first, then send order: a transaction's rows are stored in one
         # append, in send order, and read back in file order.
         rank = pc.index_in(halves.column("transaction_id"), value_set=txn_ids).to_numpy()
         halves = _stable_sort(halves, rank)
+        versions = decisions.column("_commit_version").to_numpy()[np.sort(rank)]
+        sizes = pc.binary_length(halves.column("body")).to_numpy(zero_copy_only=False)
+        over = (np.arange(1, len(versions) + 1) > max_messages) | (
+            np.cumsum(sizes) > self.settings.publish_max_bytes
+        )
+        if over.any():
+            end = _cut(versions, int(np.argmax(over)))
+            halves = halves.slice(0, int(np.searchsorted(versions, end, side="right")))
         now = self.clock()
         columns = {
             name: halves.column(name)
@@ -920,8 +1006,23 @@ class Store:
         }
         columns["queue_offset"] = pa.array([0] * halves.num_rows, pa.int64())
         columns["store_timestamp"] = pa.array([now] * halves.num_rows, TIMESTAMP)
-        return pa.table(
+        return end, pa.table(
             {name: columns[name] for name in COMMITLOG_SCHEMA.names}, schema=COMMITLOG_SCHEMA
+        )
+
+    @staticmethod
+    def _commits_in(op: DeltaTable, first: int, last: int) -> pa.Table:
+        """``(transaction_id, _commit_version)`` of the COMMITs recorded in ``op`` versions
+        first..last, in decision order."""
+        changes = read_arrow(op.load_cdf(starting_version=first, ending_version=last))
+        changes = changes.filter(
+            pc.and_(
+                pc.equal(changes.column("_change_type"), "insert"),
+                pc.equal(changes.column("decision"), "COMMIT"),
+            )
+        )
+        return changes.select(["transaction_id", "_commit_version"]).sort_by(
+            [("_commit_version", "ascending")]
         )
 
     def half_messages(self, transaction_ids: Sequence[str]) -> pa.Table:
@@ -1021,9 +1122,10 @@ class Store:
 
     @staticmethod
     def _assign_offsets(
-        commitlog: DeltaTable, batch: pa.Table
+        next_offsets: Mapping[tuple[str, int], int], batch: pa.Table
     ) -> tuple[pa.Table, list[Transaction]]:
-        """Give each row the next dense offset of its queue; return the queue txn actions."""
+        """Give each row the next dense offset of its queue (``next_offsets``: the snapshot's);
+        return the queue txn actions."""
         queues = batch.select(["topic", "queue_id"])
         offsets = np.zeros(batch.num_rows, dtype=np.int64)
         next_offset: dict[tuple[str, int], int] = {}
@@ -1034,8 +1136,7 @@ class Store:
                 pc.equal(queues.column("queue_id"), queue_id),
             )
             rows = np.flatnonzero(mine.to_numpy(zero_copy_only=False))
-            known = commitlog.transaction_version(queue_app_id(topic, queue_id))
-            start = 0 if known is None else known
+            start = next_offsets.get((topic, queue_id), 0)
             offsets[rows] = np.arange(start, start + len(rows))
             next_offset[(topic, queue_id)] = start + len(rows)
         batch = batch.set_column(
@@ -1068,6 +1169,14 @@ def _may_hold(wanted: Sequence[str], low: str | None, high: str | None) -> bool:
         return True
     i = bisect_left(wanted, low)
     return i < len(wanted) and wanted[i] <= high
+
+
+def _cut(versions: np.ndarray, first_over: int) -> int:
+    """The last ``op`` version of a chunk whose rows (sorted by ``op`` version) go over the
+    publish limits at row ``first_over``: the versions before that row's, or the first version
+    whole when the row is in it."""
+    over = int(versions[first_over])
+    return over - 1 if over > versions[0] else over
 
 
 #: Above this many runs of equal rank, _stable_sort copies rows instead of slicing runs.
