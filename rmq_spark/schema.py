@@ -165,11 +165,18 @@ LOCKS_SCHEMA = pa.schema(
     ]
 )
 
+#: Every table is checkpointed every this many commits (deltalake's default, made explicit:
+#: readers of the log, :mod:`rmq_spark.txnlog` included, replay the commits after the last
+#: checkpoint). deltalake writes the checkpoint in the commit that reaches the interval,
+#: whatever the operation (append, MERGE, delete, OPTIMIZE).
+_CHECKPOINTS = {"delta.checkpointInterval": "100"}
+
 #: Table properties of the internal tables. Nobody streams from them, and removed-file
 #: tombstones kept for a week would make every commit slower (deltalake's commit cost grows
 #: with the tombstones in the snapshot), so they are kept for an hour. Do not VACUUM them with
 #: a shorter retention than your longest-running reader.
 _INTERNAL = {
+    **_CHECKPOINTS,
     "delta.enableChangeDataFeed": "true",
     "delta.deletedFileRetentionDuration": "interval 1 hours",
 }
@@ -187,9 +194,13 @@ TABLES: dict[str, tuple[pa.Schema, list[str], dict[str, str]]] = {
     "op": (OP_SCHEMA, [], _INTERNAL),
     "check_state": (CHECK_STATE_SCHEMA, [], _INTERNAL),
     "discard": (DISCARD_SCHEMA, [], _INTERNAL),
-    "check_runs": (CHECK_RUNS_SCHEMA, [], {}),
+    "check_runs": (CHECK_RUNS_SCHEMA, [], _CHECKPOINTS),
     "consumer_offsets": (CONSUMER_OFFSETS_SCHEMA, [], _INTERNAL),
     "epochs": (EPOCHS_SCHEMA, [], _INTERNAL),
     "locks": (LOCKS_SCHEMA, [], _INTERNAL),
-    "commitlog": (COMMITLOG_SCHEMA, ["topic"], {"delta.enableChangeDataFeed": "true"}),
+    "commitlog": (
+        COMMITLOG_SCHEMA,
+        ["topic"],
+        {**_CHECKPOINTS, "delta.enableChangeDataFeed": "true"},
+    ),
 }

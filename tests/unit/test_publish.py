@@ -1,0 +1,223 @@
+"""Publishing a backlog in bounded chunks, and queue offsets read once per snapshot (no Spark).
+
+Every chunked publish must keep the contract: each committed message in ``commitlog`` exactly
+once, dense offsets per queue, decision order, whatever publishers race or die.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import textwrap
+from collections import defaultdict
+from pathlib import Path
+
+import pyarrow.compute as pc
+import pytest
+from deltalake import DeltaTable
+
+from rmq_spark import Decision, LocalTransactionState, Message, Store
+from rmq_spark.config import Settings, StoreSettings
+from rmq_spark.schema import TABLES
+from rmq_spark.store import OP_CURSOR_APP_ID, queue_app_id, read_arrow
+from tests.conftest import commitlog, race
+
+COMMIT, ROLLBACK = LocalTransactionState.COMMIT, LocalTransactionState.ROLLBACK
+REPO = Path(__file__).resolve().parents[2]
+
+
+def open_store(root: Path | str, **limits: int) -> Store:
+    return Store.open(root, settings=Settings(store=StoreSettings(queue_nums=3, **limits)))
+
+
+def backlog(store: Store, decisions: int, seed: int = 7) -> list[str]:
+    """Decide ``decisions`` transactions one op version each (some rolled back, some of several
+    messages, in an order unlike their sends), publishing nothing; return the bodies of the
+    committed messages in decision order."""
+    rng = random.Random(seed)
+    prepared: list[tuple[str, list[str]]] = []
+    for t in range(decisions):
+        bodies = [f"t{t}-m{m}" for m in range(rng.choice([1, 1, 1, 2, 4]))]
+        txn = f"txn-{t:04d}"
+        store.prepare(
+            [Message(rng.choice(["A", "B"]), b, keys=f"k{rng.randrange(5)}") for b in bodies],
+            "pg",
+            transaction_ids=[txn] * len(bodies),
+        )
+        prepared.append((txn, bodies))
+    rng.shuffle(prepared)
+    expected = []
+    for txn, bodies in prepared:
+        state = COMMIT if rng.random() < 0.8 else ROLLBACK
+        store.end_transactions([Decision(txn, "pg", state)], publish=False)
+        if state is COMMIT:
+            expected += bodies
+    return expected
+
+
+def publish_commits(store: Store) -> list[list[bytes]]:
+    """The bodies written by each publish commit of ``commitlog``, in commit order."""
+    changes = read_arrow(store.table("commitlog").load_cdf(starting_version=0))
+    changes = changes.filter(pc.equal(changes.column("_change_type"), "insert"))
+    by_version: dict[int, list[bytes]] = defaultdict(list)
+    for row in changes.sort_by([("_commit_version", "ascending")]).to_pylist():
+        by_version[row["_commit_version"]].append(row["body"])
+    return [by_version[v] for v in sorted(by_version)]
+
+
+def check_published(store: Store, expected: list[str]) -> None:
+    """Exactly once; commits hold consecutive runs of the decision order; in each queue, dense
+    offsets in decision order; the op cursor at the end."""
+    commit_of = {b.decode(): i for i, bodies in enumerate(publish_commits(store)) for b in bodies}
+    assert sorted(commit_of) == sorted(expected) and len(commit_of) == len(expected)
+    order = [commit_of[b] for b in expected]
+    assert order == sorted(order)
+    rows = commitlog(store).to_pylist()
+    queues: dict[tuple[str, int], list[dict]] = defaultdict(list)
+    for r in rows:
+        queues[(r["topic"], r["queue_id"])].append(r)
+    for queue, mine in queues.items():
+        assert [r["queue_offset"] for r in mine] == list(range(len(mine))), queue
+        bodies = {r["body"].decode() for r in mine}
+        assert [r["body"].decode() for r in mine] == [b for b in expected if b in bodies], queue
+    assert store.next_offsets() == {q: len(mine) for q, mine in queues.items()}
+    cursor = store.table("commitlog").transaction_version(OP_CURSOR_APP_ID)
+    assert cursor == store.table("op").version()
+
+
+def test_backlog_is_published_in_chunks_within_the_message_limit(tmp_path: Path) -> None:
+    store = open_store(tmp_path / "s", publish_max_messages=5)
+    expected = backlog(store, 40)
+    result = store.publish()
+    assert result.published == len(expected)
+    check_published(store, expected)
+    commits = publish_commits(store)
+    assert all(len(bodies) <= 5 for bodies in commits)
+    assert len(commits) >= len(expected) // 5
+    assert store.publish().published == 0
+
+
+def test_backlog_is_published_in_chunks_within_the_byte_limit(tmp_path: Path) -> None:
+    store = open_store(tmp_path / "s", publish_max_bytes=30)  # bodies of 5 or 6 bytes
+    expected = backlog(store, 30, seed=3)
+    store.publish()
+    check_published(store, expected)
+    assert all(sum(len(b) for b in bodies) <= 30 for bodies in publish_commits(store))
+
+
+def test_one_decision_larger_than_the_limits_is_one_commit(tmp_path: Path) -> None:
+    store = open_store(tmp_path / "s", publish_max_messages=3)
+    store.prepare([Message("A", f"small-{i}") for i in range(2)], "pg", transaction_ids=["s"] * 2)
+    store.prepare([Message("A", f"big-{i}") for i in range(8)], "pg", transaction_ids=["b"] * 8)
+    for txn in ("s", "b"):
+        store.end_transactions([Decision(txn, "pg", COMMIT)], publish=False)
+    store.send([Message("A", "normal")], "pg")
+    commits = [[b.decode() for b in bodies] for bodies in publish_commits(store)]
+    assert commits == [
+        ["small-0", "small-1"],
+        [f"big-{i}" for i in range(8)] + ["normal"],  # normal messages go with the last chunk
+    ]
+    check_published(store, ["small-0", "small-1", *[f"big-{i}" for i in range(8)], "normal"])
+
+
+def _racing_publisher(root: str, name: str, barrier, out) -> None:
+    store = open_store(root, publish_max_messages=4)
+    barrier.wait(timeout=120)
+    out.put((name, store.publish().published))
+
+
+def test_racing_publishers_publish_a_backlog_exactly_once(tmp_path: Path) -> None:
+    store = open_store(tmp_path / "s", publish_max_messages=4)
+    expected = backlog(store, 45, seed=11)
+    results = race(_racing_publisher, [(store.root, n) for n in ("a", "b", "c")])
+    assert sum(results.values()) == len(expected)
+    check_published(store, expected)
+    assert all(len(bodies) <= 4 for bodies in publish_commits(store))
+
+
+def test_publisher_killed_between_chunks_and_rerun_publishes_exactly_once(tmp_path: Path) -> None:
+    store = open_store(tmp_path / "s", publish_max_messages=4)
+    expected = backlog(store, 30, seed=5)
+    child = textwrap.dedent(
+        f"""
+        from rmq_spark import Store
+        from rmq_spark.config import Settings, StoreSettings
+        settings = Settings(store=StoreSettings(queue_nums=3, publish_max_messages=4))
+        Store.open({store.root!r}, settings=settings).publish()
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", child],
+        env={**os.environ, "PYTHONPATH": str(REPO), "RMQ_SPARK_FAILPOINT": "publish.chunk"},
+        start_new_session=True,  # the failpoint kills the child's whole session
+        capture_output=True,
+        timeout=300,
+    )
+    assert proc.returncode == -9, proc.stderr.decode()
+    first = publish_commits(store)
+    assert len(first) == 1 and 0 < len(first[0]) <= 4  # died after its first chunk
+    assert store.publish().published == len(expected) - len(first[0])
+    check_published(store, expected)
+
+
+def test_every_table_is_checkpointed(tmp_path: Path) -> None:
+    store = open_store(tmp_path / "s")
+    for name in TABLES:
+        config = store.table(name).metadata().configuration
+        assert config.get("delta.checkpointInterval") == "100", name
+    # deltalake writes the checkpoint in the commit that reaches the interval, whatever the
+    # operation: appends (half), MERGEs (op, locks), publishes (commitlog), compactions.
+    for name in ("half", "op", "commitlog", "locks"):
+        store.table(name).alter.set_table_properties({"delta.checkpointInterval": "4"})
+    for i in range(6):
+        (p,) = store.prepare([Message("A", f"m{i}")], "pg")
+        store.end_transactions([Decision(p.transaction_id, "pg", COMMIT)])
+    store.compact()
+    for name in ("half", "op", "commitlog", "locks"):
+        log_dir = Path(store.table_uri(name)) / "_delta_log"
+        assert list(log_dir.glob("*.checkpoint.parquet")), name
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_next_offsets_equal_transaction_version_on_random_histories(
+    tmp_path: Path, seed: int
+) -> None:
+    rng = random.Random(seed)
+    store = open_store(tmp_path / "s")
+    uri = store.table_uri("commitlog")
+    store.table("commitlog").alter.set_table_properties(
+        {"delta.checkpointInterval": str(rng.choice([3, 5, 7]))}
+    )
+    topics = ["A", "B", "C-x", "D_y"]
+    for _ in range(25):
+        messages = [
+            Message(rng.choice(topics), b"x", keys=f"k{rng.randrange(9)}")
+            for _ in range(rng.randrange(1, 6))
+        ]
+        store.send(messages, "pg")
+        if rng.random() < 0.2:
+            store.compact("commitlog")
+        if rng.random() < 0.4:  # a fresh snapshot, or the cached one moved on incrementally
+            _check_offsets(DeltaTable(uri), uri, topics)
+    _check_offsets(store.table("commitlog"), uri, topics)
+    # Old snapshots (the newest checkpoint is past them) read the same as deltalake says.
+    for version in rng.sample(range(1, store.table("commitlog").version()), 5):
+        _check_offsets(DeltaTable(uri, version=version), uri, topics)
+
+
+def _check_offsets(table: DeltaTable, uri: str, topics: list[str]) -> None:
+    from rmq_spark.txnlog import app_transactions
+
+    txns = app_transactions(table, uri, {})
+    expected = {}
+    for topic in topics:
+        for queue_id in range(3):
+            version = table.transaction_version(queue_app_id(topic, queue_id))
+            if version is not None:
+                expected[queue_app_id(topic, queue_id)] = version
+    cursor = table.transaction_version(OP_CURSOR_APP_ID)
+    if cursor is not None:
+        expected[OP_CURSOR_APP_ID] = cursor
+    assert dict(txns) == expected, table.version()
