@@ -324,15 +324,22 @@ class RmqTxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.options = options
         self.max_per_trigger = options.max_messages_per_trigger
         self._target: Offsets | None = None
-        store = Store.open(options.path, create=False)
-        self._store_id = store.table("commitlog").metadata().id
-        check_queues(options.starting, STARTING_OFFSETS, options.queue_nums, self._latest_of(store))
+        self._opened: Store | None = None
+        self._store_id = self._store().table("commitlog").metadata().id
+        check_queues(options.starting, STARTING_OFFSETS, options.queue_nums, self._latest())
+
+    def __getstate__(self) -> dict:
+        # Spark pickles the reader for its read tasks; they open the store themselves.
+        return {**self.__dict__, "_opened": None}
+
+    def _store(self) -> Store:
+        """The store, opened once per reader: every trigger reads only what changed since."""
+        if self._opened is None:
+            self._opened = Store.open(self.options.path, create=False)
+        return self._opened
 
     def _latest(self) -> Offsets:
-        return self._latest_of(Store.open(self.options.path, create=False))
-
-    def _latest_of(self, store: Store) -> Offsets:
-        return latest_offsets(store, self.options.topics)
+        return latest_offsets(self._store(), self.options.topics)
 
     def _encode(self, offsets: Offsets) -> dict:
         return {
@@ -353,9 +360,8 @@ class RmqTxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def initialOffset(self) -> dict:
         latest = self._latest()
         if self.options.starting_timestamp is not None:
-            store = Store.open(self.options.path, create=False)
             start = timestamp_offsets(
-                store, self.options.topics, self.options.starting_timestamp, latest
+                self._store(), self.options.topics, self.options.starting_timestamp, latest
             )
         else:
             start = resolve(self.options.starting, latest, cap=False)
@@ -385,8 +391,7 @@ class RmqTxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return self._encode(end)
 
     def partitions(self, start: dict, end: dict) -> list[CommitLogSlice]:
-        store = Store.open(self.options.path, create=False)
-        return plan_slices(store, self._decode(start), self._decode(end), self.options.tags)
+        return plan_slices(self._store(), self._decode(start), self._decode(end), self.options.tags)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         return _read(partition)
