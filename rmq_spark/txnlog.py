@@ -83,7 +83,8 @@ def app_transactions(
         except _MissingCommit:
             pass  # cleaned up since: a checkpoint covers it
     if txns is None:
-        checkpoint, files = _checkpoint_at_or_before(fs, log_path, version)
+        interval = int(table.metadata().configuration.get("delta.checkpointInterval", 100))
+        checkpoint, files = _checkpoint_at_or_before(fs, log_path, version, interval)
         txns = _read_checkpoint(fs, files) if files else {}
         try:
             txns = _apply_commits(fs, log_path, txns, checkpoint + 1, version)
@@ -128,10 +129,10 @@ def _apply_commits(
 
 
 def _checkpoint_at_or_before(
-    fs: fsspec.AbstractFileSystem, log_path: str, version: int
+    fs: fsspec.AbstractFileSystem, log_path: str, version: int, interval: int
 ) -> tuple[int, list[str]]:
     """The newest complete classic checkpoint at or before ``version``: (its version, its files),
-    or (-1, []) when there is none."""
+    or (-1, []) when there is none. ``interval``: the table's checkpoint interval."""
     try:
         hint = json.loads(fs.cat_file(f"{log_path}/_last_checkpoint"))
     except (FileNotFoundError, ValueError):
@@ -150,7 +151,12 @@ def _checkpoint_at_or_before(
             f"{log_path}/{found:020d}.checkpoint.{i:010d}.{parts:010d}.parquet"
             for i in range(1, parts + 1)
         ]
-    # No hint, or a writer checkpointed past this snapshot since it was loaded: list the log.
+    # A writer checkpointed past this snapshot since it was loaded (or there is no hint). The
+    # checkpoint deltalake wrote last before it (in the commit that completed an interval) is
+    # the likely one; listing the log, which can hold many commits, is the last resort.
+    guess = (version + 1) // interval * interval - 1
+    if guess >= 0 and fs.exists(f"{log_path}/{guess:020d}.checkpoint.parquet"):
+        return guess, [f"{log_path}/{guess:020d}.checkpoint.parquet"]
     complete: dict[int, list[str]] = {}
     parts_seen: dict[tuple[int, int], list[str]] = {}
     for path in fs.ls(log_path, detail=False):
