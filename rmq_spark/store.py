@@ -14,7 +14,10 @@ How the contract (DESIGN.md section 3) is kept:
   version it has published up to and the next offset of every queue it wrote. Two publishers
   racing set the same application ids, so Delta refuses the second commit; it retries from
   the new state. Nothing is read-then-written without that check, so offsets are dense, only
-  grow, and no committed message is published twice or skipped. Normal messages get their
+  grow, and no committed message is published twice or skipped. A backlog goes out in
+  commits of bounded size, whole ``op`` versions each, in decision order; the application
+  transactions are read once per ``commitlog`` snapshot (:mod:`rmq_spark.txnlog`), not once
+  per queue. Normal messages get their
   ``msg_id`` once per publish, and a retry after a failure that does not say whether the
   commit landed looks them up in ``commitlog`` before writing them again.
 * **Nothing is lost.** ``prepare`` returns only after the half message's Delta commit.
