@@ -868,6 +868,10 @@ class Store:
             last = end >= target
             if last:
                 batch = pa.concat_tables([batch, unsent])
+            # Catch up before writing, so that a publisher that lost the race writes no files.
+            # The chunk was read for ``cursor``: the newer snapshot may be written on only if
+            # its cursor is the same (else the chunk would be published twice); offsets come
+            # from it, and Delta's conflict check guards both against any later commit.
             read_version = commitlog.version()
             commitlog.update_incremental()
             if commitlog.version() != read_version and self._op_cursor(commitlog) != cursor:
