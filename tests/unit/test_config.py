@@ -17,6 +17,8 @@ def test_shipped_conf_file_matches_rocketmq_defaults() -> None:
     assert (tx.transaction_check_max, tx.max_check_age) == (15, 72 * 3600.0)
     assert settings.store.max_body_bytes == 4 * 1024 * 1024
     assert settings.store.path == "storage"
+    assert settings.store.publish_max_messages == 10_000
+    assert settings.store.publish_max_bytes == 64 * 1024 * 1024
 
 
 def test_overrides_and_durations(tmp_path: Path) -> None:
@@ -40,6 +42,10 @@ def test_overrides_and_durations(tmp_path: Path) -> None:
         ("[store]\nqueue_num = 4\n", r"unknown setting\(s\) queue_num in \[store\]; valid: "),
         ("[stor]\n", r"unknown section\(s\) stor"),
         ("[store]\nqueue_nums = 0\n", "queue_nums needs to be an integer >= 1 but got 0"),
+        (
+            '[store]\npublish_max_bytes = "64MiB"\n',
+            "store.publish_max_bytes needs to be an integer >= 1 but got '64MiB'",
+        ),
         ('[transaction]\ntransaction_timeout = "soon"\n', "needs a duration such as"),
         ("not toml = = 1", "cannot read settings file"),
     ],
