@@ -2,7 +2,8 @@
 
 Builds a store whose CommitLog has --topics topics x 4 queues and --commits publish commits
 (each writing one message to each of --queues-per-commit random queues, with the queue and
-cursor application transactions a publish records), written directly with deltalake. Then,
+cursor application transactions a publish records), written directly with deltalake and
+compacted every ``COMPACT_EVERY_COMMITS`` commits as the publisher does. Then,
 in the same run:
 * baseline: every queue's next offset asked of deltalake one queue at a time
   (``DeltaTable.transaction_version``, the per-queue log replay rmq-spark used before);
@@ -32,7 +33,7 @@ from rmq_spark import Store
 from rmq_spark.offsets import latest_offsets
 from rmq_spark.schema import COMMITLOG_SCHEMA
 from rmq_spark.source import ReaderOptions, RmqTxStreamReader
-from rmq_spark.store import OP_CURSOR_APP_ID, queue_app_id
+from rmq_spark.store import COMPACT_EVERY_COMMITS, OP_CURSOR_APP_ID, queue_app_id
 
 QUEUES = 4
 
@@ -86,12 +87,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="rmq-offsets-bench-") as tmp:
         store = Store.open(Path(tmp) / "store")
         offsets: dict = {}
-        build_s, _ = timed(
-            lambda: [
+
+        def build() -> None:
+            for c in range(args.commits):
                 publish_like(store, rng.sample(all_queues, args.queues_per_commit), offsets, c)
-                for c in range(args.commits)
-            ]
-        )
+                if (c + 1) % COMPACT_EVERY_COMMITS == 0:
+                    store.compact("commitlog")  # as the publisher does
+
+        build_s, _ = timed(build)
         uri = store.table_uri("commitlog")
         print(
             f"offsets benchmark: {args.topics} topics x {QUEUES} queues, {args.commits} commits "
