@@ -813,8 +813,10 @@ class Store:
         bounded and racing publishers share the work instead of repeating one huge write. One
         ``op`` version larger than the limits (a large sink epoch) is one commit of its own.
 
-        Each commit is retried on its own (see :meth:`_publish_chunk`); another publisher that
-        published a chunk first makes this one go on from where that one stopped.
+        The normal messages get their ``msg_id`` and timestamps once, before the first attempt,
+        so every attempt writes the same messages. Each commit is retried on its own (see
+        :meth:`_publish_chunk`); another publisher that published a chunk first makes this one
+        go on from where that one stopped.
         """
         unsent = self._normal_rows(normal)  # ids and timestamps fixed for every attempt
         target = self.table("op").version()
