@@ -6,7 +6,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCHES = ["producer_bench.py", "checkback_bench.py", "source_bench.py", "sink_bench.py"]
+BENCHES = [
+    "producer_bench.py",
+    "publish_bench.py",
+    "offsets_bench.py",
+    "checkback_bench.py",
+    "source_bench.py",
+    "sink_bench.py",
+]
 
 if __name__ == "__main__":
     here = Path(__file__).parent
