@@ -96,7 +96,7 @@ OP_CURSOR_APP_ID = "rmqtx.publish.op_version"
 _QUEUE_APP_ID = "rmqtx.queue.{topic}.{queue_id}"
 #: Tables added to layout 1 after its first stores were made: opening an older store creates
 #: them (empty) instead of refusing it. Any other missing table is damage.
-TABLES_ADDED_LATER = ("consumer_offsets", "epochs", "locks")
+TABLES_ADDED_LATER = ("consumer_offsets", "epochs", "locks", "pending")
 #: How long a compaction holds its table's lock at most (a killed compactor's lock expires).
 _COMPACTION_LOCK_SECONDS = 600.0
 _MAX_COMMIT_ATTEMPTS = 200
