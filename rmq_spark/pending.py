@@ -118,7 +118,7 @@ def _attempt(store: Store) -> PendingUpdate:
     else:
         try:
             rows = _advance(store, current, half, half_cursor, op, op_cursor)
-        except (DeltaError, OSError) as exc:
+        except (DeltaError, OSError, pa.ArrowException) as exc:
             log.warning(
                 "pending transactions: the change feed of half versions %d-%d or op versions "
                 "%d-%d cannot be read (%s); rebuilding from a full scan",
