@@ -150,10 +150,15 @@ def _attempt(store: Store) -> PendingUpdate:
 
 
 def _advance(
-    store: Store, current: pa.Table, half: DeltaTable, half_cursor: int, op: DeltaTable, op_cursor: int
+    store: Store,
+    current: pa.Table,
+    half: DeltaTable,
+    half_cursor: int,
+    op: DeltaTable,
+    op_cursor: int,
 ) -> pa.Table:
     """``current`` (pending at the cursors) moved on to the tables' versions."""
-    inserted = _inserts(half, half_cursor, _HALF_COLUMNS)
+    inserted = inserted_since(half, half_cursor, _HALF_COLUMNS)
     # The op snapshot is read before the change feeds and never moved while in use.
     rows = current
     if inserted.num_rows:
@@ -167,12 +172,16 @@ def _advance(
         decided = store._decisions_of(op, new_ids.to_pylist())
         new = _without(new, decided)
         rows = _reduce(pa.concat_tables([current, new]))
-    decided_now = _inserts(op, op_cursor, ["transaction_id"]).column("transaction_id")
+    decided_now = inserted_since(op, op_cursor, ["transaction_id"]).column("transaction_id")
     return _without(rows, decided_now.to_pylist())
 
 
-def _inserts(table: DeltaTable, cursor: int, columns: list[str]) -> pa.Table:
-    """Rows inserted into ``table`` after version ``cursor`` up to its snapshot's version."""
+def inserted_since(table: DeltaTable, cursor: int, columns: list[str]) -> pa.Table:
+    """The ``columns`` of the rows inserted into ``table`` (appends and MERGE inserts) after
+    version ``cursor``, up to the version of its snapshot, read from its change data feed.
+
+    Raises deltalake's or pyarrow's errors when the feed of that range cannot be read.
+    """
     version = table.version()
     if version <= cursor:
         return pa.table({c: pa.array([], pa.string()) for c in columns})
