@@ -3,7 +3,10 @@
 RocketMQ's compensation loop (``TransactionalMessageCheckService``) as a Spark job:
 
 1. **Pending** = half messages with no op record (an anti-join; nothing already decided is
-   ever checked, unlike apache/rocketmq#1517).
+   ever checked, unlike apache/rocketmq#1517), kept incrementally in the ``pending`` table
+   (:mod:`rmq_spark.pending`): a round reads what is pending and what was added since the
+   last round, never the decided history (rule 9). Bodies are read by id for the due
+   transactions only.
 2. **Check batch**: pending transactions whose age is at least the transaction timeout and
    their own ``CHECK_IMMUNITY_TIME_IN_SECONDS``, and at most the maximum check age (older ones
    are skipped and reported). Ages are measured on this job's clock from when it first saw the
@@ -24,6 +27,8 @@ RocketMQ's compensation loop (``TransactionalMessageCheckService``) as a Spark j
    have an ``op`` row, never for ones missing from this run's snapshot: a concurrent job with
    a newer snapshot may have just recorded them, and forgetting would postpone their check
    max and max age for ever.
+6. **Discard repair**: a check-max rollback whose discard write a crash cut off is found among
+   the ``op`` rows inserted since the op version recorded in ``discard``.
 
 Every run writes a row to ``check_runs`` and returns a :class:`CheckBackResult` whose
 ``check_batch`` DataFrame shows what was asked and why.
@@ -273,7 +278,7 @@ class CheckBackJob:
         state = read_table(self.spark, self.store, "check_state").select(
             "transaction_id", "first_seen", "check_count"
         )
-        pending = self.spark.createDataFrame(self._pending.rows)
+        pending = self._to_spark(self._pending.rows)
         now_lit = F.lit(now).cast("timestamp")
         first_seen = F.coalesce(F.col("first_seen"), now_lit)
         age = F.unix_micros(now_lit) - F.unix_micros(first_seen)
@@ -314,7 +319,11 @@ class CheckBackJob:
         """The bodies of the due transactions' representative messages, read by id."""
         due = classified.where(F.col("reason") == CHECK).select("transaction_id").toArrow()
         half = self.store.half_messages(due.column("transaction_id").to_pylist())
-        return self.spark.createDataFrame(half.select(["transaction_id", "msg_id", "body"]))
+        return self._to_spark(half.select(["transaction_id", "msg_id", "body"]))
+
+    def _to_spark(self, table: pa.Table) -> DataFrame:
+        # Spark cannot take an Arrow table without chunks (an empty filter result).
+        return self.spark.createDataFrame(table if table.num_rows else table.schema.empty_table())
 
     def _refuse_unrouted(self, pending: pa.Table) -> None:
         if self.skip_unrouted:
@@ -523,19 +532,19 @@ class CheckBackJob:
         """Record check-max rollbacks whose discard write was cut off by a crash.
 
         Reads the ``op`` rows inserted since the op version recorded in ``discard`` (an
-        application transaction, advanced with the repairs, or every
-        ``_DISCARD_CURSOR_LAG`` op versions), so the cost follows the new decisions.
+        application transaction, recorded with the repairs, or when it lags
+        ``_DISCARD_CURSOR_LAG`` op versions behind), so the cost follows the new decisions.
         """
         discard = self.store.table("discard")
         cursor = discard.transaction_version(DISCARD_CURSOR_APP_ID)
         op = self.store.table("op")
         version = op.version()
-        if cursor is not None and version - cursor < _DISCARD_CURSOR_LAG:
+        if cursor is not None and cursor >= version:
             return
         maxed = self._check_max_rollbacks(op, cursor)
-        recorded = self.store.discarded(maxed)
-        missing = sorted(set(maxed) - recorded)
-        self._insert_discards(missing, self.clock(), op_version=version)
+        missing = sorted(set(maxed) - self.store.discarded(maxed))
+        if missing or cursor is None or version - cursor >= _DISCARD_CURSOR_LAG:
+            self._insert_discards(missing, self.clock(), op_version=version)
 
     def _check_max_rollbacks(self, op: DeltaTable, cursor: int | None) -> list[str]:
         """Transactions rolled back at the check max in ``op`` versions after ``cursor``."""
