@@ -21,6 +21,9 @@ How it stays exact (it always equals the full anti-join of the versions it cover
   vacuumed, compacted files vacuumed, log cleaned up): the update rebuilds from a full scan and
   logs why.
 
+Every update rewrites the table, so every ``COMPACT_EVERY_COMMITS`` versions it vacuums the
+files older versions left behind (past the table's one-hour tombstone retention).
+
 Deleted half rows (retention) are ignored: retention deletes only decided transactions, which
 are not pending. Nothing but this module writes ``pending``.
 """
@@ -38,7 +41,14 @@ from deltalake.exceptions import DeltaError
 
 from rmq_spark.failpoints import failpoint
 from rmq_spark.schema import PENDING_SCHEMA, TABLES
-from rmq_spark.store import Store, _retry_commits, _with_uris, read_arrow, read_files
+from rmq_spark.store import (
+    COMPACT_EVERY_COMMITS,
+    Store,
+    _retry_commits,
+    _with_uris,
+    read_arrow,
+    read_files,
+)
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +67,6 @@ class PendingUpdate:
     rows: pa.Table
     half_version: int
     op_version: int
-    #: Decided transactions this update removed from ``pending`` (when it changed anything).
-    left: frozenset[str]
 
 
 def update_pending(store: Store) -> PendingUpdate:
@@ -101,7 +109,7 @@ def _attempt(store: Store) -> PendingUpdate:
     half_version, op_version = half.version(), op.version()
     current = _read(store, pending)
     if (half_cursor, op_cursor) == (half_version, op_version):
-        return PendingUpdate(current, half_version, op_version, frozenset())
+        return PendingUpdate(current, half_version, op_version)
     if half_cursor is None or op_cursor is None:
         log.info("pending transactions: no recorded versions; rebuilding from a full scan")
         rows = _scan(store, half, op)
@@ -142,11 +150,21 @@ def _attempt(store: Store) -> PendingUpdate:
             custom_metadata={"rmqtx.operation": "update pending"},
         ),
     )
-    left = set(current.column("transaction_id").to_pylist()) - set(
-        rows.column("transaction_id").to_pylist()
-    )
     log.debug("pending transactions: %d at half %d, op %d", rows.num_rows, half_version, op_version)
-    return PendingUpdate(rows, half_version, op_version, frozenset(left))
+    if pending.version() % COMPACT_EVERY_COMMITS == 0:
+        _vacuum(pending)
+    return PendingUpdate(rows, half_version, op_version)
+
+
+def _vacuum(pending: DeltaTable) -> None:
+    """Delete the files of older versions (every update rewrites the table) once they are past
+    the table's tombstone retention. Never raises: the update has landed."""
+    try:
+        deleted = pending.vacuum(dry_run=False)
+    except Exception:
+        log.warning("vacuum of the pending table failed; a later update retries", exc_info=True)
+        return
+    log.debug("vacuumed %d old file(s) of the pending table", len(deleted))
 
 
 def _advance(

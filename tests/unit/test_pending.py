@@ -290,3 +290,18 @@ def test_an_update_killed_before_its_commit_leaves_the_old_state(store: Store) -
     update_pending(store)
     assert p.transaction_id in {r["transaction_id"] for r in stored(store)}
     assert plain(stored(store)) == plain(oracle(store))
+
+
+def test_updates_past_a_vacuum_stay_exact(store: Store) -> None:
+    """Every update rewrites the table and every COMPACT_EVERY_COMMITS versions vacuums it."""
+    from rmq_spark.store import COMPACT_EVERY_COMMITS
+
+    for i in range(COMPACT_EVERY_COMMITS + 2):
+        (p,) = store.prepare([Message("T", str(i).encode())], "g1")
+        if i % 3 == 0:
+            store.end_transactions(
+                [Decision(p.transaction_id, "g1", LocalTransactionState.ROLLBACK)], publish=False
+            )
+        update_pending(store)
+    assert store.table("pending").version() > COMPACT_EVERY_COMMITS
+    assert plain(stored(store)) == plain(oracle(store))
