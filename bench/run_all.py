@@ -6,7 +6,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCHES = ["producer_bench.py", "checkback_bench.py", "source_bench.py", "sink_bench.py"]
+BENCHES = [
+    "producer_bench.py",
+    "checkback_bench.py",
+    "checkback_history_bench.py",
+    "source_bench.py",
+    "sink_bench.py",
+]
 
 if __name__ == "__main__":
     here = Path(__file__).parent
