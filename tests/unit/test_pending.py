@@ -83,8 +83,9 @@ class History:
                 self.killed_update,
                 self.two_updaters,
                 self.lose_pending,
+                self.retire,
             ],
-            weights=[6, 2, 4, 3, 1, 1, 1, 4, 1, 1, 0.3],
+            weights=[6, 2, 4, 3, 1, 1, 1, 4, 1, 1, 0.3, 1],
         )[0]
         action()
 
@@ -149,6 +150,17 @@ class History:
         self.store.merge(
             "half", rows, ["transaction_id", "msg_id"], lambda m: m.when_not_matched_insert_all()
         )
+
+    def retire(self) -> None:
+        """Retention: the half rows of some decided transactions, then their op rows, are
+        deleted by MERGEs (as rmq_spark.retention does)."""
+        decided = self.store.query("op", "true").column("transaction_id").to_pylist()
+        chosen = self.rng.sample(decided, k=min(len(decided), self.rng.randint(1, 3)))
+        if not chosen:
+            return
+        ids = pa.table({"transaction_id": pa.array(chosen, pa.string())})
+        for name in ("half", "op"):
+            self.store.merge(name, ids, "transaction_id", lambda m: m.when_matched_delete())
 
     def compact(self) -> None:
         self.store.compact("half", "op")
