@@ -11,6 +11,8 @@ BENCHES = [
     "publish_bench.py",
     "offsets_bench.py",
     "checkback_bench.py",
+    "checkback_history_bench.py",
+    "retention_bench.py",
     "source_bench.py",
     "sink_bench.py",
 ]

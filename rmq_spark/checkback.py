@@ -3,7 +3,10 @@
 RocketMQ's compensation loop (``TransactionalMessageCheckService``) as a Spark job:
 
 1. **Pending** = half messages with no op record (an anti-join; nothing already decided is
-   ever checked, unlike apache/rocketmq#1517).
+   ever checked, unlike apache/rocketmq#1517), kept incrementally in the ``pending`` table
+   (:mod:`rmq_spark.pending`): a round reads what is pending and what was added since the
+   last round, never the decided history (rule 9). Bodies are read by id for the due
+   transactions only.
 2. **Check batch**: pending transactions whose age is at least the transaction timeout and
    their own ``CHECK_IMMUNITY_TIME_IN_SECONDS``, and at most the maximum check age (older ones
    are skipped and reported). Ages are measured on this job's clock from when it first saw the
@@ -24,6 +27,8 @@ RocketMQ's compensation loop (``TransactionalMessageCheckService``) as a Spark j
    have an ``op`` row, never for ones missing from this run's snapshot: a concurrent job with
    a newer snapshot may have just recorded them, and forgetting would postpone their check
    max and max age for ever.
+6. **Discard repair**: a check-max rollback whose discard write a crash cut off is found among
+   the ``op`` rows inserted since the op version recorded in ``discard``.
 
 Every run writes a row to ``check_runs`` and returns a :class:`CheckBackResult` whose
 ``check_batch`` DataFrame shows what was asked and why.
@@ -41,6 +46,8 @@ from datetime import UTC, datetime
 
 import pyarrow as pa
 import pyarrow.compute as pc
+from deltalake import CommitProperties, DeltaTable, Transaction
+from deltalake.exceptions import DeltaError
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
@@ -50,6 +57,7 @@ from rmq_spark.epochs import WRITER_ALIVE, EpochChecker
 from rmq_spark.errors import InvalidOptionError
 from rmq_spark.failpoints import failpoint
 from rmq_spark.model import PROPERTY_CHECK_IMMUNITY, LocalTransactionState, new_id
+from rmq_spark.pending import PendingUpdate, inserted_since, update_pending
 from rmq_spark.report import read_table
 from rmq_spark.retention import maintain
 from rmq_spark.schema import (
@@ -75,6 +83,11 @@ CHECK, NOT_YET_DUE, TOO_OLD, UNROUTED = (
     ("no checker for producer group"),
 )
 _DECISION_CHUNK = 20_000
+#: Application id under which ``discard`` records the ``op`` version up to which every
+#: check-max rollback has its discard rows.
+DISCARD_CURSOR_APP_ID = "rmqtx.discard.op_version"
+#: Op versions a discard repair may lag behind before it records how far it has looked.
+_DISCARD_CURSOR_LAG = 20
 _STATE_COLUMNS = ["transaction_id", "producer_group", "first_seen", "check_count"]
 ANSWERS_DDL = "transaction_id string, answer string, error string"
 _ANSWERS_ARROW = pa.schema(
@@ -196,6 +209,8 @@ class CheckBackJob:
         self.skip_unrouted = skip_unrouted
         self.retention = retention
         self.clock = clock
+        #: This run's pending transactions (set when its check batch is made).
+        self._pending: PendingUpdate | None = None
 
     # ------------------------------------------------------------------ entry points
     def validate(self) -> None:
@@ -277,21 +292,11 @@ class CheckBackJob:
     # ------------------------------------------------------------------ steps
     def _check_batch(self, now: datetime) -> DataFrame:
         """Pending transactions, classified, frozen for the rest of the run."""
-        half = read_table(self.spark, self.store, "half")
-        op = read_table(self.spark, self.store, "op").select("transaction_id")
+        self._pending = update_pending(self.store)
         state = read_table(self.spark, self.store, "check_state").select(
             "transaction_id", "first_seen", "check_count"
         )
-        message_columns = [c for c in HALF_SCHEMA.names if c != "transaction_id"]
-        pending = (
-            half.join(op, "transaction_id", "left_anti")
-            .groupBy("transaction_id")
-            .agg(
-                F.min_by(F.struct(*message_columns), "msg_id").alias("m"),
-                F.count("*").alias("message_count"),
-            )
-            .select("transaction_id", "m.*", "message_count")
-        )
+        pending = self._to_spark(self._pending.rows)
         now_lit = F.lit(now).cast("timestamp")
         first_seen = F.coalesce(F.col("first_seen"), now_lit)
         age = F.unix_micros(now_lit) - F.unix_micros(first_seen)
@@ -325,7 +330,18 @@ class CheckBackJob:
             .withColumn("reason", reason)
         )
         # Frozen: the run writes op and check_state, which must not change what it decides.
-        return classified.localCheckpoint(eager=True)
+        classified = classified.localCheckpoint(eager=True)
+        return classified.join(self._bodies(classified), ["transaction_id", "msg_id"], "left")
+
+    def _bodies(self, classified: DataFrame) -> DataFrame:
+        """The bodies of the due transactions' representative messages, read by id."""
+        due = classified.where(F.col("reason") == CHECK).select("transaction_id").toArrow()
+        half = self.store.half_messages(due.column("transaction_id").to_pylist())
+        return self._to_spark(half.select(["transaction_id", "msg_id", "body"]))
+
+    def _to_spark(self, table: pa.Table) -> DataFrame:
+        # Spark cannot take an Arrow table without chunks (an empty filter result).
+        return self.spark.createDataFrame(table if table.num_rows else table.schema.empty_table())
 
     def _refuse_unrouted(self, pending: pa.Table) -> None:
         if self.skip_unrouted:
@@ -515,10 +531,15 @@ class CheckBackJob:
         """Drop the check_state rows of decided transactions (``ended`` by this run, or with
         an ``op`` row). Never by absence from this run's snapshot: a concurrent job with a newer
         snapshot may have recorded a transaction this run never saw, and forgetting it would
-        restart its clock and check count, postponing check max and max age for ever."""
+        restart its clock and check count, postponing check max and max age for ever. Only
+        rows of transactions outside this run's pending ones are looked up in ``op``, so the
+        cost follows the pending transactions, not the history."""
+        assert self._pending is not None
         known = self.store.table("check_state").to_pyarrow_table(columns=["transaction_id"])
         known_ids = set(known.column("transaction_id").to_pylist())
-        gone = (known_ids & ended) | set(self.store.decisions(sorted(known_ids - ended)))
+        pending_ids = set(self._pending.rows.column("transaction_id").to_pylist())
+        unsure = sorted(known_ids - ended - pending_ids)
+        gone = (known_ids & ended) | set(self.store.decisions(unsure))
         if gone:
             ids = pa.table({"transaction_id": pa.array(sorted(gone), pa.string())})
             self.store.merge(
@@ -526,18 +547,54 @@ class CheckBackJob:
             )
 
     def _repair_discards(self) -> None:
-        """Record check-max rollbacks whose discard write was cut off by a crash."""
-        maxed = self.store.query("op", f"decided_by = '{DECIDED_BY_CHECK_MAX}'")
-        if maxed.num_rows == 0:
-            return
-        recorded = self.store.table("discard").to_pyarrow_table(columns=["transaction_id"])
-        missing = set(maxed.column("transaction_id").to_pylist()) - set(
-            recorded.column("transaction_id").to_pylist()
-        )
-        self._insert_discards(sorted(missing), self.clock())
+        """Record check-max rollbacks whose discard write was cut off by a crash.
 
-    def _insert_discards(self, transaction_ids: list[str], now: datetime) -> None:
+        Reads the ``op`` rows inserted since the op version recorded in ``discard`` (an
+        application transaction, recorded with the repairs, or when it lags
+        ``_DISCARD_CURSOR_LAG`` op versions behind), so the cost follows the new decisions.
+        """
+        discard = self.store.table("discard")
+        cursor = discard.transaction_version(DISCARD_CURSOR_APP_ID)
+        op = self.store.table("op")
+        version = op.version()
+        if cursor is not None and cursor >= version:
+            return
+        maxed = self._check_max_rollbacks(op, cursor)
+        missing = sorted(set(maxed) - self.store.discarded(maxed))
+        if missing or cursor is None or version - cursor >= _DISCARD_CURSOR_LAG:
+            self._insert_discards(missing, self.clock(), op_version=version)
+
+    def _check_max_rollbacks(self, op: DeltaTable, cursor: int | None) -> list[str]:
+        """Transactions rolled back at the check max in ``op`` versions after ``cursor``."""
+        if cursor is not None:
+            try:
+                return [
+                    r["transaction_id"]
+                    for r in inserted_since(
+                        op, cursor, ["transaction_id", "decided_by"]
+                    ).to_pylist()
+                    if r["decided_by"] == DECIDED_BY_CHECK_MAX
+                ]
+            except (DeltaError, OSError, pa.ArrowException) as exc:
+                log.warning(
+                    "op change feed unreadable (%s); scanning op for check-max rollbacks", exc
+                )
+        maxed = self.store.query("op", f"decided_by = '{DECIDED_BY_CHECK_MAX}'")
+        return maxed.column("transaction_id").to_pylist()
+
+    def _insert_discards(
+        self, transaction_ids: list[str], now: datetime, *, op_version: int | None = None
+    ) -> None:
+        """Record discards; with ``op_version``, in the same commit record that every
+        check-max rollback up to that ``op`` version has its discard rows."""
+        cursor = (
+            None
+            if op_version is None
+            else CommitProperties(app_transactions=[Transaction(DISCARD_CURSOR_APP_ID, op_version)])
+        )
         if not transaction_ids:
+            if cursor is not None:
+                self.store.append("discard", DISCARD_SCHEMA.empty_table(), cursor)
             return
         half = self.store.half_messages(transaction_ids)
         n = half.num_rows
@@ -552,7 +609,11 @@ class CheckBackJob:
         )
         # A re-driven message keeps its msg_id: each discarded transaction has its own row.
         self.store.merge(
-            "discard", rows, ["transaction_id", "msg_id"], lambda m: m.when_not_matched_insert_all()
+            "discard",
+            rows,
+            ["transaction_id", "msg_id"],
+            lambda m: m.when_not_matched_insert_all(),
+            cursor,
         )
         log.warning(
             "discarded %d message(s) after %d unanswered checks; inspect the discard "

@@ -68,6 +68,15 @@ COMMITLOG_SCHEMA = pa.schema(
     ]
 )
 
+#: Pending transactions (half messages with no ``op`` row), one row per transaction: its first
+#: message by ``msg_id`` without the body, and how many half messages it has. Maintained
+#: incrementally by rmq_spark/pending.py; the half and op versions it covers are Delta
+#: application transactions of its commits.
+PENDING_SCHEMA = pa.schema(
+    [f for f in HALF_SCHEMA if f.name != "body"]
+    + [pa.field("message_count", pa.int64(), nullable=False)]
+)
+
 #: Check-back bookkeeping: one row per pending transaction the check-back job has seen.
 #: Ages are measured on the check-back job's clock from ``first_seen``, never on producers'.
 CHECK_STATE_SCHEMA = pa.schema(
@@ -192,6 +201,8 @@ COLUMNS_ADDED_LATER: dict[str, list[pa.Field]] = {
 TABLES: dict[str, tuple[pa.Schema, list[str], dict[str, str]]] = {
     "half": (HALF_SCHEMA, [], _INTERNAL),
     "op": (OP_SCHEMA, [], _INTERNAL),
+    # Rewritten whole by each update: no change feed (nobody reads one), tombstones for an hour.
+    "pending": (PENDING_SCHEMA, [], {"delta.deletedFileRetentionDuration": "interval 1 hours"}),
     "check_state": (CHECK_STATE_SCHEMA, [], _INTERNAL),
     "discard": (DISCARD_SCHEMA, [], _INTERNAL),
     "check_runs": (CHECK_RUNS_SCHEMA, [], _CHECKPOINTS),

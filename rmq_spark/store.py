@@ -104,7 +104,7 @@ _EARLIEST_APP_ID_PREFIX = "rmqtx.earliest."
 _EARLIEST_APP_ID = _EARLIEST_APP_ID_PREFIX + "{topic}.{queue_id}"
 #: Tables added to layout 1 after its first stores were made: opening an older store creates
 #: them (empty) instead of refusing it. Any other missing table is damage.
-TABLES_ADDED_LATER = ("consumer_offsets", "epochs", "locks")
+TABLES_ADDED_LATER = ("consumer_offsets", "epochs", "locks", "pending")
 #: How long a compaction holds its table's lock at most (a killed compactor's lock expires).
 _COMPACTION_LOCK_SECONDS = 600.0
 _MAX_COMMIT_ATTEMPTS = 200
@@ -529,7 +529,9 @@ class Store:
             for mid, tid, qid in zip(msg_ids, transaction_ids, queue_ids, strict=True)
         ]
 
-    def append(self, name: str, data: pa.Table) -> int:
+    def append(
+        self, name: str, data: pa.Table, commit_properties: CommitProperties | None = None
+    ) -> int:
         """Blind-append rows to one of the store's tables; return the committed version.
 
         Blind appends never conflict, but under many concurrent writers deltalake can run out
@@ -539,7 +541,13 @@ class Store:
 
         def attempt(n: int) -> int:
             dt = self.table(name, latest=n > 0)
-            write_deltalake(dt, data, mode="append", partition_by=TABLES[name][1] or None)
+            write_deltalake(
+                dt,
+                data,
+                mode="append",
+                partition_by=TABLES[name][1] or None,
+                commit_properties=commit_properties,
+            )
             # After a write, the DeltaTable holds the snapshot of its own commit, even when
             # concurrent appends landed first.
             return dt.version()
@@ -554,13 +562,15 @@ class Store:
         source: pa.Table,
         on: str | Sequence[str],
         clauses: Callable[[TableMerger], TableMerger],
+        commit_properties: CommitProperties | None = None,
     ) -> dict[str, Any]:
         """MERGE ``source`` (alias ``s``) into a table (alias ``t``) where the ``on`` columns
         are equal.
 
         ``clauses`` adds the WHEN clauses to deltalake's ``TableMerger``. A commit lost to a
         concurrent writer is retried from the new snapshot, so conditions in the clauses are
-        evaluated against what is really there.
+        evaluated against what is really there. ``commit_properties`` go with the commit (for
+        example application transactions recorded with it).
         """
         keys = [on] if isinstance(on, str) else list(on)
 
@@ -571,6 +581,7 @@ class Store:
                 predicate=" AND ".join(f"t.{k} = s.{k}" for k in keys),
                 source_alias="s",
                 target_alias="t",
+                commit_properties=commit_properties,
             )
             return clauses(merger).execute(), table.version()
 
@@ -773,6 +784,11 @@ class Store:
             COMMIT or ROLLBACK per decided transaction; undecided ones are absent.
         """
         return self._decisions_of(self.table("op"), list(transaction_ids))
+
+    def discarded(self, transaction_ids: Sequence[str]) -> set[str]:
+        """Which of the given transactions have rows in ``discard`` (files pruned by id)."""
+        rows = self._rows_by_id(self.table("discard"), "discard", transaction_ids)
+        return set(rows.column("transaction_id").to_pylist())
 
     def _decisions_of(self, op: DeltaTable, ids: list[str]) -> dict[str, LocalTransactionState]:
         rows = self._rows_by_id(op, "op", ids)

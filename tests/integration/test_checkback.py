@@ -423,3 +423,50 @@ def test_two_resumes_at_once_redrive_each_message_once(spark, store: Store) -> N
         r["redriven_transaction_id"] for r in store.table("discard").to_pyarrow_table().to_pylist()
     }
     assert_redriven_exactly_once(store, discarded)
+
+
+def test_check_max_rollbacks_cut_off_before_their_discard_are_repaired(spark, store) -> None:
+    """A job killed between a check-max rollback and its discard write: the next round
+    records the discard, whether it has to look at the whole op table (no recorded op
+    version yet) or only at what was decided since the recorded one."""
+    from rmq_spark.checkback import DECIDED_BY_CHECK_MAX
+    from rmq_spark.store import Decision, LocalTransactionState
+
+    clock = Clock()
+
+    def cut_off(tid: str) -> None:
+        rollback = LocalTransactionState.ROLLBACK
+        store.end_transactions([Decision(tid, "pg", rollback, DECIDED_BY_CHECK_MAX)])
+
+    first, second = prepare(store, "UNKNOWN", "UNKNOWN")
+    cut_off(first)
+    job(spark, store, clock).run_once()
+    discarded = store.table("discard").to_pyarrow_table().column("transaction_id").to_pylist()
+    assert discarded == [first]
+    cut_off(second)
+    job(spark, store, clock).run_once()
+    discarded = store.table("discard").to_pyarrow_table().column("transaction_id").to_pylist()
+    assert sorted(discarded) == sorted([first, second])
+    job(spark, store, clock).run_once()
+    assert store.table("discard").to_pyarrow_table().num_rows == 2
+
+
+def test_rounds_do_not_read_the_decided_history(spark, store: Store) -> None:
+    """Once a round has recorded what it covered, the next rounds read only what is pending and
+    new: decided history whose data files are gone does not stop them (a full scan would)."""
+    from rmq_spark.store import Decision, LocalTransactionState
+
+    clock = Clock()
+    old = prepare(store, "COMMIT", "COMMIT")
+    store.end_transactions([Decision(t, "pg", LocalTransactionState.COMMIT) for t in old])
+    job(spark, store, clock).run_once()
+    old_files = store.data_files("half").column("uri").to_pylist()
+    new = prepare(store, "COMMIT", "UNKNOWN")
+    for uri in old_files:
+        os.remove(uri)  # the history's files: a full scan of half would fail
+    clock.advance(10)
+    job(spark, store, clock).run_once()
+    clock.advance(10)
+    s = job(spark, store, clock).run_once().summary
+    assert (s.pending_found, s.committed, s.unknown) == (2, 1, 1)
+    assert set(visible_ids(store)) == set(old) | {new[0]}
