@@ -35,11 +35,12 @@ def latest_offsets(store: Store, topics: Sequence[str]) -> Offsets:
 
 
 def earliest_offsets(store: Store, topics: Sequence[str]) -> Offsets:
-    """The earliest offset still stored in every queue of ``topics`` that has messages (0
-    unless retention has removed messages: :mod:`rmq_spark.retention`)."""
-    earliest = store.earliest_stored()
+    """The earliest offset still stored in every queue of ``topics`` that has had messages (0
+    unless retention removed some: :mod:`rmq_spark.retention`), from one read of the latest
+    ``commitlog`` snapshot."""
+    trimmed = store.earliest_stored()
     return {
-        topic: {queue_id: earliest.get((topic, queue_id), 0) for queue_id in queues}
+        topic: {q: trimmed.get((topic, q), 0) for q in queues}
         for topic, queues in latest_offsets(store, topics).items()
     }
 

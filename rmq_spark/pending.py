@@ -44,10 +44,10 @@ from rmq_spark.schema import PENDING_SCHEMA, TABLES
 from rmq_spark.store import (
     COMPACT_EVERY_COMMITS,
     Store,
-    _retry_commits,
-    _with_uris,
     read_arrow,
     read_files,
+    retry_commits,
+    with_uris,
 )
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ def update_pending(store: Store) -> PendingUpdate:
     Safe to run from any number of processes at once and to kill at any point: see the
     module docstring.
     """
-    return _retry_commits("update pending transactions", "pending", lambda _: _attempt(store))
+    return retry_commits("update pending transactions", "pending", lambda _: _attempt(store))
 
 
 def scan_pending(store: Store) -> pa.Table:
@@ -187,7 +187,7 @@ def _advance(
             pc.invert(pc.is_in(new.column("transaction_id"), value_set=current.column(0))),
         )
         # Transactions not pending before may have been decided before the op cursor.
-        decided = store._decisions_of(op, new_ids.to_pylist())
+        decided = store.decisions(new_ids.to_pylist(), op=op)
         new = _without(new, decided)
         rows = _reduce(pa.concat_tables([current, new]))
     decided_now = inserted_since(op, op_cursor, ["transaction_id"]).column("transaction_id")
@@ -218,12 +218,12 @@ def _scan(store: Store, half: DeltaTable, op: DeltaTable) -> pa.Table:
     schema = pa.schema([PENDING_SCHEMA.field(c) for c in _HALF_COLUMNS])
     options = store.settings.storage_options
     decided = read_files(
-        _with_uris(op, store.table_uri("op")).column("uri").to_pylist(),
+        with_uris(op, store.table_uri("op")).column("uri").to_pylist(),
         pa.schema([TABLES["op"][0].field("transaction_id")]),
         options,
     ).column("transaction_id")
     rows = read_files(
-        _with_uris(half, store.table_uri("half")).column("uri").to_pylist(),
+        with_uris(half, store.table_uri("half")).column("uri").to_pylist(),
         schema,
         options,
         lambda t: pc.invert(pc.is_in(t.column("transaction_id"), value_set=decided)),
@@ -233,7 +233,7 @@ def _scan(store: Store, half: DeltaTable, op: DeltaTable) -> pa.Table:
 
 
 def _read(store: Store, pending: DeltaTable) -> pa.Table:
-    uris = _with_uris(pending, store.table_uri("pending")).column("uri").to_pylist()
+    uris = with_uris(pending, store.table_uri("pending")).column("uri").to_pylist()
     return read_files(uris, PENDING_SCHEMA, store.settings.storage_options)
 
 

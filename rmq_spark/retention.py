@@ -49,7 +49,7 @@ from deltalake import CommitProperties, Transaction
 from rmq_spark.config import RetentionSettings
 from rmq_spark.failpoints import failpoint
 from rmq_spark.model import new_id
-from rmq_spark.store import OP_CURSOR_APP_ID, Store, _retry_commits, earliest_app_id, sql_string
+from rmq_spark.store import Store, earliest_app_id, retry_commits, sql_string
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ def maintain(
     now = (clock or store.clock)()
     summary = MaintenanceSummary(run_id=new_id())
     started = time.monotonic()
-    if not store._lock("maintain", summary.run_id, _LOCK_SECONDS):
+    if not store.lock("maintain", summary.run_id, _LOCK_SECONDS):
         summary.skipped = "another maintenance run holds the store's maintain lock"
         log.info("%s", summary.format())
         return summary
@@ -141,7 +141,7 @@ def maintain(
         )
         _vacuum(store, settings, summary)
     finally:
-        store._lock("maintain", summary.run_id, 0.0)
+        store.lock("maintain", summary.run_id, 0.0)
     summary.duration_seconds = time.monotonic() - started
     log.info("%s", summary.format())
     return summary
@@ -188,7 +188,7 @@ def _expire_messages(store: Store, cutoff: datetime, summary: MaintenanceSummary
             )
         return deleted, len(moves)
 
-    summary.messages_expired, summary.queues_advanced = _retry_commits(
+    summary.messages_expired, summary.queues_advanced = retry_commits(
         "expire CommitLog messages", "commitlog", attempt
     )
 
@@ -199,8 +199,8 @@ def _sql_time(moment: datetime) -> str:
 
 # --------------------------------------------------------------------------- transactions
 def _expire_transactions(store: Store, cutoff: datetime, summary: MaintenanceSummary) -> None:
-    cursor = store.table("commitlog").transaction_version(OP_CURSOR_APP_ID)
-    if cursor is None:
+    cursor = store.published_op_version()
+    if cursor < 0:
         return  # nothing was ever published (rollbacks alone wait for the first publish)
     expired = store.sql(
         "op",

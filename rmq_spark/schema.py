@@ -202,7 +202,11 @@ TABLES: dict[str, tuple[pa.Schema, list[str], dict[str, str]]] = {
     "half": (HALF_SCHEMA, [], _INTERNAL),
     "op": (OP_SCHEMA, [], _INTERNAL),
     # Rewritten whole by each update: no change feed (nobody reads one), tombstones for an hour.
-    "pending": (PENDING_SCHEMA, [], {"delta.deletedFileRetentionDuration": "interval 1 hours"}),
+    "pending": (
+        PENDING_SCHEMA,
+        [],
+        {**_CHECKPOINTS, "delta.deletedFileRetentionDuration": "interval 1 hours"},
+    ),
     "check_state": (CHECK_STATE_SCHEMA, [], _INTERNAL),
     "discard": (DISCARD_SCHEMA, [], _INTERNAL),
     "check_runs": (CHECK_RUNS_SCHEMA, [], _CHECKPOINTS),

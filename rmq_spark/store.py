@@ -208,7 +208,7 @@ class _Unsure(Exception):
     """A commit failed in a way that does not say whether it landed; retry after checking."""
 
 
-def _retry_commits(what: str, name: str, attempt: Callable[[int], _T]) -> _T:
+def retry_commits(what: str, name: str, attempt: Callable[[int], _T]) -> _T:
     """Call ``attempt(n)`` until it returns, retrying (with backoff) each time a commit is lost
     to a concurrent writer. A ``CommitFailedError`` means nothing landed, so the next attempt
     starts from the new table state; ``_Unsure`` is retried the same way, and the attempt
@@ -459,7 +459,7 @@ class Store:
                 ).nullable:
                     self.table(name).alter.drop_column_not_null(column)
 
-        _retry_commits(f"add columns to {name}", name, attempt)
+        retry_commits(f"add columns to {name}", name, attempt)
         log.info(
             "store %s: added column(s) %s to table %r", self.root, [f.name for f in added], name
         )
@@ -552,7 +552,7 @@ class Store:
             # concurrent appends landed first.
             return dt.version()
 
-        version = _retry_commits(f"append to {name}", name, attempt)
+        version = retry_commits(f"append to {name}", name, attempt)
         self._after_commit(name, version)
         return version
 
@@ -585,7 +585,7 @@ class Store:
             )
             return clauses(merger).execute(), table.version()
 
-        metrics, version = _retry_commits(f"MERGE into {name}", name, attempt)
+        metrics, version = retry_commits(f"MERGE into {name}", name, attempt)
         self._after_commit(name, version)
         return metrics
 
@@ -629,7 +629,7 @@ class Store:
         # The lock table is not compacted: its MERGEs keep one live file per lock.
         for name in [n for n in names or TABLES if n != "locks"]:
             holder = new_id()
-            if not self._lock(f"compact:{name}", holder, _COMPACTION_LOCK_SECONDS):
+            if not self.lock(f"compact:{name}", holder, _COMPACTION_LOCK_SECONDS):
                 log.debug("%s is being compacted by another process; skipped", name)
                 continue
             try:
@@ -638,12 +638,12 @@ class Store:
                 log.debug("compaction of %s lost a race; the next one will do it", name)
                 continue
             finally:
-                self._lock(f"compact:{name}", holder, 0.0)
+                self.lock(f"compact:{name}", holder, 0.0)
             removed[name] = int(metrics.get("numFilesRemoved", 0))
             log.debug("compacted %s: %s", name, metrics)
         return removed
 
-    def _lock(self, name: str, holder: str, seconds: float) -> bool:
+    def lock(self, name: str, holder: str, seconds: float) -> bool:
         """Take (or, with ``seconds`` 0, release) the lock ``name`` for ``holder``: granted
         when free, expired, or ``holder``'s already. Racing takers conflict in Delta's
         optimistic concurrency check; exactly one gets it."""
@@ -765,25 +765,29 @@ class Store:
                 )
             return existing, op.version()
 
-        existing, version = _retry_commits(f"record {len(decisions)} decision(s)", "op", attempt)
+        existing, version = retry_commits(f"record {len(decisions)} decision(s)", "op", attempt)
         if version is not None:
             self._after_commit("op", version)
         return existing
 
-    def decisions(self, transaction_ids: Sequence[str]) -> dict[str, LocalTransactionState]:
+    def decisions(
+        self, transaction_ids: Sequence[str], *, op: DeltaTable | None = None
+    ) -> dict[str, LocalTransactionState]:
         """The decisions recorded in ``op`` for the given transactions.
 
         Parameters
         ----------
         transaction_ids : sequence of str
             Transactions to look up (files are pruned by their id statistics).
+        op : DeltaTable, optional
+            The ``op`` snapshot to read (default: the latest).
 
         Returns
         -------
         dict of str to LocalTransactionState
             COMMIT or ROLLBACK per decided transaction; undecided ones are absent.
         """
-        return self._decisions_of(self.table("op"), list(transaction_ids))
+        return self._decisions_of(op or self.table("op"), list(transaction_ids))
 
     def discarded(self, transaction_ids: Sequence[str]) -> set[str]:
         """Which of the given transactions have rows in ``discard`` (files pruned by id)."""
@@ -870,7 +874,7 @@ class Store:
                     landed.extend(found)
                     unsent = unsent.slice(0, 0)
             commitlog = self.table("commitlog")
-            cursor = self._op_cursor(commitlog)
+            cursor = self.published_op_version(commitlog)
             if len(unsure) > _MAX_UNSURE_ATTEMPTS:
                 if not landed:
                     raise StoreError(
@@ -892,7 +896,10 @@ class Store:
             # from it, and Delta's conflict check guards both against any later commit.
             read_version = commitlog.version()
             commitlog.update_incremental()
-            if commitlog.version() != read_version and self._op_cursor(commitlog) != cursor:
+            if (
+                commitlog.version() != read_version
+                and self.published_op_version(commitlog) != cursor
+            ):
                 raise CommitFailedError("another publisher moved the op cursor")
             batch, txns = self._assign_offsets(self.next_offsets(commitlog), batch)
             if end > cursor:
@@ -929,11 +936,14 @@ class Store:
             )
             return result, last
 
-        return _retry_commits("publish", "commitlog", attempt)
+        return retry_commits("publish", "commitlog", attempt)
 
-    def _op_cursor(self, commitlog: DeltaTable) -> int:
-        """The last ``op`` version published into this ``commitlog`` snapshot (-1: none)."""
-        return self._app_transactions(commitlog).get(OP_CURSOR_APP_ID, -1)
+    def published_op_version(self, commitlog: DeltaTable | None = None) -> int:
+        """The last ``op`` version published into a ``commitlog`` snapshot (default: the
+        latest); -1 when nothing was ever published."""
+        return self._app_transactions(commitlog or self.table("commitlog")).get(
+            OP_CURSOR_APP_ID, -1
+        )
 
     def _app_transactions(self, commitlog: DeltaTable) -> Mapping[str, int]:
         return app_transactions(
@@ -1064,7 +1074,7 @@ class Store:
         """
         wanted = sorted(set(ids))
         low, high = f"min.{column}", f"max.{column}"
-        files = _with_uris(table, self.table_uri(name))
+        files = with_uris(table, self.table_uri(name))
         uris = [
             f["uri"]
             for f in files.select(["uri", low, high]).to_pylist()
@@ -1080,7 +1090,7 @@ class Store:
     def data_files(self, name: str) -> pa.Table:
         """The data files of a table's latest snapshot: Delta's add actions (path, size,
         partition values, per-column min/max) plus each file's ``uri``."""
-        return _with_uris(self.table(name), self.table_uri(name))
+        return with_uris(self.table(name), self.table_uri(name))
 
     def query(self, name: str, where: str) -> pa.Table:
         """Rows of one of the store's tables matching a SQL condition (DataFusion), in plain
@@ -1181,7 +1191,9 @@ class Store:
         return self.publish([(m, producer_group) for m in messages])
 
 
-def _with_uris(table: DeltaTable, base: str) -> pa.Table:
+def with_uris(table: DeltaTable, base: str) -> pa.Table:
+    """The add actions of a snapshot (flattened statistics) plus each file's ``uri`` under the
+    table URI ``base``."""
     files = read_arrow(table.get_add_actions(flatten=True))
     # An add action's path is a relative, percent-encoded URI (Delta protocol).
     uris = [f"{base.rstrip('/')}/{unquote(p)}" for p in files.column("path").to_pylist()]
