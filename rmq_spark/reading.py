@@ -20,9 +20,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql.datasource import InputPartition
 
-from rmq_spark.offsets import Offsets
+from rmq_spark.offsets import Offsets, skip_lost
 from rmq_spark.schema import COMMITLOG_SCHEMA
-from rmq_spark.store import Store, read_files
+from rmq_spark.store import Store, read_files, with_uris
 
 #: One task reads files of at most this many bytes and rows (a larger single file is one
 #: task): Parquet sizes are compressed, so rows bound the work for compressible bodies.
@@ -52,20 +52,35 @@ def plan_slices(
     start: Offsets,
     end: Offsets,
     tags: frozenset[str] | None = None,
+    fail_on_data_loss: bool = True,
     task_bytes: int = TASK_BYTES,
     task_rows: int = TASK_ROWS,
 ) -> list[CommitLogSlice]:
-    """The read tasks for offsets ``[start, end)`` of every queue in ``end``."""
+    """The read tasks for offsets ``[start, end)`` of every queue in ``end``.
+
+    A queue whose ``start`` is below its earliest offset in the snapshot planned from (its
+    messages were removed by retention) raises :class:`rmq_spark.errors.DataLossError`, or
+    with ``fail_on_data_loss`` false is read from the earliest offset (see
+    :func:`rmq_spark.offsets.skip_lost`).
+    """
+    commitlog = store.table("commitlog")
+    trimmed = store.earliest_stored(commitlog)
+    begin = skip_lost(
+        {t: {q: start.get(t, {}).get(q, 0) for q in queues} for t, queues in end.items()},
+        {t: {q: trimmed.get((t, q), 0) for q in queues} for t, queues in end.items()},
+        fail=fail_on_data_loss,
+    )
     ranges = tuple(
-        (topic, queue_id, start.get(topic, {}).get(queue_id, 0), stop)
+        (topic, queue_id, begin[topic][queue_id], stop)
         for topic in sorted(end)
         for queue_id, stop in sorted(end[topic].items())
-        if stop > start.get(topic, {}).get(queue_id, 0)
+        if stop > begin[topic][queue_id]
     )
     if not ranges:
         return []
     wanted = {(t, q): (s, e) for t, q, s, e in ranges}
-    files = [f for f in store.data_files("commitlog").to_pylist() if _overlaps(f, wanted)]
+    files = with_uris(commitlog, store.table_uri("commitlog")).to_pylist()
+    files = [f for f in files if _overlaps(f, wanted)]
     files.sort(key=lambda f: (f["partition.topic"], f["min.queue_offset"] or 0, f["uri"]))
     options = tuple(sorted(store.settings.storage_options.items()))
     slices: list[CommitLogSlice] = []

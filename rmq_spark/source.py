@@ -38,6 +38,10 @@ option                 required    default    meaning
                                               the ``consumer_offsets`` table (for lag); it
                                               trails by one micro-batch, and the last batch
                                               of a run is never recorded (see below)
+``failOnDataLoss``     no          true       a read starting below a queue's earliest offset
+                                              (retention removed messages it had not read)
+                                              fails naming the lost ranges; ``false``: warn
+                                              and read on from the earliest offset
 =====================  ==========  =========  ==================================================
 
 A queue id in ``startingOffsets`` / ``endingOffsets`` must be one of the store's queues
@@ -100,6 +104,7 @@ from rmq_spark.model import check_group, check_topic, is_tag
 from rmq_spark.offsets import (
     Offsets,
     check_queues,
+    earliest_offsets,
     latest_offsets,
     parse_offsets,
     resolve,
@@ -130,6 +135,7 @@ PATH, TOPIC, STARTING_OFFSETS, ENDING_OFFSETS, STARTING_TIMESTAMP, TAGS = (
 )
 ENDING_TIMESTAMP = "endingTimestamp"
 MAX_MESSAGES_PER_TRIGGER, CONSUMER_GROUP = "maxMessagesPerTrigger", "consumerGroup"
+FAIL_ON_DATA_LOSS = "failOnDataLoss"
 BATCH_OPTIONS = (
     PATH,
     TOPIC,
@@ -138,6 +144,7 @@ BATCH_OPTIONS = (
     STARTING_TIMESTAMP,
     ENDING_TIMESTAMP,
     TAGS,
+    FAIL_ON_DATA_LOSS,
 )
 STREAM_OPTIONS = (
     PATH,
@@ -147,6 +154,7 @@ STREAM_OPTIONS = (
     TAGS,
     MAX_MESSAGES_PER_TRIGGER,
     CONSUMER_GROUP,
+    FAIL_ON_DATA_LOSS,
 )
 #: Version of the offset format this source writes into checkpoints.
 OFFSET_FORMAT_VERSION = 1
@@ -172,6 +180,9 @@ class ReaderOptions:
     consumer_group: str | None = None
     #: The store's queues per topic (``store.queue_nums`` of the settings).
     queue_nums: int = 4
+    #: Fail a read that starts below a queue's earliest offset (retention removed messages it
+    #: has not read); when false, warn and read on from the earliest offset.
+    fail_on_data_loss: bool = True
 
     @classmethod
     def parse(cls, options: Mapping[str, str], *, streaming: bool = False) -> ReaderOptions:
@@ -226,7 +237,15 @@ class ReaderOptions:
             else _option_value(
                 check_group, given[CONSUMER_GROUP.lower()], CONSUMER_GROUP, prefix="option "
             ),
+            fail_on_data_loss=_boolean(given, FAIL_ON_DATA_LOSS, default=True),
         )
+
+
+def _boolean(given: Mapping[str, str], option: str, *, default: bool) -> bool:
+    value = str(given.get(option.lower(), default)).strip().lower()
+    if value not in ("true", "false"):
+        raise InvalidOptionError(f"option {option!r} needs 'true' or 'false' but got {value!r}.")
+    return value == "true"
 
 
 def _timestamp(given: Mapping[str, str], option: str) -> int | None:
@@ -301,11 +320,15 @@ class RmqTxBatchReader(DataSourceReader):
                 store, options.topics, options.starting_timestamp, self.end
             )
         else:
-            self.start = resolve(options.starting, self.end)
+            self.start = resolve(
+                options.starting, self.end, earliest=earliest_offsets(store, options.topics)
+            )
 
     def partitions(self) -> list[CommitLogSlice]:
         store = Store.open(self.options.path, create=False)
-        return plan_slices(store, self.start, self.end, self.options.tags)
+        return plan_slices(
+            store, self.start, self.end, self.options.tags, self.options.fail_on_data_loss
+        )
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         return _read(partition)
@@ -364,7 +387,8 @@ class RmqTxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 self._store(), self.options.topics, self.options.starting_timestamp, latest
             )
         else:
-            start = resolve(self.options.starting, latest, cap=False)
+            earliest = earliest_offsets(self._store(), self.options.topics)
+            start = resolve(self.options.starting, latest, earliest=earliest, cap=False)
         return self._encode(start)
 
     def getDefaultReadLimit(self) -> ReadLimit:
@@ -391,7 +415,13 @@ class RmqTxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return self._encode(end)
 
     def partitions(self, start: dict, end: dict) -> list[CommitLogSlice]:
-        return plan_slices(self._store(), self._decode(start), self._decode(end), self.options.tags)
+        return plan_slices(
+            self._store(),
+            self._decode(start),
+            self._decode(end),
+            self.options.tags,
+            self.options.fail_on_data_loss,
+        )
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         return _read(partition)

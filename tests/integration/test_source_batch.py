@@ -157,3 +157,24 @@ def test_many_files_many_tasks_each_queue_in_order(spark, tmp_path) -> None:
     df = read(spark, store, topic="Odd%|Topic")
     assert df.count() == 48
     assert df.rdd.getNumPartitions() == 1  # 6 small files, far under one task's size
+
+
+def test_offsets_below_the_earliest_fail_or_read_from_it(spark, store: Store) -> None:
+    from datetime import UTC, datetime, timedelta
+
+    from rmq_spark.retention import maintain
+
+    long_ago = datetime.now(UTC) - timedelta(hours=100)
+    publish(Store.open(store.root, clock=lambda: long_ago), "Orders", ["o0", "o1", "o2"])
+    publish(store, "Orders", ["y0"])
+    maintain(store)
+    (queue,) = latest_offsets(store, ["Orders"])["Orders"]
+    start = json.dumps({"Orders": {str(queue): 1}})
+    with pytest.raises(Exception, match=rf"DATA_LOSS.*Orders queue {queue} offsets \[1, 3\)"):
+        read(spark, store, topic="Orders", startingOffsets=start).collect()
+    assert bodies(
+        read(spark, store, topic="Orders", startingOffsets=start, failOnDataLoss="false")
+    ) == [b"y0"]
+    assert bodies(read(spark, store, topic="Orders")) == [
+        b"y0"
+    ]  # earliest is the earliest still stored

@@ -211,3 +211,33 @@ def test_starting_offsets_of_a_queue_the_store_does_not_have_are_an_error(
         spark.read.format("rmqtx").option("path", store.root).option("topic", "Orders").option(
             "startingOffsets", offsets
         ).load().collect()
+
+
+def test_a_checkpoint_behind_retention_fails_or_skips_the_lost_range(
+    spark, store: Store, tmp_path
+) -> None:
+    """Retention removed messages a stopped stream had not read: by default the restarted
+    stream fails naming the lost range; with failOnDataLoss false it reads exactly the rest."""
+    from datetime import UTC, datetime, timedelta
+
+    from rmq_spark.retention import maintain
+
+    long_ago = datetime.now(UTC) - timedelta(hours=100)
+    old = Store.open(store.root, clock=lambda: long_ago)
+
+    def send(s: Store, bodies: list[str]) -> list[str]:
+        return [
+            m for m, _, _ in s.send([Message("Orders", b, keys="k") for b in bodies], "pg").sent
+        ]
+
+    send(old, ["o0", "o1"])
+    checkpoint = tmp_path / "cp"
+    assert len(run_batches(stream(spark, store), checkpoint)[0][1]) == 2
+    send(old, ["o2", "o3", "o4"])
+    young = send(store, ["y0", "y1"])
+    assert maintain(store).messages_expired == 5
+    queue = queue_for("k", store.settings.queue_nums)
+    with pytest.raises(Exception, match=rf"DATA_LOSS.*Orders queue {queue} offsets \[2, 5\)"):
+        run_batches(stream(spark, store), checkpoint)
+    batches = run_batches(stream(spark, store, failOnDataLoss="false"), checkpoint)
+    assert [ids for _, ids in batches] == [sorted(young)]
