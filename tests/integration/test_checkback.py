@@ -470,3 +470,29 @@ def test_rounds_do_not_read_the_decided_history(spark, store: Store) -> None:
     s = job(spark, store, clock).run_once().summary
     assert (s.pending_found, s.committed, s.unknown) == (2, 1, 1)
     assert set(visible_ids(store)) == set(old) | {new[0]}
+
+
+def test_the_check_loop_runs_maintenance(spark, store: Store) -> None:
+    """``rmqtx check`` (run_forever) applies retention every maintenance_interval."""
+    from rmq_spark.config import RetentionSettings
+
+    clock = Clock()
+    Store.open(store.root, clock=lambda: clock.now - timedelta(hours=100)).send(
+        [Message("Orders", b"old")], "pg"
+    )
+    store.send([Message("Orders", b"new")], "pg")
+    loop = CheckBackJob(
+        spark, store, {"pg": CallableChecker(BY_TAG)}, retention=RetentionSettings(), clock=clock
+    )
+    stop = threading.Event()
+
+    original = loop.run_once
+
+    def one_round():
+        stop.set()  # the loop finishes this round (and its maintenance), then stops
+        return original()
+
+    loop.run_once = one_round
+    assert loop.run_forever(60.0, stop) == 1
+    bodies = store.table("commitlog").to_pyarrow_table().column("body").to_pylist()
+    assert bodies == [b"new"]
