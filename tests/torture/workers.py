@@ -12,7 +12,8 @@ Kinds:
   ``df.write.format("rmqtx")`` batches (one ``sinkId`` per input batch, so an operator's retry
   is idempotent) and ``publish_with_delta_write`` batches, in input order; with slow and
   failing task attempts.
-* ``compactor``: ``Store.compact()`` every few seconds.
+* ``compactor``: ``Store.compact()`` and retention (``maintain``, transactions expiring 5 to
+  30 s after their decision) every few seconds.
 * ``finish``: after the chaos: drains the stream and the batches (no faults), then runs
   re-drive + check-back rounds with everything due until nothing is pending. Prints one JSON
   line per round (``QUIESCE {...}``).
@@ -368,7 +369,12 @@ def run_batches(run: dict, spark, drain: bool, incarnation: int, idle=lambda: No
 
 # --------------------------------------------------------------------------- compactor
 def compactor(run: dict, name: str, incarnation: int) -> None:
+    """Compaction and retention: decided, published transactions leave ``half``, ``op`` and
+    ``discard`` seconds after their decision (while re-drives, check-back jobs, late decisions
+    and epoch replays go on); CommitLog messages are kept, since the invariants count them."""
     from rmq_spark import Store
+    from rmq_spark.config import RetentionSettings
+    from rmq_spark.retention import maintain
 
     check_imports(run)
     rng = random.Random(f"{run['seed']}/{name}/{incarnation}")
@@ -377,6 +383,12 @@ def compactor(run: dict, name: str, incarnation: int) -> None:
         started = time.monotonic()
         removed = store.compact()
         log("compacted", removed, f"{time.monotonic() - started:.1f} s")
+        retention = RetentionSettings(
+            file_reserved_time=10 * 365 * 86400.0,
+            transaction_reserved_time=rng.uniform(5, 30),
+        )
+        summary = maintain(store, retention)
+        log("maintained", summary.format().replace("\n", ";"))
         time.sleep(rng.uniform(2, 6))
 
 
