@@ -103,7 +103,7 @@ class RetentionSettings:
     #: ``fileReservedTime``: committed messages older than this leave the CommitLog (72 h).
     file_reserved_time: float = 72 * 3600.0
     #: Half and op rows of transactions decided (and, for COMMIT, published) longer ago than
-    #: this are removed, as are re-driven discard rows. Undecided ones never are.
+    #: this are removed. Undecided ones never are, nor discards and re-driven transactions.
     transaction_reserved_time: float = 72 * 3600.0
     #: Delta's ``deletedFileRetentionDuration`` for the CommitLog: files it no longer uses are
     #: deleted from storage (VACUUM) only this long after (a reader may still be reading them).

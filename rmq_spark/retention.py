@@ -14,17 +14,17 @@ does, in this order:
    ``transaction_reserved_time``, it is in the ``op`` snapshot that ``commitlog`` records as
    published (so a COMMIT's messages are in the CommitLog), and, when the check max rolled it
    back, its messages are in ``discard``. Undecided half messages are never expired, whatever
-   their age. The rows go in an order that keeps every intermediate state safe, so a run
-   killed anywhere, or two runs at once, lose and duplicate nothing:
+   their age. Its ``half`` rows go first and its ``op`` rows last: while a half row exists,
+   its ``op`` row is what keeps a late, opposite decision from publishing it; once the half
+   rows are gone, a late decision finds nothing to publish. A run killed in between leaves
+   only ``op`` rows, which the next run removes.
 
-   a. its ``half`` rows. Nothing needs them any more: they are published or rolled back, and
-      a discarded message is kept whole in ``discard``;
-   b. re-driven ``discard`` rows whose discarded transaction is expired (its half rows are
-      gone, so the check-back job cannot write the row again) and whose re-driven transaction
-      is decided (so a re-drive cannot stage it again). A discard row not yet re-driven stays;
-   c. its ``op`` rows, last: while a half row exists, its ``op`` row is what keeps a late,
-      opposite decision from publishing it. Once the half rows are gone, a late decision
-      finds nothing to publish.
+   ``discard`` rows are kept, and so is every transaction a re-drive created (named in
+   ``discard.redriven_transaction_id``): a re-drive decides to stage a claimed row by finding
+   its new transaction in neither ``half`` nor ``op``, so removing those rows under a re-drive
+   that has read ``discard`` would make it stage, and publish, the message again (found by
+   the torture test). Discards are exceptions (transactions that exhausted their check
+   budget), so what this keeps stays small.
 3. **Files.** VACUUM: files a table stopped using more than its retention ago are deleted
    (``deleted_file_retention`` for the CommitLog, the tables' own 1 h for the internal ones),
    so a reader that planned its files before the delete still finds them.
@@ -43,7 +43,6 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 import pyarrow as pa
-import pyarrow.compute as pc
 from deltalake import CommitProperties, Transaction
 
 from rmq_spark.config import RetentionSettings
@@ -74,7 +73,6 @@ class MaintenanceSummary:
     #: Expired transactions, and the rows removed for them.
     transactions_expired: int = 0
     half_removed: int = 0
-    discards_removed: int = 0
     op_removed: int = 0
     #: Files deleted from storage per table, and the bytes the tables' live files hold after.
     files_vacuumed: dict[str, int] = field(default_factory=dict)
@@ -93,7 +91,6 @@ class MaintenanceSummary:
             ),
             ("transactions", self.transactions_expired, "decided, published, past retention"),
             ("half rows", self.half_removed, "removed"),
-            ("discard rows", self.discards_removed, "re-driven and decided, removed"),
             ("op rows", self.op_removed, "removed"),
             ("files vacuumed", sum(self.files_vacuumed.values()), "deleted from storage"),
             ("live bytes", sum(self.live_bytes.values()), "in the tables' current files"),
@@ -207,57 +204,40 @@ def _expire_transactions(store: Store, cutoff: datetime, summary: MaintenanceSum
         f"SELECT transaction_id, decided_by FROM op WHERE decided_timestamp < {_sql_time(cutoff)}",
         version=cursor,
     )
-    maxed = [
-        t
-        for t, by in zip(
+    rows = list(
+        zip(
             expired.column("transaction_id").to_pylist(),
             expired.column("decided_by").to_pylist(),
             strict=True,
         )
-        if by == _CHECK_MAX
-    ]
-    if maxed:  # a check-max rollback goes once its messages are in discard
-        recorded = set(
-            store.sql("discard", "SELECT DISTINCT transaction_id FROM discard")
-            .column(0)
-            .to_pylist()
-        )
-        waiting = set(maxed) - recorded
-        if waiting:
-            keep = pa.array(sorted(waiting), pa.string())
-            expired = expired.filter(pc.invert(pc.is_in(expired.column(0), value_set=keep)))
-    ids = sorted(expired.column("transaction_id").to_pylist())
+    )
+    # Read after op: a re-driven transaction is claimed in discard before it can be decided.
+    redriven = set(_discard_column(store, "redriven_transaction_id"))
+    recorded = (
+        set(_discard_column(store, "transaction_id"))
+        if any(by == _CHECK_MAX for _, by in rows)
+        else set()
+    )
+    ids = sorted(t for t, by in rows if t not in redriven and (by != _CHECK_MAX or t in recorded))
     summary.transactions_expired = len(ids)
     for start in range(0, len(ids), _CHUNK):
         chunk = pa.table({"transaction_id": pa.array(ids[start : start + _CHUNK], pa.string())})
         summary.half_removed += _delete_matching(store, "half", chunk)
         failpoint("maintain.half")
-        summary.discards_removed += _delete_redriven_discards(store, chunk, cutoff)
         summary.op_removed += _delete_matching(store, "op", chunk)
+
+
+def _discard_column(store: Store, column: str) -> list[str]:
+    return (
+        store.sql("discard", f"SELECT DISTINCT {column} FROM discard WHERE {column} IS NOT NULL")
+        .column(0)
+        .to_pylist()
+    )
 
 
 def _delete_matching(store: Store, name: str, ids: pa.Table) -> int:
     metrics = store.merge(name, ids, "transaction_id", lambda m: m.when_matched_delete())
     return int(metrics.get("num_target_rows_deleted", 0))
-
-
-def _delete_redriven_discards(store: Store, expired: pa.Table, cutoff: datetime) -> int:
-    """Discard rows of expired transactions that were re-driven, and whose re-driven
-    transaction is decided, discarded before ``cutoff``."""
-    wanted = set(expired.column(0).to_pylist())
-    rows = store.sql(
-        "discard",
-        "SELECT transaction_id, redriven_transaction_id FROM discard "
-        f"WHERE redriven_transaction_id IS NOT NULL AND discarded_timestamp < {_sql_time(cutoff)}",
-    ).to_pylist()
-    rows = [r for r in rows if r["transaction_id"] in wanted]
-    decided = store.decisions(sorted({r["redriven_transaction_id"] for r in rows}))
-    gone = sorted({r["transaction_id"] for r in rows if r["redriven_transaction_id"] in decided})
-    if not gone:
-        return 0
-    return _delete_matching(
-        store, "discard", pa.table({"transaction_id": pa.array(gone, pa.string())})
-    )
 
 
 # --------------------------------------------------------------------------- files
