@@ -19,14 +19,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pyarrow as pa
-from deltalake import CommitProperties, Transaction, write_deltalake
+from decided import append_decisions, mark_published
+from deltalake import write_deltalake
 
 from rmq_spark import LocalTransactionState, MessageExt, Store, get_spark
 from rmq_spark.checkback import CheckBackJob
 from rmq_spark.checkers import CallableChecker
 from rmq_spark.config import TransactionSettings
-from rmq_spark.schema import HALF_SCHEMA, OP_SCHEMA
-from rmq_spark.store import OP_CURSOR_APP_ID
+from rmq_spark.schema import HALF_SCHEMA
 
 CHUNK = 250_000
 
@@ -62,29 +62,9 @@ def build(store: Store, size: int) -> None:
             mode="append",
         )
         decided = [i for i in ids if int(i) % 10 != 0]  # 90% decided
-        write_deltalake(
-            store.table_uri("op"),
-            pa.Table.from_pydict(
-                {
-                    "transaction_id": decided,
-                    "producer_group": ["bench"] * len(decided),
-                    "decision": ["COMMIT" if int(i) % 2 else "ROLLBACK" for i in decided],
-                    "decided_by": ["producer"] * len(decided),
-                    "decided_timestamp": [now] * len(decided),
-                },
-                schema=OP_SCHEMA,
-            ),
-            mode="append",
-        )
+        append_decisions(store, decided, now)
     # Those decisions count as already published: record the cursor as the publisher would.
-    write_deltalake(
-        store.table_uri("commitlog"),
-        store.table("commitlog").schema().to_arrow().empty_table(),
-        mode="append",
-        commit_properties=CommitProperties(
-            app_transactions=[Transaction(OP_CURSOR_APP_ID, store.table("op").version())]
-        ),
-    )
+    mark_published(store)
 
 
 def timed_run(spark, root: Path, size: int) -> tuple[int, float]:

@@ -25,15 +25,15 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pyarrow as pa
-from deltalake import CommitProperties, Transaction, write_deltalake
+from decided import append_decisions, mark_published
+from deltalake import write_deltalake
 
 from rmq_spark import Decision, LocalTransactionState, Message, MessageExt, Store, get_spark
 from rmq_spark.checkback import CheckBackJob
 from rmq_spark.checkers import CallableChecker
 from rmq_spark.config import TransactionSettings
 from rmq_spark.model import new_ids
-from rmq_spark.schema import HALF_SCHEMA, OP_SCHEMA, WRITER_COLUMNS
-from rmq_spark.store import OP_CURSOR_APP_ID
+from rmq_spark.schema import HALF_SCHEMA, WRITER_COLUMNS
 
 CHUNK = 250_000
 STEADY_ROUNDS = 2
@@ -70,28 +70,8 @@ def build_history(store: Store, size: int) -> None:
     for start in range(0, size, CHUNK):
         ids = [f"{i:016d}" for i in range(start, min(size, start + CHUNK))]
         write_deltalake(store.table_uri("half"), half_rows(ids, b"x" * 100), mode="append")
-        write_deltalake(
-            store.table_uri("op"),
-            pa.Table.from_pydict(
-                {
-                    "transaction_id": ids,
-                    "producer_group": ["bench"] * len(ids),
-                    "decision": ["COMMIT" if int(i) % 2 else "ROLLBACK" for i in ids],
-                    "decided_by": ["producer"] * len(ids),
-                    "decided_timestamp": [now] * len(ids),
-                },
-                schema=OP_SCHEMA,
-            ),
-            mode="append",
-        )
-    write_deltalake(
-        store.table_uri("commitlog"),
-        store.table("commitlog").schema().to_arrow().empty_table(),
-        mode="append",
-        commit_properties=CommitProperties(
-            app_transactions=[Transaction(OP_CURSOR_APP_ID, store.table("op").version())]
-        ),
-    )
+        append_decisions(store, ids, now)
+    mark_published(store)
 
 
 def timed_rounds(spark, root: Path, history: int, pending: list[str]) -> tuple[float, float]:
