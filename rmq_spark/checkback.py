@@ -528,18 +528,23 @@ class CheckBackJob:
         )
 
     def _forget(self, ended: set[str]) -> None:
-        """Drop the check_state rows of decided transactions (``ended`` by this run, or with
-        an ``op`` row). Never by absence from this run's snapshot: a concurrent job with a newer
-        snapshot may have recorded a transaction this run never saw, and forgetting it would
-        restart its clock and check count, postponing check max and max age for ever. Only
-        rows of transactions outside this run's pending ones are looked up in ``op``, so the
-        cost follows the pending transactions, not the history."""
+        """Drop the check_state rows of transactions that are over: decided (``ended`` by
+        this run, or with an ``op`` row), or with no half message left (retention removed
+        them after their decision; a pending transaction's half messages are never removed).
+        Never by absence from this run's snapshot: a concurrent job with a newer snapshot may
+        have recorded a transaction this run never saw, and forgetting it would restart its
+        clock and check count, postponing check max and max age for ever. Only rows of
+        transactions outside this run's pending ones are looked up, so the cost follows the
+        pending transactions, not the history."""
         assert self._pending is not None
         known = self.store.table("check_state").to_pyarrow_table(columns=["transaction_id"])
         known_ids = set(known.column("transaction_id").to_pylist())
         pending_ids = set(self._pending.rows.column("transaction_id").to_pylist())
         unsure = sorted(known_ids - ended - pending_ids)
-        gone = (known_ids & ended) | set(self.store.decisions(unsure))
+        decided = set(self.store.decisions(unsure))
+        undecided = [t for t in unsure if t not in decided]
+        staged = set(self.store.half_messages(undecided).column("transaction_id").to_pylist())
+        gone = (known_ids & ended) | decided | (set(undecided) - staged)
         if gone:
             ids = pa.table({"transaction_id": pa.array(sorted(gone), pa.string())})
             self.store.merge(

@@ -496,3 +496,22 @@ def test_the_check_loop_runs_maintenance(spark, store: Store) -> None:
     assert loop.run_forever(60.0, stop) == 1
     bodies = store.table("commitlog").to_pyarrow_table().column("body").to_pylist()
     assert bodies == [b"new"]
+
+
+def test_check_state_of_a_transaction_retention_removed_is_forgotten(spark, store) -> None:
+    """A transaction decided and removed by retention before a round saw its decision leaves
+    no check_state row behind (it has neither op nor half rows to be recognised by)."""
+    from rmq_spark.config import RetentionSettings
+    from rmq_spark.retention import maintain
+    from rmq_spark.store import Decision, LocalTransactionState
+
+    clock = Clock()
+    (txn,) = prepare(store, "UNKNOWN")
+    start_clocks(spark, store, clock)
+    state = store.table("check_state").to_pyarrow_table()
+    assert state.column("transaction_id").to_pylist() == [txn]
+    store.end_transactions([Decision(txn, "pg", LocalTransactionState.ROLLBACK)])
+    maintain(store, RetentionSettings(transaction_reserved_time=0))
+    assert store.half_messages([txn]).num_rows == 0 and store.decisions([txn]) == {}
+    job(spark, store, clock).run_once()
+    assert store.table("check_state").to_pyarrow_table().num_rows == 0

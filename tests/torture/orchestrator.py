@@ -467,6 +467,18 @@ level = "INFO"
             state = DeltaTable(str(self.store / "check_state")).to_pyarrow_table(
                 columns=["transaction_id", "check_count", "first_seen"]
             )
+            # Read after check_state: a transaction decided before that read is in op. Only
+            # pending ones count (a decided one's row may be forgotten and, by a job with an
+            # older snapshot, started again; that spends nobody's budget).
+            decided, staged = (
+                set(
+                    DeltaTable(str(self.store / name))
+                    .to_pyarrow_table(columns=["transaction_id"])
+                    .column(0)
+                    .to_pylist()
+                )
+                for name in ("op", "half")
+            )
             commitlog = DeltaTable(str(self.store / "commitlog"))
         except Exception as exc:  # a snapshot read racing a writer: try next time
             self.note(f"sample failed: {exc!r}"[:300])
@@ -480,6 +492,8 @@ level = "INFO"
             strict=True,
         ):
             self.stats.max_check_count = max(self.stats.max_check_count, count)
+            if txn in decided or txn not in staged:
+                continue
             seen = self.check_seen.get(txn)
             if seen is not None and count < seen[0]:
                 self.violations.append(
