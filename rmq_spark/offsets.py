@@ -12,6 +12,8 @@ import json
 import logging
 from collections.abc import Mapping, Sequence
 
+from deltalake import DeltaTable
+
 from rmq_spark.errors import DataLossError, InvalidOptionError
 from rmq_spark.store import Store
 
@@ -24,11 +26,13 @@ EARLIEST, LATEST = -2, -1
 OFFSETS_EXAMPLE = '{"OrderEvents": {"0": 42, "1": -2}}'
 
 
-def latest_offsets(store: Store, topics: Sequence[str]) -> Offsets:
+def latest_offsets(
+    store: Store, topics: Sequence[str], commitlog: DeltaTable | None = None
+) -> Offsets:
     """The next offset of every queue of ``topics`` (queues that have messages), from one read
-    of the latest ``commitlog`` snapshot (:meth:`Store.next_offsets`)."""
+    of a ``commitlog`` snapshot (default: the latest; :meth:`Store.next_offsets`)."""
     result: Offsets = {topic: {} for topic in topics}
-    for (topic, queue_id), offset in sorted(store.next_offsets().items()):
+    for (topic, queue_id), offset in sorted(store.next_offsets(commitlog).items()):
         if topic in result:
             result[topic][queue_id] = offset
     return result
@@ -38,10 +42,11 @@ def earliest_offsets(store: Store, topics: Sequence[str]) -> Offsets:
     """The earliest offset still stored in every queue of ``topics`` that has had messages (0
     unless retention removed some: :mod:`rmq_spark.retention`), from one read of the latest
     ``commitlog`` snapshot."""
-    trimmed = store.earliest_stored()
+    commitlog = store.table("commitlog")
+    trimmed = store.earliest_stored(commitlog)
     return {
         topic: {q: trimmed.get((topic, q), 0) for q in queues}
-        for topic, queues in latest_offsets(store, topics).items()
+        for topic, queues in latest_offsets(store, topics, commitlog).items()
     }
 
 
