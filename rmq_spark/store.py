@@ -88,6 +88,7 @@ from rmq_spark.schema import (
     TIMESTAMP,
     WRITER_COLUMNS,
 )
+from rmq_spark.storage import deltalake_options, fsspec_options
 from rmq_spark.txnlog import app_transactions
 
 log = logging.getLogger(__name__)
@@ -346,10 +347,12 @@ class Store:
 
     @property
     def _storage_options(self) -> dict[str, str] | None:
-        return dict(self.settings.storage_options) or None
+        return deltalake_options(self.settings.storage_options)
 
     def _fs(self) -> tuple[fsspec.AbstractFileSystem, str]:
-        fs, path = fsspec.core.url_to_fs(self.root, **self.settings.storage_options)
+        fs, path = fsspec.core.url_to_fs(
+            self.root, **fsspec_options(self.root, self.settings.storage_options)
+        )
         return fs, path
 
     def _open_or_create(self, create: bool) -> None:
@@ -1257,7 +1260,7 @@ def read_files(
     """
     if not uris:
         return schema.empty_table()
-    fs, _ = fsspec.core.url_to_fs(uris[0], **storage_options)
+    fs, _ = fsspec.core.url_to_fs(uris[0], **fsspec_options(uris[0], storage_options))
     filesystem = (
         pafs.LocalFileSystem()
         if isinstance(fs, LocalFileSystem)
