@@ -2,6 +2,7 @@
 #   make demo   - set up (first time only) and run the end-to-end demo on storage/
 #   make test   - set up (first time only) and run the test suite
 #   make torture SEED=42 MINUTES=10 - the torture test, on demand (SEED: default a new one)
+#   make objectstore - what the object-store and cluster tests add (make test runs it)
 PYTHON ?= python3.11
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -10,7 +11,16 @@ PYTEST_ARGS ?=
 
 export RMQ_SPARK_JARS := $(abspath $(JARS))
 
-.PHONY: setup demo test torture lint bench check-back notebooks clean
+# The object-store tier: MinIO built from the Go module proxy (a pinned pseudo-version: MinIO's
+# tags are not semver) and Spark's S3A jars. Both are large, so they are cached per user:
+# Go's own module and build caches (a rebuild takes seconds), and a Maven repository under
+# $(CACHE). A fresh machine fetches everything; nothing outside these files is relied upon.
+TOOLS         := .tools
+MINIO_VERSION := v0.0.0-20260212201848-7aac2a2c5b7c
+CACHE         ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/rmq-spark
+export RMQ_SPARK_MINIO := $(abspath $(TOOLS))/bin/minio
+
+.PHONY: setup objectstore demo test torture lint bench bench-objectstore check-back notebooks clean
 setup: $(VENV)/.installed $(JARS)/.fetched
 
 $(VENV)/.installed: setup.py
@@ -27,12 +37,27 @@ $(JARS)/.fetched: jars/pom.xml
 	    -DoutputDirectory=$(abspath $(JARS))
 	touch $@
 
+objectstore: setup $(TOOLS)/bin/minio $(JARS)/s3/.fetched
+
+$(TOOLS)/bin/minio:
+	@command -v go >/dev/null || { echo "make objectstore needs Go (https://go.dev/dl/)" >&2; exit 1; }
+	@echo "building MinIO $(MINIO_VERSION) (minutes the first time; cached by Go after)"
+	GOBIN=$(abspath $(TOOLS))/bin GOFLAGS=-buildvcs=false go install github.com/minio/minio@$(MINIO_VERSION)
+
+$(JARS)/s3/.fetched: jars/s3/pom.xml
+	mkdir -p $(JARS)/s3
+	mvn --batch-mode --quiet -f jars/s3/pom.xml -Dmaven.repo.local=$(CACHE)/m2 \
+	    dependency:copy-dependencies -DexcludeTransitive=true \
+	    -DoutputDirectory=$(abspath $(JARS))/s3
+	touch $@
+
 demo: setup
 	$(PY) jobs/demo.py
 
 # pytest exits 5 when it collects no test; that is not a failure of the suite.
-test: setup
-	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+# The object-store and cluster tiers run too: here a missing MinIO is an error, not a skip.
+test: objectstore
+	RMQ_SPARK_OBJECTSTORE=required $(PY) -m pytest $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 # The torture test on demand: producers, sinks, publish_with_delta_write, check-back jobs,
 # resumes and compaction in real processes, SIGKILLed at random; then check-back to quiescence
@@ -63,4 +88,4 @@ bench: setup
 	$(PY) bench/run_all.py
 
 clean:
-	rm -rf $(VENV) $(JARS) storage/*/ *.egg-info
+	rm -rf $(VENV) $(JARS) $(TOOLS) storage/*/ *.egg-info

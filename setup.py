@@ -36,8 +36,14 @@ setup(
             "nbformat>=5.10",
             "ipykernel>=6.29",
             "matplotlib>=3.8",
+            # The object-store tier's s3:// roots (MinIO).
+            "s3fs>=2024.6",
         ],
         "notebooks": ["jupyterlab>=4", "matplotlib>=3.8"],
+        # Object-storage store roots (fsspec filesystems); see rmq_spark/storage.py.
+        "s3": ["s3fs>=2024.6"],
+        "gcs": ["gcsfs>=2024.6"],
+        "adls": ["adlfs>=2024.4"],
     },
     entry_points={"console_scripts": ["rmqtx=rmq_spark.cli:main"]},
 )

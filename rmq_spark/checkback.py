@@ -537,7 +537,7 @@ class CheckBackJob:
         transactions outside this run's pending ones are looked up, so the cost follows the
         pending transactions, not the history."""
         assert self._pending is not None
-        known = self.store.table("check_state").to_pyarrow_table(columns=["transaction_id"])
+        known = self.store.read("check_state", ["transaction_id"])
         known_ids = set(known.column("transaction_id").to_pylist())
         pending_ids = set(self._pending.rows.column("transaction_id").to_pylist())
         unsure = sorted(known_ids - ended - pending_ids)
@@ -691,7 +691,7 @@ def redrive(store: Store, transaction_ids: Sequence[str] | None = None) -> list[
     two steps is finished by the next one, and two re-drives finishing the same row insert it
     once.
     """
-    discard = store.table("discard").to_pyarrow_table()
+    discard = store.read("discard")
     rows = [r for r in discard.to_pylist() if r["redriven_transaction_id"] is None]
     if transaction_ids is not None:
         wanted = set(transaction_ids)
@@ -704,9 +704,7 @@ def redrive(store: Store, transaction_ids: Sequence[str] | None = None) -> list[
         rows = [r for r in rows if r["transaction_id"] in wanted]
     claimed = _claim_discards(store, rows)
     failpoint("redrive.claimed")
-    staged = _stage_redriven(
-        store, _claimed_unstaged(store, store.table("discard").to_pyarrow_table())
-    )
+    staged = _stage_redriven(store, _claimed_unstaged(store, store.read("discard")))
     if claimed or staged:
         log.info(
             "re-drove discarded messages into the check-back cycle: claimed %d, staged %d",
@@ -743,7 +741,7 @@ def _claim_discards(store: Store, rows: list[dict[str, object]]) -> set[str]:
     log.info(
         "claimed %d discarded message(s) for re-driving", metrics.get("num_target_rows_updated")
     )
-    claimed = store.table("discard").to_pyarrow_table(columns=["redriven_transaction_id"])
+    claimed = store.read("discard", ["redriven_transaction_id"])
     return set(new_ids.values()) & set(claimed.column(0).to_pylist())
 
 

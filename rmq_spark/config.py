@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import re
 import tomllib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -53,6 +53,23 @@ def parse_int(value: object, name: str, minimum: int) -> int:
     return number
 
 
+#: Reader and writer options named ``storage.<KEY>`` are storage options (for example
+#: ``storage.AWS_ENDPOINT_URL``), applied over ``[store] storage_options``.
+STORAGE_OPTION_PREFIX = "storage."
+
+
+def split_storage_options(given: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """Split reader or writer options into the others and the ``storage.`` ones (prefix
+    removed, upper-cased as deltalake spells them)."""
+    others, storage = {}, {}
+    for key, value in given.items():
+        if key.lower().startswith(STORAGE_OPTION_PREFIX):
+            storage[key[len(STORAGE_OPTION_PREFIX) :].upper()] = str(value)
+        else:
+            others[key] = value
+    return others, storage
+
+
 def reject_unknown(given: Iterable[str], allowed: Sequence[str], usage: str) -> None:
     """Raise if a (lower-cased) option name is not one of ``allowed``, listing the valid ones."""
     unknown = sorted(set(given) - {o.lower() for o in allowed})
@@ -73,13 +90,20 @@ class StoreSettings:
     queue_nums: int = 4
     #: Body size limit (RocketMQ ``maxMessageSize``).
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    #: Passed to deltalake and fsspec for object stores (credentials, region, ...).
+    #: Object-store settings in deltalake's vocabulary (``AWS_ENDPOINT_URL``, ``AWS_REGION``,
+    #: credentials, ...); rmq_spark.storage translates them for fsspec and Spark's S3A.
     storage_options: dict[str, str] = field(default_factory=dict)
     #: Most messages in one publish commit: a backlog is published in commits of this size.
     publish_max_messages: int = 10_000
     #: Most body bytes in one publish commit (a single decision larger than either limit is
     #: published in one commit of its own).
     publish_max_bytes: int = 64 * 1024 * 1024
+
+    def with_storage_options(self, extra: Mapping[str, str]) -> StoreSettings:
+        """These settings with ``extra`` storage options over the configured ones."""
+        if not extra:
+            return self
+        return replace(self, storage_options={**self.storage_options, **extra})
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ from rmq_spark.errors import EpochLostError, StoreError
 from rmq_spark.failpoints import failpoint
 from rmq_spark.model import LocalTransactionState
 from rmq_spark.schema import EPOCHS_SCHEMA
+from rmq_spark.storage import deltalake_options
 from rmq_spark.store import Decision, Store, sql_string
 
 log = logging.getLogger(__name__)
@@ -477,7 +478,7 @@ def landed_delta_write(
     """Whether the business table holds application transaction (``sink_id``, ``epoch``), and
     the staged transaction its commit names (None when the commit carries no marker)."""
     try:
-        table = DeltaTable(table_uri, storage_options=dict(storage_options) or None)
+        table = DeltaTable(table_uri, storage_options=deltalake_options(storage_options))
         version = table.transaction_version(sink_id)
         history = table.history() if version is not None and version >= epoch else []
     except Exception as exc:

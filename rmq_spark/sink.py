@@ -25,6 +25,8 @@ option                         required  default    meaning
 ``leaseTimeout``               no        10m        how long an epoch stays held for a writer
                                                     that sends no heartbeat (running tasks
                                                     renew it every fifth of it)
+``storage.<KEY>``              no        conf       a storage option over ``[store]
+                                                    storage_options`` (``storage.AWS_REGION``)
 =============================  ========  =========  =============================================
 
 Protocol: every task holds the epoch (see :mod:`rmq_spark.epochs`) and renews its lease while
@@ -62,6 +64,7 @@ from rmq_spark.config import (
     load_settings,
     parse_duration,
     reject_unknown,
+    split_storage_options,
 )
 from rmq_spark.epochs import (
     EpochOutcome,
@@ -123,7 +126,9 @@ class WriterOptions:
     @classmethod
     def parse(cls, options: Mapping[str, str], schema: StructType) -> WriterOptions:
         """Validate the options and the input columns (keys are case-insensitive)."""
-        given = {k.lower(): v for k, v in options.items() if k.lower() not in _SPARK_OPTIONS}
+        given, storage = split_storage_options(
+            {k.lower(): v for k, v in options.items() if k.lower() not in _SPARK_OPTIONS}
+        )
         reject_unknown(given, WRITE_OPTIONS, "writing format('rmqtx')")
         group = given.get(PRODUCER_GROUP.lower())
         if not group:
@@ -158,7 +163,7 @@ class WriterOptions:
                 topic=None if topic is None else check_topic(topic),
                 sink_id=given.get(SINK_ID.lower()),
                 extra_columns=extra,
-                settings=settings.store,
+                settings=settings.store.with_storage_options(storage),
                 lease_seconds=lease,
             )
         except InvalidMessageError as exc:

@@ -42,6 +42,8 @@ option                 required    default    meaning
                                               (retention removed messages it had not read)
                                               fails naming the lost ranges; ``false``: warn
                                               and read on from the earliest offset
+``storage.<KEY>``      no          conf       a storage option over ``[store] storage_options``
+                                              (e.g. ``storage.AWS_ENDPOINT_URL``)
 =====================  ==========  =========  ==================================================
 
 A queue id in ``startingOffsets`` / ``endingOffsets`` must be one of the store's queues
@@ -78,7 +80,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 import pyarrow as pa
@@ -98,7 +100,13 @@ from pyspark.sql.streaming.datasource import (
 )
 from pyspark.sql.types import StructType
 
-from rmq_spark.config import load_settings, parse_int, reject_unknown
+from rmq_spark.config import (
+    StoreSettings,
+    load_settings,
+    parse_int,
+    reject_unknown,
+    split_storage_options,
+)
 from rmq_spark.errors import InvalidMessageError, InvalidOptionError
 from rmq_spark.model import check_group, check_topic, is_tag
 from rmq_spark.offsets import (
@@ -178,16 +186,20 @@ class ReaderOptions:
     max_messages_per_trigger: int | None = None
     #: Streaming only: record this group's progress for lag reporting.
     consumer_group: str | None = None
-    #: The store's queues per topic (``store.queue_nums`` of the settings).
-    queue_nums: int = 4
+    #: The store settings (queues per topic, storage options) of the settings file.
+    settings: StoreSettings = field(default_factory=StoreSettings)
     #: Fail a read that starts below a queue's earliest offset (retention removed messages it
     #: has not read); when false, warn and read on from the earliest offset.
     fail_on_data_loss: bool = True
 
+    def open_store(self) -> Store:
+        """The store read, opened with the configured settings (its storage options too)."""
+        return Store.open(self.path, settings=self.settings, create=False)
+
     @classmethod
     def parse(cls, options: Mapping[str, str], *, streaming: bool = False) -> ReaderOptions:
         """Validate the options of a batch or streaming read (keys are case-insensitive)."""
-        given = {k.lower(): v for k, v in options.items()}
+        given, storage = split_storage_options({k.lower(): v for k, v in options.items()})
         allowed = STREAM_OPTIONS if streaming else BATCH_OPTIONS
         for batch_only in (ENDING_OFFSETS, ENDING_TIMESTAMP):
             if streaming and batch_only.lower() in given:
@@ -219,10 +231,10 @@ class ReaderOptions:
             raise InvalidOptionError(
                 "option 'endingOffsets' cannot be 'earliest'; use 'latest' or per-queue offsets."
             )
-        store_settings = load_settings().store
+        store_settings = load_settings().store.with_storage_options(storage)
         return cls(
             path=given.get(PATH.lower()) or store_settings.path,
-            queue_nums=store_settings.queue_nums,
+            settings=store_settings,
             topics=topics,
             starting=starting,
             ending=ending,
@@ -308,10 +320,10 @@ class RmqTxBatchReader(DataSourceReader):
 
     def __init__(self, options: ReaderOptions) -> None:
         self.options = options
-        store = Store.open(options.path, create=False)
+        store = options.open_store()
         latest = latest_offsets(store, options.topics)
-        check_queues(options.starting, STARTING_OFFSETS, options.queue_nums, latest)
-        check_queues(options.ending, ENDING_OFFSETS, options.queue_nums, latest)
+        check_queues(options.starting, STARTING_OFFSETS, options.settings.queue_nums, latest)
+        check_queues(options.ending, ENDING_OFFSETS, options.settings.queue_nums, latest)
         self.end = resolve(options.ending, latest)
         if options.ending_timestamp is not None:
             self.end = timestamp_offsets(store, options.topics, options.ending_timestamp, self.end)
@@ -325,7 +337,7 @@ class RmqTxBatchReader(DataSourceReader):
             )
 
     def partitions(self) -> list[CommitLogSlice]:
-        store = Store.open(self.options.path, create=False)
+        store = self.options.open_store()
         return plan_slices(
             store, self.start, self.end, self.options.tags, self.options.fail_on_data_loss
         )
@@ -349,7 +361,9 @@ class RmqTxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._target: Offsets | None = None
         self._opened: Store | None = None
         self._store_id = self._store().table("commitlog").metadata().id
-        check_queues(options.starting, STARTING_OFFSETS, options.queue_nums, self._latest())
+        check_queues(
+            options.starting, STARTING_OFFSETS, options.settings.queue_nums, self._latest()
+        )
 
     def __getstate__(self) -> dict:
         # Spark pickles the reader for its read tasks; they open the store themselves.
@@ -358,7 +372,7 @@ class RmqTxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def _store(self) -> Store:
         """The store, opened once per reader: every trigger reads only what changed since."""
         if self._opened is None:
-            self._opened = Store.open(self.options.path, create=False)
+            self._opened = self.options.open_store()
         return self._opened
 
     def _latest(self) -> Offsets:
@@ -450,7 +464,7 @@ class RmqTxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             schema=CONSUMER_OFFSETS_SCHEMA,
         )
         if rows.num_rows:
-            Store.open(self.options.path, create=False).merge(
+            self.options.open_store().merge(
                 "consumer_offsets",
                 rows,
                 ["consumer_group", "topic", "queue_id"],

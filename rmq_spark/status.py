@@ -61,12 +61,8 @@ def store_status(store: Store, now: datetime | None = None) -> dict[str, Any]:
 
 
 def _producer_groups(store: Store, now: datetime) -> list[dict[str, Any]]:
-    half = store.table("half").to_pyarrow_table(
-        columns=["transaction_id", "producer_group", "store_timestamp"]
-    )
-    op = store.table("op").to_pyarrow_table(
-        columns=["transaction_id", "producer_group", "decision"]
-    )
+    half = store.read("half", ["transaction_id", "producer_group", "store_timestamp"])
+    op = store.read("op", ["transaction_id", "producer_group", "decision"])
     pending = half.filter(
         pc.invert(pc.is_in(half.column("transaction_id"), op.column("transaction_id")))
     )
@@ -115,7 +111,7 @@ def _producer_groups(store: Store, now: datetime) -> list[dict[str, Any]]:
 
 
 def _consumer_groups(store: Store, latest: Mapping[str, Mapping[int, int]]) -> list[dict[str, Any]]:
-    rows = store.table("consumer_offsets").to_pyarrow_table().to_pylist()
+    rows = store.read("consumer_offsets").to_pylist()
     progress: dict[tuple[str, str], dict[int, int]] = {}
     for r in rows:
         progress.setdefault((r["consumer_group"], r["topic"]), {})[r["queue_id"]] = r["next_offset"]
@@ -131,9 +127,7 @@ def _consumer_groups(store: Store, latest: Mapping[str, Mapping[int, int]]) -> l
 
 
 def _discards(store: Store) -> dict[str, int]:
-    discard = store.table("discard").to_pyarrow_table(
-        columns=["transaction_id", "redriven_transaction_id"]
-    )
+    discard = store.read("discard", ["transaction_id", "redriven_transaction_id"])
     waiting = discard.filter(pc.is_null(discard.column("redriven_transaction_id")))
     return {
         "messages": discard.num_rows,
@@ -143,7 +137,7 @@ def _discards(store: Store) -> dict[str, int]:
 
 
 def _last_run(store: Store) -> dict[str, Any] | None:
-    runs = store.table("check_runs").to_pyarrow_table(columns=list(RUN_COLUMNS))
+    runs = store.read("check_runs", list(RUN_COLUMNS))
     if not runs.num_rows:
         return None
     last = runs.take([pc.index(runs.column("started"), pc.max(runs.column("started"))).as_py()])

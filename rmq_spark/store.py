@@ -48,7 +48,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as pads
-import pyarrow.fs as pafs
 from deltalake import CommitProperties, DeltaTable, QueryBuilder, Transaction, write_deltalake
 from deltalake import Field as DeltaField
 from deltalake.exceptions import (
@@ -59,7 +58,6 @@ from deltalake.exceptions import (
     TableNotFoundError,
 )
 from deltalake.table import TableMerger
-from fsspec.implementations.local import LocalFileSystem
 
 from rmq_spark.config import Settings, StoreSettings
 from rmq_spark.errors import (
@@ -87,6 +85,13 @@ from rmq_spark.schema import (
     TABLES,
     TIMESTAMP,
     WRITER_COLUMNS,
+)
+from rmq_spark.storage import (
+    arrow_filesystem,
+    check_conditional_put,
+    deltalake_options,
+    filesystem,
+    is_local,
 )
 from rmq_spark.txnlog import app_transactions
 
@@ -346,11 +351,10 @@ class Store:
 
     @property
     def _storage_options(self) -> dict[str, str] | None:
-        return dict(self.settings.storage_options) or None
+        return deltalake_options(self.settings.storage_options)
 
     def _fs(self) -> tuple[fsspec.AbstractFileSystem, str]:
-        fs, path = fsspec.core.url_to_fs(self.root, **self.settings.storage_options)
-        return fs, path
+        return filesystem(self.root, self.settings.storage_options)
 
     def _open_or_create(self, create: bool) -> None:
         fs, root = self._fs()
@@ -386,6 +390,8 @@ class Store:
                 "store.path). A store is made when a producer or Store.open(create=True) first "
                 "opens it."
             )
+        if not is_local(self.root):
+            check_conditional_put(self.root, self.settings.storage_options)
         for name in TABLES:
             self._create_table(name)
             self._check_table(name)
@@ -1102,6 +1108,15 @@ class Store:
         """
         return self.sql(name, f"SELECT * FROM {name} WHERE {where}")
 
+    def read(self, name: str, columns: Sequence[str] | None = None) -> pa.Table:
+        """One of the store's tables whole (or some of its columns), in plain Arrow types.
+
+        Read through DataFusion, like :meth:`sql`: deltalake's ``to_pyarrow_table`` can abort
+        the interpreter at exit on object stores, and the CLI's exit codes would lie.
+        """
+        chosen = ", ".join(f'"{c}"' for c in columns) if columns else "*"
+        return self.sql(name, f"SELECT {chosen} FROM {name}")
+
     def sql(
         self,
         name: str,
@@ -1257,14 +1272,13 @@ def read_files(
     """
     if not uris:
         return schema.empty_table()
-    fs, _ = fsspec.core.url_to_fs(uris[0], **storage_options)
-    filesystem = (
-        pafs.LocalFileSystem()
-        if isinstance(fs, LocalFileSystem)
-        else pafs.PyFileSystem(pafs.FSSpecHandler(fs))
-    )
     paths = [fsspec.core.strip_protocol(uri) for uri in uris]
-    dataset = pads.dataset(paths, schema=schema, format="parquet", filesystem=filesystem)
+    dataset = pads.dataset(
+        paths,
+        schema=schema,
+        format="parquet",
+        filesystem=arrow_filesystem(uris[0], storage_options),
+    )
     rows = dataset.to_table()
     if keep is None:
         return rows

@@ -32,6 +32,7 @@ import pyarrow.parquet as pq
 from deltalake import DeltaTable
 
 from rmq_spark.errors import CorruptStoreError
+from rmq_spark.storage import filesystem
 
 #: Read the commits since a cached version only when there are at most this many; else start
 #: again from the newest checkpoint (which deltalake writes every 100 commits).
@@ -75,7 +76,7 @@ def app_transactions(
         cached = _cache.get(key)
     if cached is not None and cached[0] == version:
         return cached[1]
-    fs, log_path = fsspec.core.url_to_fs(f"{uri}/_delta_log", **storage_options)
+    fs, log_path = filesystem(f"{uri}/_delta_log", storage_options)
     txns = None
     if cached is not None and cached[0] < version <= cached[0] + _MAX_INCREMENTAL_COMMITS:
         try:

@@ -1,7 +1,9 @@
-"""Shared fixtures: a fresh store per test, and one local SparkSession per test session."""
+"""Shared fixtures: a fresh store per test, one local SparkSession per test session, and one
+MinIO server per test session for the object-store tier."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +18,36 @@ from rmq_spark.config import Settings, StoreSettings
 def store(tmp_path: Path) -> Store:
     """An empty store on local disk."""
     return Store.open(tmp_path / "store", settings=Settings(store=StoreSettings(queue_nums=2)))
+
+
+@pytest.fixture(scope="session")
+def minio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """A MinIO server on loopback (``make objectstore`` builds it). Without the binary the
+    object-store tests are skipped, except under ``make test``, where that is an error."""
+    from tests import minio as server
+
+    if not server.binary().exists():
+        reason = f"no MinIO at {server.binary()}; run 'make objectstore'"
+        if os.environ.get("RMQ_SPARK_OBJECTSTORE") == "required":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    running = server.start(tmp_path_factory.mktemp("minio") / "data")
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def s3_settings(minio) -> Settings:
+    """Settings of a fresh store root on the MinIO server (``s3://rmqtx/store-<random>``)."""
+    return Settings(
+        store=StoreSettings(path=minio.root(), queue_nums=2, storage_options=minio.storage_options)
+    )
+
+
+@pytest.fixture
+def s3_store(s3_settings: Settings) -> Store:
+    """An empty store on the MinIO server."""
+    return Store.open(settings=s3_settings)
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,6 @@ Run it with ``python -m tests.torture.run --seed S --minutes M`` or ``make tortu
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import random
@@ -23,6 +22,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from tests.lifetime import die_with_parent
 from tests.torture import local_db
 from tests.torture.invariants import Violation, check_invariants
 from tests.torture.report import format_report
@@ -119,13 +119,6 @@ def session_processes(sid: int) -> list[tuple[int, int]]:
         if int(fields[3]) == sid:
             found.append((int(entry), int(fields[2])))
     return found
-
-
-def _die_with_parent() -> None:
-    """In a worker, before exec: get SIGKILLed when the orchestrator dies (Linux
-    ``PR_SET_PDEATHSIG``), so a killed run leaves no workers behind. A worker's JVM exits
-    when its Python driver does (PySpark's gateway watches its stdin)."""
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
 
 
 def kill_session(proc: subprocess.Popen) -> None:
@@ -327,7 +320,7 @@ level = "INFO"
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         return proc, log
 

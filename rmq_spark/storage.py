@@ -1,0 +1,244 @@
+"""One storage configuration for a store root, translated for each client.
+
+The store's ``[store] storage_options`` are written once, in deltalake's
+vocabulary (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...).  This module
+translates them for fsspec (s3fs refuses deltalake's ``AWS_*`` keys) and for
+Spark's Hadoop filesystems (``spark.hadoop.fs.s3a.*``), and refuses options
+that would turn off the conditional writes that first-decision-wins and dense
+offsets rest on.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import fsspec
+import pyarrow as pa
+import pyarrow.fs as pafs
+from fsspec.implementations.local import LocalFileSystem
+
+
+class StorageConfigError(ValueError):
+    """Storage options that cannot keep the store's semantic contract."""
+
+
+def scheme(uri: str) -> str:
+    """The URI scheme of a store root or table (``file`` for local paths)."""
+    return uri.split("://", 1)[0].lower() if "://" in uri else "file"
+
+
+def is_local(uri: str) -> bool:
+    """Whether ``uri`` is on the local filesystem."""
+    return scheme(uri) == "file"
+
+
+def filesystem(uri: str, options: Mapping[str, str]) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The fsspec filesystem and the path within it of ``uri``, with the store's options.
+
+    Raises
+    ------
+    StorageConfigError
+        When the filesystem's fsspec package (s3fs, gcsfs, adlfs) is not installed, naming
+        the extra that installs it.
+    """
+    try:
+        return fsspec.core.url_to_fs(uri, **fsspec_options(uri, options))
+    except ImportError as exc:
+        extra = _EXTRAS.get(scheme(uri), "s3")
+        raise StorageConfigError(
+            f"{uri!r} needs an fsspec filesystem that is not installed ({exc}); "
+            f"install it with: pip install 'rmq-spark[{extra}]'."
+        ) from exc
+
+
+def arrow_filesystem(uri: str, options: Mapping[str, str]) -> pafs.FileSystem:
+    """A pyarrow filesystem for reading the files under ``uri`` (native for local paths)."""
+    fs, _ = filesystem(uri, options)
+    if isinstance(fs, LocalFileSystem):
+        return pafs.LocalFileSystem()
+    return pafs.PyFileSystem(pafs.FSSpecHandler(fs))
+
+
+_EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"} | dict.fromkeys(
+    ("abfs", "abfss", "az", "adl"), "adls"
+)
+
+
+# Options that make deltalake fall back from conditional puts to an external
+# lock (or to no protection at all).
+_UNSAFE = {
+    "AWS_S3_LOCKING_PROVIDER": "a locking provider replaces conditional puts",
+    "AWS_S3_ALLOW_UNSAFE_RENAME": "unsafe rename gives up atomic commits",
+    "AWS_CONDITIONAL_PUT": "only the default (etag/If-None-Match) is safe",
+}
+
+
+def _upper(options: Mapping[str, str]) -> dict[str, str]:
+    return {str(k).upper(): str(v) for k, v in options.items()}
+
+
+def check_conditional_writes(options: Mapping[str, str]) -> None:
+    """Refuse options that disable conditional writes.
+
+    Parameters
+    ----------
+    options : mapping
+        deltalake storage options.
+
+    Raises
+    ------
+    StorageConfigError
+        Naming the offending key and what to do instead.
+    """
+    for key, value in _upper(options).items():
+        if key in _UNSAFE and value.strip().lower() not in ("", "false", "etag"):
+            raise StorageConfigError(
+                f"storage option {key}={value!r} turns off conditional writes "
+                f"({_UNSAFE[key]}); rmq-spark needs If-None-Match commits. "
+                f"Remove {key} from [store] storage_options and use a store "
+                "that supports conditional PUT (AWS S3, MinIO)."
+            )
+
+
+def deltalake_options(options: Mapping[str, str]) -> dict[str, str] | None:
+    """Return the options for ``deltalake`` (``None`` when empty), checked.
+
+    Parameters
+    ----------
+    options : mapping
+        The configured storage options.
+
+    Returns
+    -------
+    dict or None
+        Options for ``DeltaTable``/``write_deltalake``.
+    """
+    check_conditional_writes(options)
+    return dict(options) or None
+
+
+def fsspec_options(root: str, options: Mapping[str, str]) -> dict[str, Any]:
+    """Translate the options into fsspec keyword arguments for ``root``'s scheme.
+
+    Parameters
+    ----------
+    root : str
+        The store root (``s3://``, ``gs://``, ``abfss://`` or a local path).
+    options : mapping
+        The configured (deltalake) storage options.
+
+    Returns
+    -------
+    dict
+        kwargs for ``fsspec.core.url_to_fs``: s3fs's ``key``/``secret``/
+        ``endpoint_url``/``client_kwargs``; gcsfs's ``token``; adlfs's
+        ``account_name``/``account_key``.  Empty for local roots.
+    """
+    kind = scheme(root)
+    opts = _upper(options)
+    if kind in ("s3", "s3a"):
+        kw: dict[str, Any] = {}
+        if "AWS_ACCESS_KEY_ID" in opts:
+            kw["key"] = opts["AWS_ACCESS_KEY_ID"]
+        if "AWS_SECRET_ACCESS_KEY" in opts:
+            kw["secret"] = opts["AWS_SECRET_ACCESS_KEY"]
+        if "AWS_SESSION_TOKEN" in opts:
+            kw["token"] = opts["AWS_SESSION_TOKEN"]
+        endpoint = opts.get("AWS_ENDPOINT_URL") or opts.get("AWS_ENDPOINT")
+        if endpoint:
+            kw["endpoint_url"] = endpoint
+        region = opts.get("AWS_REGION") or opts.get("AWS_DEFAULT_REGION")
+        if region:
+            kw["client_kwargs"] = {"region_name": region}
+        return kw
+    if kind in ("gs", "gcs"):
+        path = opts.get("GOOGLE_SERVICE_ACCOUNT") or opts.get("GOOGLE_SERVICE_ACCOUNT_PATH")
+        return {"token": path} if path else {}
+    if kind in ("abfs", "abfss", "az", "adl"):
+        kw = {}
+        if "AZURE_STORAGE_ACCOUNT_NAME" in opts:
+            kw["account_name"] = opts["AZURE_STORAGE_ACCOUNT_NAME"]
+        if "AZURE_STORAGE_ACCOUNT_KEY" in opts:
+            kw["account_key"] = opts["AZURE_STORAGE_ACCOUNT_KEY"]
+        return kw
+    return {}
+
+
+def hadoop_settings(options: Mapping[str, str]) -> dict[str, str]:
+    """Translate S3 options into Spark ``spark.hadoop.fs.s3a.*`` settings.
+
+    Parameters
+    ----------
+    options : mapping
+        The configured (deltalake) storage options.
+
+    Returns
+    -------
+    dict
+        Spark conf entries; ``s3://`` is mapped to ``S3AFileSystem``.
+    """
+    # S3A reads credentials from the environment itself, but not the endpoint or region.
+    env = {k: os.environ[k] for k in ("AWS_ENDPOINT_URL", "AWS_REGION") if os.environ.get(k)}
+    opts = {**env, **_upper(options)}
+    p = "spark.hadoop.fs.s3a."
+    conf = {
+        "spark.hadoop.fs.s3.impl": "org.apache.hadoop.fs.s3a.S3AFileSystem",
+    }
+    if "AWS_ACCESS_KEY_ID" in opts:
+        conf[p + "access.key"] = opts["AWS_ACCESS_KEY_ID"]
+    if "AWS_SECRET_ACCESS_KEY" in opts:
+        conf[p + "secret.key"] = opts["AWS_SECRET_ACCESS_KEY"]
+    if "AWS_SESSION_TOKEN" in opts:
+        conf[p + "session.token"] = opts["AWS_SESSION_TOKEN"]
+    endpoint = opts.get("AWS_ENDPOINT_URL") or opts.get("AWS_ENDPOINT")
+    if endpoint:
+        conf[p + "endpoint"] = endpoint
+        conf[p + "path.style.access"] = "true"
+        conf[p + "connection.ssl.enabled"] = str(not endpoint.lower().startswith("http://")).lower()
+    if "AWS_REGION" in opts:
+        conf[p + "endpoint.region"] = opts["AWS_REGION"]
+    return conf
+
+
+def check_conditional_put(root: str, options: Mapping[str, str]) -> None:
+    """Refuse an object store that does not honour conditional writes.
+
+    Two writers commit the same application transaction on a scratch Delta table from the
+    same snapshot: a store that honours ``If-None-Match`` makes the second commit fail; one
+    that ignores it lets the second overwrite the first, which would break first decision
+    wins and dense offsets. The scratch table is deleted afterwards.
+
+    Raises
+    ------
+    StorageConfigError
+        When the second commit succeeded, saying why the store cannot be used.
+    """
+    from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
+    from deltalake.exceptions import CommitFailedError
+
+    options = deltalake_options(options)
+    probe = f"{root.rstrip('/')}/_rmqtx_probe_{uuid.uuid4().hex}"
+    rows = pa.table({"n": pa.array([1], pa.int64())})
+    claim = CommitProperties(app_transactions=[Transaction("rmqtx.probe", 1)])
+    try:
+        DeltaTable.create(probe, schema=rows.schema, storage_options=options)
+        first = DeltaTable(probe, storage_options=options)
+        second = DeltaTable(probe, storage_options=options)
+        write_deltalake(first, rows, mode="append", commit_properties=claim)
+        try:
+            write_deltalake(second, rows, mode="append", commit_properties=claim)
+        except CommitFailedError:
+            return
+        raise StorageConfigError(
+            f"the object store of {root!r} does not honour conditional writes: two commits of "
+            "the same Delta log entry both succeeded, so concurrent decisions could overwrite "
+            "each other. rmq-spark needs a store with conditional PUT (If-None-Match), such as "
+            "AWS S3, MinIO, GCS or ADLS; check the endpoint and any proxy in front of it."
+        )
+    finally:
+        fs, path = filesystem(probe, options or {})
+        if fs.exists(path):
+            fs.rm(path, recursive=True)

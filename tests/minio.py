@@ -1,0 +1,115 @@
+"""A real S3-compatible server for the object-store tier: MinIO on loopback.
+
+``make objectstore`` builds the binary into ``.tools/bin/minio`` (``$RMQ_SPARK_MINIO``). A
+test session starts one server on a free port with its data in a temporary folder, and every
+test gets a store root of its own in one bucket.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+import urllib.request
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.lifetime import die_with_parent
+
+ACCESS_KEY = "rmqspark"
+SECRET_KEY = "rmqspark-secret"
+BUCKET = "rmqtx"
+REGION = "us-east-1"
+DEFAULT_BINARY = Path(__file__).resolve().parents[1] / ".tools" / "bin" / "minio"
+
+
+def binary() -> Path:
+    """Where ``make objectstore`` put the MinIO server."""
+    return Path(os.environ.get("RMQ_SPARK_MINIO") or DEFAULT_BINARY)
+
+
+def free_port() -> int:
+    """A TCP port free on loopback just now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Minio:
+    """A running MinIO server and the settings that reach it."""
+
+    endpoint: str
+    process: subprocess.Popen
+    log: Path
+
+    @property
+    def storage_options(self) -> dict[str, str]:
+        """The store's ``storage_options`` (deltalake's vocabulary) for this server."""
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_ALLOW_HTTP": "true",
+            "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+            "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+            "AWS_REGION": REGION,
+        }
+
+    def root(self, name: str = "store") -> str:
+        """A store root of its own: ``s3://rmqtx/<name>-<random>``."""
+        return f"s3://{BUCKET}/{name}-{uuid.uuid4().hex[:12]}"
+
+    def stop(self) -> None:
+        """Stop the server (SIGTERM, then SIGKILL)."""
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def start(data: Path) -> Minio:
+    """Start MinIO on a free loopback port with its data under ``data``; make the bucket."""
+    data.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    log = data.parent / "minio.log"
+    env = {
+        **os.environ,
+        "MINIO_ROOT_USER": ACCESS_KEY,
+        "MINIO_ROOT_PASSWORD": SECRET_KEY,
+        "MINIO_BROWSER": "off",
+        "MINIO_UPDATE": "off",
+        "MINIO_REGION": REGION,
+    }
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [str(binary()), "server", "--quiet", "--address", f"127.0.0.1:{port}", str(data)],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            preexec_fn=die_with_parent,
+        )
+    server = Minio(f"http://127.0.0.1:{port}", process, log)
+    deadline = time.monotonic() + 60
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"MinIO exited with {process.returncode}: {log.read_text()[-2000:]}")
+        try:
+            with urllib.request.urlopen(f"{server.endpoint}/minio/health/ready", timeout=2):
+                break
+        except OSError:
+            if time.monotonic() > deadline:
+                server.stop()
+                raise RuntimeError(f"MinIO did not get ready in 60 s: {log.read_text()[-2000:]}")
+            time.sleep(0.2)
+    import s3fs
+
+    s3fs.S3FileSystem(
+        key=ACCESS_KEY,
+        secret=SECRET_KEY,
+        endpoint_url=server.endpoint,
+        client_kwargs={"region_name": REGION},
+    ).mkdir(BUCKET)
+    return server
