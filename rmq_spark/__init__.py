@@ -20,6 +20,7 @@ from rmq_spark.errors import (
     NotAStoreError,
     ProducerStateError,
     RmqSparkError,
+    StorageConfigError,
     StoreError,
     StoreVersionError,
 )
@@ -63,6 +64,7 @@ __all__ = [
     "SendStatus",
     "Settings",
     "Store",
+    "StorageConfigError",
     "StoreError",
     "StoreVersionError",
     "TransactionListener",

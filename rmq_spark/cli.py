@@ -141,7 +141,7 @@ def _check(args: argparse.Namespace, settings: Settings) -> int:
     from rmq_spark.checkback import CheckBackJob
     from rmq_spark.session import get_spark
 
-    spark = get_spark("rmqtx-check-back", settings=settings)
+    spark = get_spark("rmqtx-check-back", settings=settings, store_root=store.root)
     job = CheckBackJob(
         spark,
         store,

@@ -48,6 +48,13 @@ class NotAStoreError(StoreError):
     error_class = "NOT_AN_RMQ_SPARK_STORE"
 
 
+class StorageConfigError(StoreError):
+    """The store's object storage, or its storage options, cannot keep the contract (no
+    conditional writes, a missing filesystem package)."""
+
+    error_class = "UNSAFE_STORAGE"
+
+
 class StoreVersionError(StoreError):
     """The store was written by a newer rmq-spark with a layout this version cannot read."""
 

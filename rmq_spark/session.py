@@ -11,6 +11,7 @@ from pyspark.sql import SparkSession
 from rmq_spark.config import Settings, load_settings
 from rmq_spark.errors import RmqSparkError
 from rmq_spark.source import register
+from rmq_spark.storage import hadoop_settings, scheme
 
 JARS_ENV = "RMQ_SPARK_JARS"
 _LOG4J2_CONF = Path(__file__).with_name("log4j2.properties")
@@ -54,12 +55,33 @@ def delta_jars() -> list[str]:
     return jars
 
 
+def s3_jars() -> list[str]:
+    """Paths of Hadoop's S3A jars fetched by ``make objectstore`` (``$RMQ_SPARK_JARS/s3``).
+
+    Raises
+    ------
+    RmqSparkError
+        When they are missing, with the command that fetches them and the packages option
+        that gives them on a cluster.
+    """
+    folder = Path(os.environ.get(JARS_ENV) or Path(__file__).resolve().parents[1] / ".jars") / "s3"
+    jars = sorted(str(p) for p in folder.glob("*.jar")) if folder.is_dir() else []
+    if not any(Path(p).name.startswith("hadoop-aws-") for p in jars):
+        raise RmqSparkError(
+            f"a store on S3 needs Hadoop's S3A jars, and {str(folder)!r} has none. Run 'make "
+            "objectstore' in the rmq-spark checkout, or submit with spark-submit --packages "
+            "org.apache.hadoop:hadoop-aws:3.5.0."
+        )
+    return jars
+
+
 def get_spark(
     app_name: str = "rmq-spark",
     *,
     master: str = "local[2]",
     settings: Settings | None = None,
     extra_conf: dict[str, str] | None = None,
+    store_root: str | None = None,
 ) -> SparkSession:
     """Get or create a SparkSession with Delta Lake, with ``format("rmqtx")`` registered.
 
@@ -74,17 +96,23 @@ def get_spark(
         :func:`rmq_spark.config.load_settings`.
     extra_conf : dict, optional
         Spark configuration applied last (highest precedence).
+    store_root : str, optional
+        The store the session reads (default ``store.path`` of the settings). On S3, Spark
+        gets the S3A settings translated from ``[store] storage_options`` (and, outside
+        spark-submit, the S3A jars).
 
     Returns
     -------
     SparkSession
     """
     settings = settings or load_settings()
-    conf = {**LOCAL_SPARK_CONF, **settings.spark, **(extra_conf or {})}
+    on_s3 = scheme(store_root or settings.store.path) in ("s3", "s3a")
+    storage = hadoop_settings(settings.store.storage_options) if on_s3 else {}
+    conf = {**LOCAL_SPARK_CONF, **storage, **settings.spark, **(extra_conf or {})}
     builder = SparkSession.builder.appName(app_name)
     if os.environ.get("PYSPARK_GATEWAY_PORT") is None:
         # Not under spark-submit, whose --master and --jars/--packages are respected as given.
-        conf["spark.jars"] = ",".join(delta_jars())
+        conf["spark.jars"] = ",".join(delta_jars() + (s3_jars() if on_s3 else []))
         conf.setdefault(
             "spark.driver.extraJavaOptions", f"-Dlog4j2.configurationFile=file:{_LOG4J2_CONF}"
         )

@@ -20,9 +20,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 from fsspec.implementations.local import LocalFileSystem
 
-
-class StorageConfigError(ValueError):
-    """Storage options that cannot keep the store's semantic contract."""
+from rmq_spark.errors import StorageConfigError
 
 
 def scheme(uri: str) -> str:
@@ -133,38 +131,38 @@ def fsspec_options(root: str, options: Mapping[str, str]) -> dict[str, Any]:
     Returns
     -------
     dict
-        kwargs for ``fsspec.core.url_to_fs``: s3fs's ``key``/``secret``/
-        ``endpoint_url``/``client_kwargs``; gcsfs's ``token``; adlfs's
-        ``account_name``/``account_key``.  Empty for local roots.
+        kwargs for ``fsspec.core.url_to_fs``: s3fs's ``key``/``secret``/``token``/
+        ``endpoint_url``/``client_kwargs``, gcsfs's ``token``, adlfs's ``account_name``/
+        ``account_key``; empty for local roots. Listings are never cached: a cached listing
+        of a Delta log hides the commits made since (a new commit would read as missing).
     """
-    kind = scheme(root)
+    family = _EXTRAS.get(scheme(root))
+    if family is None:
+        return {}
     opts = _upper(options)
-    if kind in ("s3", "s3a"):
-        kw: dict[str, Any] = {}
-        if "AWS_ACCESS_KEY_ID" in opts:
-            kw["key"] = opts["AWS_ACCESS_KEY_ID"]
-        if "AWS_SECRET_ACCESS_KEY" in opts:
-            kw["secret"] = opts["AWS_SECRET_ACCESS_KEY"]
-        if "AWS_SESSION_TOKEN" in opts:
-            kw["token"] = opts["AWS_SESSION_TOKEN"]
-        endpoint = opts.get("AWS_ENDPOINT_URL") or opts.get("AWS_ENDPOINT")
-        if endpoint:
-            kw["endpoint_url"] = endpoint
-        region = opts.get("AWS_REGION") or opts.get("AWS_DEFAULT_REGION")
-        if region:
-            kw["client_kwargs"] = {"region_name": region}
-        return kw
-    if kind in ("gs", "gcs"):
-        path = opts.get("GOOGLE_SERVICE_ACCOUNT") or opts.get("GOOGLE_SERVICE_ACCOUNT_PATH")
-        return {"token": path} if path else {}
-    if kind in ("abfs", "abfss", "az", "adl"):
-        kw = {}
-        if "AZURE_STORAGE_ACCOUNT_NAME" in opts:
-            kw["account_name"] = opts["AZURE_STORAGE_ACCOUNT_NAME"]
-        if "AZURE_STORAGE_ACCOUNT_KEY" in opts:
-            kw["account_key"] = opts["AZURE_STORAGE_ACCOUNT_KEY"]
-        return kw
-    return {}
+    kw: dict[str, Any] = {"use_listings_cache": False}
+    kw |= {key: opts[name] for name, key in _FSSPEC_KEYS[family].items() if name in opts}
+    region = opts.get("AWS_REGION") or opts.get("AWS_DEFAULT_REGION")
+    if family == "s3" and region:
+        kw["client_kwargs"] = {"region_name": region}
+    return kw
+
+
+#: deltalake's option names and the fsspec keyword each becomes, per filesystem package.
+_FSSPEC_KEYS = {
+    "s3": {
+        "AWS_ACCESS_KEY_ID": "key",
+        "AWS_SECRET_ACCESS_KEY": "secret",
+        "AWS_SESSION_TOKEN": "token",
+        "AWS_ENDPOINT": "endpoint_url",
+        "AWS_ENDPOINT_URL": "endpoint_url",
+    },
+    "gcs": {"GOOGLE_SERVICE_ACCOUNT_PATH": "token", "GOOGLE_SERVICE_ACCOUNT": "token"},
+    "adls": {
+        "AZURE_STORAGE_ACCOUNT_NAME": "account_name",
+        "AZURE_STORAGE_ACCOUNT_KEY": "account_key",
+    },
+}
 
 
 def hadoop_settings(options: Mapping[str, str]) -> dict[str, str]:

@@ -50,6 +50,12 @@ def s3_store(s3_settings: Settings) -> Store:
     return Store.open(settings=s3_settings)
 
 
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.objectstore)])
+def any_store(request: pytest.FixtureRequest) -> Store:
+    """An empty store on local disk, and one on S3 (MinIO): the contract holds on both."""
+    return request.getfixturevalue("store" if request.param == "local" else "s3_store")
+
+
 @pytest.fixture(scope="session")
 def spark() -> Iterator[object]:
     """The session's one local[2] SparkSession, with Delta Lake."""
@@ -79,7 +85,7 @@ def race(target, sides: list[tuple]) -> dict:
 
 def commitlog(store: Store) -> pa.Table:
     """Everything consumers can see, ordered by topic, queue and offset."""
-    table = store.table("commitlog").to_pyarrow_table()
+    table = store.read("commitlog")
     return table.sort_by(
         [("topic", "ascending"), ("queue_id", "ascending"), ("queue_offset", "ascending")]
     )

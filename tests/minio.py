@@ -99,10 +99,10 @@ def start(data: Path) -> Minio:
         try:
             with urllib.request.urlopen(f"{server.endpoint}/minio/health/ready", timeout=2):
                 break
-        except OSError:
+        except OSError as exc:
             if time.monotonic() > deadline:
                 server.stop()
-                raise RuntimeError(f"MinIO did not get ready in 60 s: {log.read_text()[-2000:]}")
+                raise RuntimeError(f"MinIO not ready in 60 s: {log.read_text()[-2000:]}") from exc
             time.sleep(0.2)
     import s3fs
 

@@ -22,8 +22,8 @@ COMMIT, ROLLBACK = LocalTransactionState.COMMIT, LocalTransactionState.ROLLBACK
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _race_worker(root: str, txns: list[str], state: str, barrier, out) -> None:
-    store = Store.open(root, create=False)
+def _race_worker(root: str, settings, txns: list[str], state: str, barrier, out) -> None:
+    store = Store.open(root, settings=settings, create=False)
     statuses = []
     for txn in txns:
         barrier.wait(timeout=60)
@@ -32,11 +32,13 @@ def _race_worker(root: str, txns: list[str], state: str, barrier, out) -> None:
     out.put((state, statuses))
 
 
-def test_two_processes_racing_to_decide(store: Store) -> None:
-    rounds = 25
+def test_two_processes_racing_to_decide(any_store: Store) -> None:
+    store, rounds = any_store, 25
     prepared = store.prepare([Message("Orders", str(i)) for i in range(rounds)], "pg")
     txns = [p.transaction_id for p in prepared]
-    results = race(_race_worker, [(store.root, txns, s) for s in ("COMMIT", "ROLLBACK")])
+    results = race(
+        _race_worker, [(store.root, store.settings, txns, s) for s in ("COMMIT", "ROLLBACK")]
+    )
     visible = set(commitlog(store).column("transaction_id").to_pylist())
     winners = Counter()
     for i, txn in enumerate(txns):
@@ -50,15 +52,17 @@ def test_two_processes_racing_to_decide(store: Store) -> None:
     assert commitlog(store).num_rows == winners["COMMIT"]
 
 
-def _publisher(root: str, n: int, tag: str) -> None:
-    store = Store.open(root, create=False)
+def _publisher(root: str, settings, n: int, tag: str) -> None:
+    store = Store.open(root, settings=settings, create=False)
     for i in range(n):
         store.send([Message("Orders", f"{tag}-{i}", keys="one-queue")], "pg")
 
 
-def test_concurrent_publishers_keep_offsets_dense(store: Store) -> None:
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_publisher, args=(store.root, 15, t)) for t in "abc"]
+def test_concurrent_publishers_keep_offsets_dense(any_store: Store) -> None:
+    store, ctx = any_store, mp.get_context("spawn")
+    procs = [
+        ctx.Process(target=_publisher, args=(store.root, store.settings, 15, t)) for t in "abc"
+    ]
     for p in procs:
         p.start()
     for p in procs:

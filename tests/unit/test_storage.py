@@ -21,6 +21,7 @@ MINIO = {
 def test_s3fs_kwargs_have_no_aws_keys():
     kw = fsspec_options("s3://b/root", MINIO)
     assert kw == {
+        "use_listings_cache": False,
         "key": "ak",
         "secret": "sk",
         "endpoint_url": "http://127.0.0.1:9000",
