@@ -89,6 +89,7 @@ from rmq_spark.schema import (
 from rmq_spark.storage import (
     arrow_filesystem,
     check_conditional_put,
+    check_conditional_writes,
     deltalake_options,
     filesystem,
     is_local,
@@ -357,6 +358,7 @@ class Store:
         return filesystem(self.root, self.settings.storage_options)
 
     def _open_or_create(self, create: bool) -> None:
+        check_conditional_writes(self.settings.storage_options)
         fs, root = self._fs()
         marker = f"{root.rstrip('/')}/{MARKER_FILE}"
         if fs.exists(marker):

@@ -1,0 +1,124 @@
+"""A store root on S3, served by a real MinIO server: the CLI and its exit codes, check-back,
+Spark's sink and source, and storage options that would break the contract.
+
+(The contract tests of tests/unit/test_store.py and tests/integration/test_processes.py run
+on an S3 root too, through the ``any_store`` fixture; tests/cluster runs Spark executors on
+a standalone cluster against one.)
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pyspark.sql import functions as F
+
+from rmq_spark import Message, StorageConfigError, Store
+from rmq_spark.config import Settings, StoreSettings
+from rmq_spark.storage import filesystem
+from tests.conftest import commitlog
+
+pytestmark = pytest.mark.objectstore
+REPO = Path(__file__).resolve().parents[2]
+
+
+def conf_file(tmp_path: Path, store: Store) -> Path:
+    """A settings file naming the S3 root and its storage options, as an operator writes it."""
+    options = ", ".join(f'{k} = "{v}"' for k, v in store.settings.storage_options.items())
+    conf = tmp_path / "rmq.toml"
+    conf.write_text(
+        f'[store]\npath = "{store.root}"\nqueue_nums = 2\nstorage_options = {{ {options} }}\n'
+        '[transaction]\ntransaction_timeout = "0s"\n'
+    )
+    return conf
+
+
+def rmqtx(conf: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "rmq_spark.cli", "--conf", str(conf), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_cli_status_tail_and_check_back_on_s3(s3_store: Store, tmp_path: Path) -> None:
+    store = s3_store
+    store.send([Message("Orders", f"n{i}") for i in range(3)], "shop")
+    store.prepare(
+        [Message("Orders", "c", tags="COMMIT"), Message("Orders", "r", tags="ROLLBACK")], "pg"
+    )
+    conf = conf_file(tmp_path, store)
+    # Reading the store must not abort the interpreter at exit (deltalake's to_pyarrow_table
+    # did, now and then, on S3): every run's exit code is the truth.
+    for _ in range(6):
+        status = rmqtx(conf, "status", "--json")
+        assert status.returncode == 0, status.stderr
+    figures = json.loads(status.stdout)
+    assert figures["topics"][0]["committed"] == 3
+    tail = rmqtx(conf, "tail", "Orders", "-n", "5")
+    assert tail.returncode == 0, tail.stderr
+    assert all(f"n{i}" in tail.stdout for i in range(3))
+    # Check-back on S3: Spark reads the store's tables through S3A (jars and settings from
+    # get_spark), and the checker's answers are published.
+    check = rmqtx(conf, "check", "--once", "--checker", "pg=tests.checker_functions:by_tag")
+    assert check.returncode == 0, check.stderr[-3000:]
+    bodies = sorted(commitlog(store).column("body").to_pylist())
+    assert bodies == [b"c", b"n0", b"n1", b"n2"]
+
+
+def test_options_turning_off_conditional_writes_are_refused(minio, tmp_path: Path) -> None:
+    root = minio.root("unsafe")
+    unsafe = {**minio.storage_options, "AWS_S3_LOCKING_PROVIDER": "dynamodb"}
+    settings = Settings(store=StoreSettings(path=root, storage_options=unsafe))
+    with pytest.raises(StorageConfigError, match="AWS_S3_LOCKING_PROVIDER.*conditional writes"):
+        Store.open(settings=settings)
+    fs, path = filesystem(root, minio.storage_options)
+    assert not fs.exists(path)  # nothing was written
+    conf = tmp_path / "unsafe.toml"
+    options = ", ".join(f'{k} = "{v}"' for k, v in unsafe.items())
+    conf.write_text(f'[store]\npath = "{root}"\nstorage_options = {{ {options} }}\n')
+    status = rmqtx(conf, "status")
+    assert status.returncode == 2
+    assert "UNSAFE_STORAGE" in status.stderr and "AWS_S3_LOCKING_PROVIDER" in status.stderr
+
+
+def test_spark_sink_and_source_on_s3_with_storage_options(spark, minio, tmp_path: Path) -> None:
+    """The root and its credentials given only as ``storage.<KEY>`` options: the sink's tasks,
+    its driver-side publish, and the source's planning and read tasks all reach MinIO."""
+    root = minio.root("spark")
+    storage = {f"storage.{k}": v for k, v in minio.storage_options.items()}
+    rows = spark.range(40).select(F.col("id").cast("string").alias("body"))
+    (
+        rows.repartition(3)
+        .write.format("rmqtx")
+        .mode("append")
+        .option("path", root)
+        .option("topic", "Orders")
+        .option("producerGroup", "pipeline")
+        .options(**storage)
+        .save()
+    )
+    read = spark.read.format("rmqtx").option("path", root).option("topic", "Orders")
+    batch = read.options(**storage).load()
+    assert sorted(int(r.body) for r in batch.select("body").collect()) == list(range(40))
+    offsets = batch.groupBy("queue_id").agg(F.count("*").alias("n"), F.max("queue_offset"))
+    assert all(r["n"] == r["max(queue_offset)"] + 1 for r in offsets.collect())  # dense
+    stream = (
+        spark.readStream.format("rmqtx")
+        .option("path", root)
+        .option("topic", "Orders")
+        .options(**storage)
+        .load()
+        .writeStream.format("memory")
+        .queryName("s3_stream")
+        .option("checkpointLocation", str(tmp_path / "checkpoint"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    stream.awaitTermination(300)
+    assert spark.table("s3_stream").count() == 40
