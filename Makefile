@@ -87,5 +87,10 @@ lint: setup
 bench: setup
 	$(PY) bench/run_all.py
 
+# The sink and source benchmarks on local disk and on an S3 root (MinIO), side by side.
+bench-objectstore: objectstore
+	$(PY) bench/source_bench.py --s3
+	$(PY) bench/sink_bench.py --s3
+
 clean:
 	rm -rf $(VENV) $(JARS) $(TOOLS) storage/*/ *.egg-info

@@ -6,18 +6,18 @@ The same rows, cached in memory, are written in the same run with:
   committed and published into the CommitLog.
 Prints both times, the ratio, and where the sink's time goes (staging vs commit/publish).
 
-Usage: python bench/sink_bench.py [--rows 1000000] [--body-bytes 1024]
+Usage: python bench/sink_bench.py [--rows 1000000] [--body-bytes 1024] [--s3]
+(--s3: the same on an S3 root served by MinIO, in the same run; needs make objectstore)
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import tempfile
 import time
-from pathlib import Path
 
-from rmq_spark import Store, get_spark
+from roots import Root, bench_roots, spark_for
+
 from rmq_spark.epochs import closed_epoch
 
 
@@ -29,54 +29,71 @@ def timed(label: str, action) -> float:
     return seconds
 
 
+def measure(spark, df, root: Root, rows: int) -> tuple[float, float]:
+    """Seconds of the Delta baseline and of the rmqtx sink on one root."""
+    store = root.store()
+    df.limit(1000).write.format("delta").save(f"{root.base}/warm")  # JVM warm-up
+    writer = (
+        df.write.format("rmqtx").mode("append").option("path", store.root).options(**root.options)
+    )
+    writer.option("topic", "Warm").option("producerGroup", "bench").save()  # Python workers
+    delta_s = timed(
+        "df.write.format('delta')", lambda: df.write.format("delta").save(f"{root.base}/delta")
+    )
+    rmqtx_s = timed(
+        "df.write.format('rmqtx')",
+        lambda: (
+            df.write.format("rmqtx")
+            .mode("append")
+            .option("path", store.root)
+            .options(**root.options)
+            .option("topic", "Bench")
+            .option("producerGroup", "bench")
+            .option("sinkId", "bench")
+            .save()
+        ),
+    )
+    published = (
+        spark.read.format("rmqtx")
+        .option("path", store.root)
+        .options(**root.options)
+        .option("topic", "Bench")
+        .load()
+        .count()
+    )
+    assert published == rows, published
+    print(f"  ratio rmqtx / delta: {rmqtx_s / delta_s:.2f}x")
+    print(f"  epoch closed with {len(closed_epoch(store, 'bench', 0) or ())} transaction(s)")
+    print(f"  half table commits: {len(store.table('half').history())}; {published:,} published")
+    return delta_s, rmqtx_s
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--body-bytes", type=int, default=1024)
+    parser.add_argument("--s3", action="store_true", help="also on an S3 root served by MinIO")
     args = parser.parse_args()
     logging.getLogger("py4j").setLevel(logging.WARNING)
-    spark = get_spark("rmq-sink-bench")
-    df = (
-        spark.range(args.rows)
-        .selectExpr(f"randstr({args.body_bytes}, 42) AS body", "CAST(id % 1000 AS STRING) AS keys")
-        .cache()
-    )
-    df.count()  # materialise the input once; both writers read it from memory
     print(f"sink benchmark: {args.rows:,} rows of {args.body_bytes} B bodies")
-    with tempfile.TemporaryDirectory(prefix="rmq-sink-bench-") as tmp:
-        store = Store.open(Path(tmp) / "store")
-        df.limit(1000).write.format("delta").save(f"{tmp}/warm")  # JVM warm-up
-        df.limit(1000).write.format("rmqtx").mode("append").option("path", store.root).option(
-            "topic", "Warm"
-        ).option("producerGroup", "bench").save()  # starts the Python workers
-        delta_s = timed(
-            "df.write.format('delta')", lambda: df.write.format("delta").save(f"{tmp}/delta")
+    with bench_roots(args.s3) as roots:
+        spark = spark_for(roots, "rmq-sink-bench")
+        df = (
+            spark.range(args.rows)
+            .selectExpr(
+                f"randstr({args.body_bytes}, 42) AS body", "CAST(id % 1000 AS STRING) AS keys"
+            )
+            .cache()
         )
-        rmqtx_s = timed(
-            "df.write.format('rmqtx')",
-            lambda: (
-                df.write.format("rmqtx")
-                .mode("append")
-                .option("path", store.root)
-                .option("topic", "Bench")
-                .option("producerGroup", "bench")
-                .option("sinkId", "bench")
-                .save()
-            ),
-        )
-        published = (
-            spark.read.format("rmqtx")
-            .option("path", store.root)
-            .option("topic", "Bench")
-            .load()
-            .count()
-        )
-        assert published == args.rows, published
-        staged = store.table("half").history()
-        print(f"  ratio rmqtx / delta: {rmqtx_s / delta_s:.2f}x (goal at most 2.5x)")
-        print(f"  epoch closed with {len(closed_epoch(store, 'bench', 0) or ())} transaction(s)")
-        print(f"  half table commits: {len(staged)}; {published:,} messages published")
-    spark.stop()
+        df.count()  # materialise the input once; both writers read it from memory
+        results = {}
+        for root in roots:
+            print(f"on {root.label}:", flush=True)
+            results[root.label] = measure(spark, df, root, args.rows)
+        print(f"{'root':<14} {'delta s':>8} {'rmqtx s':>8} {'ratio':>6}")
+        for label, (delta_s, rmqtx_s) in results.items():
+            print(f"{label:<14} {delta_s:8.1f} {rmqtx_s:8.1f} {rmqtx_s / delta_s:5.2f}x")
+        spark.stop()
 
 
 if __name__ == "__main__":
