@@ -16,7 +16,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import fsspec
-import pyarrow as pa
 import pyarrow.fs as pafs
 from fsspec.implementations.local import LocalFileSystem
 
@@ -202,41 +201,35 @@ def hadoop_settings(options: Mapping[str, str]) -> dict[str, str]:
 
 
 def check_conditional_put(root: str, options: Mapping[str, str]) -> None:
-    """Refuse an object store that does not honour conditional writes.
+    """Refuse an S3 store that does not honour conditional writes.
 
-    Two writers commit the same application transaction on a scratch Delta table from the
-    same snapshot: a store that honours ``If-None-Match`` makes the second commit fail; one
-    that ignores it lets the second overwrite the first, which would break first decision
-    wins and dense offsets. The scratch table is deleted afterwards.
+    deltalake commits every Delta log entry with a PUT carrying ``If-None-Match: *``; AWS S3
+    and MinIO refuse it for an existing key, but some S3-compatible stores ignore the header
+    and overwrite, which would let two decisions or two publishes both "win". This writes
+    one scratch object twice the same way and expects the second write to be refused. (GCS
+    and Azure commit through their own preconditions, which the services always honour.)
 
     Raises
     ------
     StorageConfigError
-        When the second commit succeeded, saying why the store cannot be used.
+        When the second write succeeded, saying why the store cannot be used.
     """
-    from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
-    from deltalake.exceptions import CommitFailedError
-
-    options = deltalake_options(options)
-    probe = f"{root.rstrip('/')}/_rmqtx_probe_{uuid.uuid4().hex}"
-    rows = pa.table({"n": pa.array([1], pa.int64())})
-    claim = CommitProperties(app_transactions=[Transaction("rmqtx.probe", 1)])
+    if scheme(root) not in ("s3", "s3a"):
+        return
+    fs, path = filesystem(root, options)
+    probe = f"{path.rstrip('/')}/_rmqtx_probe_{uuid.uuid4().hex}"
+    fs.pipe_file(probe, b"first", mode="create")
     try:
-        DeltaTable.create(probe, schema=rows.schema, storage_options=options)
-        first = DeltaTable(probe, storage_options=options)
-        second = DeltaTable(probe, storage_options=options)
-        write_deltalake(first, rows, mode="append", commit_properties=claim)
-        try:
-            write_deltalake(second, rows, mode="append", commit_properties=claim)
-        except CommitFailedError:
+        fs.pipe_file(probe, b"second", mode="create")
+    except OSError as exc:
+        if isinstance(exc, FileExistsError) or "condition" in str(exc).lower():
             return
-        raise StorageConfigError(
-            f"the object store of {root!r} does not honour conditional writes: two commits of "
-            "the same Delta log entry both succeeded, so concurrent decisions could overwrite "
-            "each other. rmq-spark needs a store with conditional PUT (If-None-Match), such as "
-            "AWS S3, MinIO, GCS or ADLS; check the endpoint and any proxy in front of it."
-        )
+        raise
     finally:
-        fs, path = filesystem(probe, options or {})
-        if fs.exists(path):
-            fs.rm(path, recursive=True)
+        fs.rm_file(probe)
+    raise StorageConfigError(
+        f"the object store of {root!r} does not honour conditional writes: a PUT with "
+        "If-None-Match: * overwrote an existing object, so concurrent decisions could "
+        "overwrite each other. rmq-spark needs a store that refuses it (AWS S3, MinIO, ...); "
+        "check the endpoint and any proxy or gateway in front of it."
+    )

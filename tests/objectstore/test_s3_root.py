@@ -8,9 +8,13 @@ a standalone cluster against one.)
 
 from __future__ import annotations
 
+import http.client
+import http.server
 import json
 import subprocess
 import sys
+import threading
+import urllib.parse
 from pathlib import Path
 
 import pytest
@@ -122,3 +126,57 @@ def test_spark_sink_and_source_on_s3_with_storage_options(spark, minio, tmp_path
     )
     stream.awaitTermination(300)
     assert spark.table("s3_stream").count() == 40
+
+
+class _NoConditionalWrites(http.server.BaseHTTPRequestHandler):
+    """A proxy in front of MinIO that answers a refused conditional PUT (412) with 200, as an
+    object store that ignores If-None-Match does: the losing writer believes it committed."""
+
+    protocol_version = "HTTP/1.1"
+    upstream = ""
+
+    def _forward(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length else None
+        host = urllib.parse.urlsplit(self.upstream).netloc
+        connection = http.client.HTTPConnection(host, timeout=60)
+        headers = {k: v for k, v in self.headers.items() if k.lower() != "connection"}
+        connection.request(self.command, self.path, body=body, headers=headers)
+        answer = connection.getresponse()
+        data = answer.read()
+        status = answer.status
+        if status == 412 and self.command == "PUT" and "If-None-Match" in self.headers:
+            status, data = 200, b""
+        self.send_response(status)
+        for key, value in answer.getheaders():
+            if key.lower() not in ("content-length", "transfer-encoding", "connection"):
+                self.send_header(key, value)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+        connection.close()
+
+    do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_store_ignoring_conditional_writes_is_refused(minio) -> None:
+    handler = type("Proxy", (_NoConditionalWrites,), {"upstream": minio.endpoint})
+    proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    try:
+        options = {
+            **minio.storage_options,
+            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.server_port}",
+        }
+        root = minio.root("ignores-if-none-match")
+        settings = Settings(store=StoreSettings(path=root, storage_options=options))
+        with pytest.raises(StorageConfigError, match="does not honour conditional writes"):
+            Store.open(settings=settings)
+        fs, path = filesystem(root, minio.storage_options)
+        assert not fs.exists(path)  # no store was made, and the probe cleaned up after itself
+    finally:
+        proxy.shutdown()
