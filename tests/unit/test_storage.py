@@ -55,3 +55,45 @@ def test_deltalake_options_pass_through():
 def test_options_disabling_conditional_writes_are_refused(key, value):
     with pytest.raises(StorageConfigError, match="conditional writes"):
         deltalake_options({**MINIO, key: value})
+
+
+def test_reader_and_writer_storage_options_go_over_the_configured_ones():
+    from rmq_spark.config import StoreSettings, split_storage_options
+
+    given = {"topic": "Orders", "storage.aws_region": "eu-west-1", "Storage.AWS_ENDPOINT_URL": "x"}
+    others, storage = split_storage_options(given)
+    assert others == {"topic": "Orders"}
+    assert storage == {"AWS_REGION": "eu-west-1", "AWS_ENDPOINT_URL": "x"}
+    configured = StoreSettings(
+        storage_options={"AWS_REGION": "us-east-1", "AWS_ACCESS_KEY_ID": "a"}
+    )
+    merged = configured.with_storage_options(storage).storage_options
+    assert merged == {"AWS_REGION": "eu-west-1", "AWS_ACCESS_KEY_ID": "a", "AWS_ENDPOINT_URL": "x"}
+    assert configured.with_storage_options({}) is configured
+
+
+def test_spark_gets_the_endpoint_from_the_environment(monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "https://s3.example.com")
+    conf = hadoop_settings({})
+    assert conf["spark.hadoop.fs.s3a.endpoint"] == "https://s3.example.com"
+    assert conf["spark.hadoop.fs.s3a.connection.ssl.enabled"] == "true"
+    assert "spark.hadoop.fs.s3a.access.key" not in conf  # S3A's own credential chain
+
+
+def test_gcs_and_adls_options():
+    gcs = fsspec_options("gs://b/root", {"google_service_account_path": "/k.json"})
+    assert gcs == {"use_listings_cache": False, "token": "/k.json"}
+    adls = {"AZURE_STORAGE_ACCOUNT_NAME": "acct", "AZURE_STORAGE_ACCOUNT_KEY": "k"}
+    assert fsspec_options("abfss://c@acct.dfs.core.windows.net/r", adls) == {
+        "use_listings_cache": False,
+        "account_name": "acct",
+        "account_key": "k",
+    }
+
+
+def test_a_missing_filesystem_package_names_the_extra():
+    from rmq_spark.storage import filesystem
+
+    # gcsfs is not a dependency of the test environment: the error says how to install it.
+    with pytest.raises(StorageConfigError, match=r"pip install 'rmq-spark\[gcs\]'"):
+        filesystem("gs://bucket/root", {})
