@@ -32,7 +32,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from rmq_spark.config import Settings
+from rmq_spark.config import Settings, load_settings
 from rmq_spark.errors import ProducerStateError
 from rmq_spark.model import (
     LocalTransactionState,
@@ -202,7 +202,8 @@ class TransactionMQProducer:
     path : str or Path, optional
         Store root to open (created on first use).
     settings : Settings, optional
-        Settings used when opening ``path``.
+        Settings used when opening ``path`` (default: the settings file, found as
+        :func:`rmq_spark.config.load_settings` finds it, so its storage options apply).
     max_batch : int, default 1024
         Most messages group-committed in one Delta commit.
 
@@ -225,7 +226,7 @@ class TransactionMQProducer:
     ) -> None:
         self.producer_group = check_group(producer_group)
         self.listener = listener
-        self.store = store or Store.open(path, settings=settings)
+        self.store = store or Store.open(path, settings=settings or load_settings())
         self._max_batch = max_batch
         self._prepare: _GroupCommitter[Message, PreparedMessage] | None = None
         self._publish: _GroupCommitter[Decision | Message, Any] | None = None

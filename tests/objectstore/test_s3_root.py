@@ -20,7 +20,14 @@ from pathlib import Path
 import pytest
 from pyspark.sql import functions as F
 
-from rmq_spark import Message, StorageConfigError, Store
+from rmq_spark import (
+    LocalTransactionState,
+    Message,
+    StorageConfigError,
+    Store,
+    TransactionListener,
+    TransactionMQProducer,
+)
 from rmq_spark.config import Settings, StoreSettings
 from rmq_spark.storage import filesystem
 from tests.conftest import commitlog
@@ -180,3 +187,23 @@ def test_a_store_ignoring_conditional_writes_is_refused(minio) -> None:
         assert not fs.exists(path)  # no store was made, and the probe cleaned up after itself
     finally:
         proxy.shutdown()
+
+
+class _Orders(TransactionListener):
+    def execute_local_transaction(self, msg, arg):
+        return arg
+
+    def check_local_transaction(self, msg):
+        return LocalTransactionState.UNKNOWN
+
+
+def test_a_producer_configured_only_by_the_settings_file_sends_to_s3(
+    s3_store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RMQ_SPARK_CONF", str(conf_file(tmp_path, s3_store)))
+    with TransactionMQProducer("shop", _Orders()) as producer:
+        assert producer.store.root == s3_store.root
+        for i, state in enumerate(["COMMIT", "ROLLBACK", "COMMIT"]):
+            producer.send_message_in_transaction(Message("Orders", f"o{i}"), arg=state)
+        producer.send(Message("Orders", "normal"))
+    assert sorted(commitlog(s3_store).column("body").to_pylist()) == [b"normal", b"o0", b"o2"]
