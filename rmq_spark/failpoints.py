@@ -2,8 +2,10 @@
 with SIGKILL when the code reaches that point: the session leader's process group (the driver
 and its JVM) and the caller's own group (PySpark's worker daemon has a group of its own), as
 when a machine is lost. ``RMQ_SPARK_FAILPOINT=<name>:raise`` instead raises in the first
-attempt of a Spark task (Spark then retries it). Unset, a failpoint costs one environment
-lookup.
+attempt of a Spark task (Spark then retries it). ``RMQ_SPARK_FAILPOINT=<name>:pause`` makes
+the first process that reaches the point write its pid to ``$RMQ_SPARK_FAILPOINT_MARKER`` and
+sleep until it is killed (a test kills it, or its executor, from outside); later ones go on.
+Unset, a failpoint costs one environment lookup.
 
 Names: ``sink.staged`` (a task's half messages are durable), ``sink.closed`` (the epoch's
 row is in ``epochs``, nothing decided yet), ``sink.published`` (the epoch is published, Spark
@@ -18,8 +20,10 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 ENV = "RMQ_SPARK_FAILPOINT"
+MARKER_ENV = "RMQ_SPARK_FAILPOINT_MARKER"
 
 
 def failpoint(name: str) -> None:
@@ -34,3 +38,16 @@ def failpoint(name: str) -> None:
         context = TaskContext.get()
         if context is not None and context.attemptNumber() == 0:
             raise RuntimeError(f"failpoint {name}: first task attempt fails")
+    if armed == f"{name}:pause":
+        _pause_once()
+
+
+def _pause_once() -> None:
+    try:
+        fd = os.open(os.environ[MARKER_ENV], os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return  # another process paused here first
+    os.write(fd, str(os.getpid()).encode())
+    os.close(fd)
+    while True:
+        time.sleep(60)

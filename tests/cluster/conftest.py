@@ -1,0 +1,201 @@
+"""A Spark standalone cluster started by the tests: a master and two workers, each a JVM of its
+own on loopback (pyspark's ``spark-class``), with one core each. Executors run in processes of
+their own, in the workers' working directories, so nothing can lean on the driver's memory or
+working directory. Drivers are submitted with ``spark-submit --master spark://...``.
+
+The store root is on S3 (the session's MinIO server), as on a real cluster whose hosts share
+no disk; streaming checkpoints are kept there too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyspark
+import pytest
+
+from rmq_spark import Store
+from rmq_spark.config import Settings, StoreSettings
+from rmq_spark.session import delta_jars, s3_jars
+from tests.lifetime import die_with_parent
+from tests.minio import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+#: Given to spark-class and spark-submit: their own lookup asks whatever python3 is on PATH.
+SPARK_HOME = str(Path(pyspark.__file__).parent)
+LOG4J2 = REPO / "rmq_spark" / "log4j2.properties"
+
+pytestmark = [pytest.mark.cluster, pytest.mark.objectstore]
+
+
+@dataclass
+class Cluster:
+    """A running standalone cluster."""
+
+    master: str
+    web: str
+    work_dirs: list[Path]
+    processes: list[subprocess.Popen] = field(default_factory=list)
+
+    def workers(self) -> list[dict]:
+        with urllib.request.urlopen(f"{self.web}/json/", timeout=10) as answer:
+            return json.load(answer)["workers"]
+
+    def executor_pids(self) -> list[int]:
+        """Process ids of the executor JVMs running now."""
+        found = subprocess.run(
+            ["pgrep", "-f", "CoarseGrainedExecutorBackend"], capture_output=True, text=True
+        )
+        return [int(p) for p in found.stdout.split()]
+
+    def stop(self) -> None:
+        for process in reversed(self.processes):
+            os.killpg(process.pid, 9)
+            process.wait()
+
+
+def _spawn(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            args,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
+
+
+@pytest.fixture(scope="session")
+def spark_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """A master and two one-core workers on loopback, stopped (SIGKILL) at the end."""
+    base = tmp_path_factory.mktemp("cluster")
+    port, web = free_port(), free_port()
+    env = {
+        **os.environ,
+        "SPARK_HOME": SPARK_HOME,
+        "SPARK_LOCAL_IP": "127.0.0.1",
+        "SPARK_LOG_DIR": str(base / "logs"),
+        # Executors run this interpreter (it has rmq_spark) and find the tests' checkers.
+        "PYSPARK_PYTHON": sys.executable,
+        "PYTHONPATH": str(REPO),
+    }
+    spark_class = str(BIN / "spark-class")
+    cluster = Cluster(f"spark://127.0.0.1:{port}", f"http://127.0.0.1:{web}", [])
+    cluster.processes.append(
+        _spawn(
+            [spark_class, "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1"]
+            + ["--port", str(port), "--webui-port", str(web)],
+            base / "master.log",
+            env,
+        )
+    )
+    for n in (1, 2):
+        work = base / f"worker{n}"
+        work.mkdir()
+        cluster.work_dirs.append(work)
+        cluster.processes.append(
+            _spawn(
+                [spark_class, "org.apache.spark.deploy.worker.Worker", cluster.master]
+                + ["--host", "127.0.0.1", "--cores", "1", "--memory", "1500m"]
+                + ["--work-dir", str(work), "--webui-port", str(free_port())],
+                base / f"worker{n}.log",
+                env,
+            )
+        )
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            if sum(w["state"] == "ALIVE" for w in cluster.workers()) == 2:
+                break
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            cluster.stop()
+            logs = {p.name: p.read_text()[-1500:] for p in base.glob("*.log")}
+            pytest.fail(f"the standalone cluster did not start in 180 s: {logs}")
+        time.sleep(1)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def cluster_store(minio) -> Store:
+    """An empty store on S3, for the cluster."""
+    settings = StoreSettings(path=minio.root("cluster"), storage_options=minio.storage_options)
+    return Store.open(settings=Settings(store=settings))
+
+
+def settings_file(store: Store, folder: Path) -> Path:
+    """The settings file an operator gives the cluster's jobs: root and storage options."""
+    options = ", ".join(f'{k} = "{v}"' for k, v in store.settings.storage_options.items())
+    conf = folder / "rmq.toml"
+    conf.write_text(
+        f'[store]\npath = "{store.root}"\nstorage_options = {{ {options} }}\n'
+        '[transaction]\ntransaction_timeout = "0s"\n'
+    )
+    return conf
+
+
+def submit(
+    cluster: Cluster,
+    conf: Path,
+    program: list[str],
+    *,
+    driver_env: dict[str, str] | None = None,
+    executor_env: dict[str, str] | None = None,
+) -> subprocess.Popen:
+    """Start ``spark-submit --master spark://...`` of ``program`` (a script and its arguments)
+    in a session of its own (so a test can SIGKILL the whole driver), with the delta and S3A
+    jars, and the settings file in ``$RMQ_SPARK_CONF`` of the driver and the executors."""
+    confs = {
+        "spark.pyspark.python": sys.executable,
+        "spark.pyspark.driver.python": sys.executable,
+        "spark.executor.memory": "1g",
+        "spark.executor.cores": "1",
+        "spark.cores.max": "2",
+        "spark.ui.enabled": "false",
+        "spark.sql.shuffle.partitions": "4",
+        "spark.task.maxFailures": "4",
+        "spark.executorEnv.PYTHONPATH": str(REPO),
+        "spark.executorEnv.RMQ_SPARK_CONF": str(conf),
+        **{f"spark.executorEnv.{k}": v for k, v in (executor_env or {}).items()},
+    }
+    args = [str(BIN / "spark-submit"), "--master", cluster.master]
+    args += ["--jars", ",".join(delta_jars() + s3_jars())]
+    args += ["--driver-java-options", f"-Dlog4j2.configurationFile=file:{LOG4J2}"]
+    for key, value in confs.items():
+        args += ["--conf", f"{key}={value}"]
+    env = {
+        **os.environ,
+        "SPARK_HOME": SPARK_HOME,
+        "RMQ_SPARK_CONF": str(conf),
+        "PYTHONPATH": str(REPO),
+        **(driver_env or {}),
+    }
+    return subprocess.Popen(
+        args + program,
+        cwd=conf.parent,  # not the repository: the driver must not lean on its files
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=die_with_parent,
+    )
+
+
+def finish(process: subprocess.Popen, timeout: float = 600) -> str:
+    """Wait for a submitted driver; its stdout. Fails with its output when it failed."""
+    out, err = process.communicate(timeout=timeout)
+    assert process.returncode == 0, f"driver exit {process.returncode}:\n{err[-5000:]}"
+    return out
