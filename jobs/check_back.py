@@ -1,7 +1,7 @@
 """The check-back job as a spark-submit entry point (same code as `rmqtx check`).
 
     spark-submit --jars .jars/delta-spark_4.2_2.13-4.4.0.jar,.jars/delta-storage-4.4.0.jar \\
-        jobs/check_back.py --once [--checker GROUP=MODULE:FUNCTION ...]
+        --master spark://host:7077 jobs/check_back.py --once [--checker GROUP=MODULE:FUNCTION ...]
 
 Options are those of `rmqtx check --help`; `--conf` and `--path` go first.
 """

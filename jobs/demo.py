@@ -27,6 +27,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--path", help="store root (default: store.path from conf, 'storage')")
     parser.add_argument("--orders", type=int, default=40, help="orders to place (default 40)")
+    parser.add_argument(
+        "--master",
+        default="local[2]",
+        help="Spark master URL (default local[2]; spark-submit's wins)",
+    )
     args = parser.parse_args()
     settings = load_settings()
     configure_logging(settings.log_level)
@@ -43,7 +48,9 @@ def main() -> None:
             f"answered {dict(sorted(answers.items()))}\n"
         )
 
-        spark = get_spark("rmq-spark-demo", settings=settings)
+        spark = get_spark(
+            "rmq-spark-demo", master=args.master, settings=settings, store_root=store.root
+        )
         run_ids = spark.createDataFrame(
             [(r.transaction_id,) for r in results], "transaction_id string"
         )

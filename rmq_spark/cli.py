@@ -51,6 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     check = sub.add_parser("check", help="run the check-back job (resolve pending transactions)")
+    check.add_argument(
+        "--master",
+        default="local[2]",
+        help="Spark master URL, e.g. spark://host:7077 (default local[2]; under spark-submit, "
+        "its --master is used)",
+    )
     mode = check.add_mutually_exclusive_group()
     mode.add_argument("--once", action="store_true", help="run one round and exit")
     mode.add_argument(
@@ -141,7 +147,9 @@ def _check(args: argparse.Namespace, settings: Settings) -> int:
     from rmq_spark.checkback import CheckBackJob
     from rmq_spark.session import get_spark
 
-    spark = get_spark("rmqtx-check-back", settings=settings, store_root=store.root)
+    spark = get_spark(
+        "rmqtx-check-back", master=args.master, settings=settings, store_root=store.root
+    )
     job = CheckBackJob(
         spark,
         store,

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -141,7 +143,16 @@ def test_kill_9_of_the_driver_mid_epoch(spark_cluster, cluster_store, tmp_path: 
     assert killed.returncode == -signal.SIGKILL
     assert len(visible(store, "Copies")) < 60
     finish(submit(spark_cluster, conf, [JOBS, "relay", store.root, checkpoint]))
-    job = str(REPO / "jobs" / "check_back.py")
-    finish(submit(spark_cluster, conf, [job, "--once"]))
+    # Check-back resolves what the dead driver's epoch left, here started as `rmqtx check
+    # --master spark://...` (no spark-submit: get_spark hands the cluster its jars).
+    check = subprocess.run(
+        [sys.executable, "-m", "rmq_spark.cli", "--conf", str(conf), "check", "--once"]
+        + ["--master", spark_cluster.master],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert check.returncode == 0, check.stderr[-5000:]
     assert visible(store, "Copies") == sorted(f"a{i}" for i in range(60))
     assert_dense(store, "Copies")
