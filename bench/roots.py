@@ -32,10 +32,11 @@ class Root:
         settings = StoreSettings(path=f"{self.base}/{name}", storage_options=self.storage_options)
         return Store.open(settings=settings)
 
-    @property
-    def options(self) -> dict[str, str]:
-        """The ``storage.<KEY>`` reader and writer options for this root."""
-        return {f"storage.{k}": v for k, v in self.storage_options.items()}
+    def rmqtx(self, io, store: Store):
+        """``io`` (a reader or writer, batch or streaming) as ``format("rmqtx")`` on ``store``,
+        with this root's storage options as ``storage.<KEY>`` options."""
+        options = {f"storage.{k}": v for k, v in self.storage_options.items()}
+        return io.format("rmqtx").option("path", store.root).options(**options)
 
 
 @contextmanager

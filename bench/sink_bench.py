@@ -33,34 +33,20 @@ def measure(spark, df, root: Root, rows: int) -> tuple[float, float]:
     """Seconds of the Delta baseline and of the rmqtx sink on one root."""
     store = root.store()
     df.limit(1000).write.format("delta").save(f"{root.base}/warm")  # JVM warm-up
-    writer = (
-        df.write.format("rmqtx").mode("append").option("path", store.root).options(**root.options)
-    )
-    writer.option("topic", "Warm").option("producerGroup", "bench").save()  # Python workers
+
+    def writer(topic: str):
+        io = df.write.mode("append").option("topic", topic).option("producerGroup", "bench")
+        return root.rmqtx(io, store)
+
+    writer("Warm").save()  # starts the Python workers
     delta_s = timed(
         "df.write.format('delta')", lambda: df.write.format("delta").save(f"{root.base}/delta")
     )
     rmqtx_s = timed(
         "df.write.format('rmqtx')",
-        lambda: (
-            df.write.format("rmqtx")
-            .mode("append")
-            .option("path", store.root)
-            .options(**root.options)
-            .option("topic", "Bench")
-            .option("producerGroup", "bench")
-            .option("sinkId", "bench")
-            .save()
-        ),
+        lambda: writer("Bench").option("sinkId", "bench").save(),
     )
-    published = (
-        spark.read.format("rmqtx")
-        .option("path", store.root)
-        .options(**root.options)
-        .option("topic", "Bench")
-        .load()
-        .count()
-    )
+    published = root.rmqtx(spark.read, store).option("topic", "Bench").load().count()
     assert published == rows, published
     print(f"  ratio rmqtx / delta: {rmqtx_s / delta_s:.2f}x")
     print(f"  epoch closed with {len(closed_epoch(store, 'bench', 0) or ())} transaction(s)")

@@ -106,13 +106,7 @@ def measure(spark, root: Root, args: argparse.Namespace, checkpoints: Path) -> t
     """Seconds of Delta's streaming source and of rmqtx's on one root's CommitLog."""
     store = root.store()
     build(store, args.messages, args.body_bytes, args.repeated_body)
-    rmqtx = (
-        spark.readStream.format("rmqtx")
-        .option("path", store.root)
-        .options(**root.options)
-        .option("topic", "Bench")
-        .load()
-    )
+    rmqtx = root.rmqtx(spark.readStream, store).option("topic", "Bench").load()
     delta = spark.readStream.format("delta").load(store.table_uri("commitlog"))
     timed_stream(delta, checkpoints / "warm-delta")  # JVM warm-up, not reported
     cold_s = timed_stream(rmqtx, checkpoints / "warm-rmqtx")  # starts the Python workers

@@ -89,3 +89,16 @@ def commitlog(store: Store) -> pa.Table:
     return table.sort_by(
         [("topic", "ascending"), ("queue_id", "ascending"), ("queue_offset", "ascending")]
     )
+
+
+def settings_file(store: Store, folder: Path) -> Path:
+    """A settings file naming ``store``'s root and storage options, as an operator writes it
+    (check-back rounds take no time-out, for tests)."""
+    options = ", ".join(f'{k} = "{v}"' for k, v in store.settings.storage_options.items())
+    conf = folder / "rmq.toml"
+    conf.write_text(
+        f'[store]\npath = "{store.root}"\nqueue_nums = {store.settings.queue_nums}\n'
+        f"storage_options = {{ {options} }}\n"
+        '[transaction]\ntransaction_timeout = "0s"\n'
+    )
+    return conf

@@ -135,17 +135,6 @@ def cluster_store(minio) -> Store:
     return Store.open(settings=Settings(store=settings))
 
 
-def settings_file(store: Store, folder: Path) -> Path:
-    """The settings file an operator gives the cluster's jobs: root and storage options."""
-    options = ", ".join(f'{k} = "{v}"' for k, v in store.settings.storage_options.items())
-    conf = folder / "rmq.toml"
-    conf.write_text(
-        f'[store]\npath = "{store.root}"\nstorage_options = {{ {options} }}\n'
-        '[transaction]\ntransaction_timeout = "0s"\n'
-    )
-    return conf
-
-
 def submit(
     cluster: Cluster,
     conf: Path,

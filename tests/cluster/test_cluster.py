@@ -20,8 +20,8 @@ import pytest
 from rmq_spark import Message, Store
 from rmq_spark.failpoints import ENV as FAILPOINT
 from rmq_spark.failpoints import MARKER_ENV
-from tests.cluster.conftest import REPO, finish, settings_file, submit
-from tests.conftest import commitlog
+from tests.cluster.conftest import REPO, finish, submit
+from tests.conftest import commitlog, settings_file
 
 pytestmark = [pytest.mark.cluster, pytest.mark.objectstore]
 JOBS = str(Path(__file__).with_name("jobs.py"))

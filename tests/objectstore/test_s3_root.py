@@ -30,21 +30,10 @@ from rmq_spark import (
 )
 from rmq_spark.config import Settings, StoreSettings
 from rmq_spark.storage import filesystem
-from tests.conftest import commitlog
+from tests.conftest import commitlog, settings_file
 
 pytestmark = pytest.mark.objectstore
 REPO = Path(__file__).resolve().parents[2]
-
-
-def conf_file(tmp_path: Path, store: Store) -> Path:
-    """A settings file naming the S3 root and its storage options, as an operator writes it."""
-    options = ", ".join(f'{k} = "{v}"' for k, v in store.settings.storage_options.items())
-    conf = tmp_path / "rmq.toml"
-    conf.write_text(
-        f'[store]\npath = "{store.root}"\nqueue_nums = 2\nstorage_options = {{ {options} }}\n'
-        '[transaction]\ntransaction_timeout = "0s"\n'
-    )
-    return conf
 
 
 def rmqtx(conf: Path, *args: str) -> subprocess.CompletedProcess:
@@ -63,7 +52,7 @@ def test_cli_status_tail_and_check_back_on_s3(s3_store: Store, tmp_path: Path) -
     store.prepare(
         [Message("Orders", "c", tags="COMMIT"), Message("Orders", "r", tags="ROLLBACK")], "pg"
     )
-    conf = conf_file(tmp_path, store)
+    conf = settings_file(store, tmp_path)
     # Reading the store must not abort the interpreter at exit (deltalake's to_pyarrow_table
     # did, now and then, on S3): every run's exit code is the truth.
     for _ in range(6):
@@ -200,7 +189,7 @@ class _Orders(TransactionListener):
 def test_a_producer_configured_only_by_the_settings_file_sends_to_s3(
     s3_store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("RMQ_SPARK_CONF", str(conf_file(tmp_path, s3_store)))
+    monkeypatch.setenv("RMQ_SPARK_CONF", str(settings_file(s3_store, tmp_path)))
     with TransactionMQProducer("shop", _Orders()) as producer:
         assert producer.store.root == s3_store.root
         for i, state in enumerate(["COMMIT", "ROLLBACK", "COMMIT"]):
