@@ -10,14 +10,15 @@ offsets rest on.
 
 from __future__ import annotations
 
+import functools
 import os
+import urllib.parse
 import uuid
 from collections.abc import Mapping
 from typing import Any
 
 import fsspec
 import pyarrow.fs as pafs
-from fsspec.implementations.local import LocalFileSystem
 
 from rmq_spark.errors import StorageConfigError
 
@@ -52,11 +53,35 @@ def filesystem(uri: str, options: Mapping[str, str]) -> tuple[fsspec.AbstractFil
 
 
 def arrow_filesystem(uri: str, options: Mapping[str, str]) -> pafs.FileSystem:
-    """A pyarrow filesystem for reading the files under ``uri`` (native for local paths)."""
-    fs, _ = filesystem(uri, options)
-    if isinstance(fs, LocalFileSystem):
+    """A pyarrow filesystem for reading the files under ``uri``: pyarrow's own for local
+    paths and S3 (its C++ client reads Parquet in parallel ranges), fsspec's otherwise."""
+    kind = scheme(uri)
+    if kind == "file":
         return pafs.LocalFileSystem()
+    if kind in ("s3", "s3a"):
+        return _arrow_s3(tuple(sorted(_upper(options).items())))
+    fs, _ = filesystem(uri, options)
     return pafs.PyFileSystem(pafs.FSSpecHandler(fs))
+
+
+@functools.cache
+def _arrow_s3(options: tuple[tuple[str, str], ...]) -> pafs.S3FileSystem:
+    opts = dict(options)
+    kw: dict[str, Any] = {
+        "access_key": opts.get("AWS_ACCESS_KEY_ID"),
+        "secret_key": opts.get("AWS_SECRET_ACCESS_KEY"),
+        "session_token": opts.get("AWS_SESSION_TOKEN"),
+        "region": opts.get("AWS_REGION") or opts.get("AWS_DEFAULT_REGION"),
+    }
+    endpoint = (
+        opts.get("AWS_ENDPOINT_URL")
+        or opts.get("AWS_ENDPOINT")
+        or os.environ.get("AWS_ENDPOINT_URL")
+    )
+    if endpoint:
+        parts = urllib.parse.urlsplit(endpoint)
+        kw |= {"endpoint_override": parts.netloc + parts.path, "scheme": parts.scheme}
+    return pafs.S3FileSystem(**{k: v for k, v in kw.items() if v is not None})
 
 
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"} | dict.fromkeys(
