@@ -34,17 +34,17 @@ def measure(spark, df, root: Root, rows: int) -> tuple[float, float]:
     store = root.store()
     df.limit(1000).write.format("delta").save(f"{root.base}/warm")  # JVM warm-up
 
-    def writer(topic: str):
-        io = df.write.mode("append").option("topic", topic).option("producerGroup", "bench")
+    def writer(rows, topic: str):
+        io = rows.write.mode("append").option("topic", topic).option("producerGroup", "bench")
         return root.rmqtx(io, store)
 
-    writer("Warm").save()  # starts the Python workers
+    writer(df.limit(1000), "Warm").save()  # starts the Python workers
     delta_s = timed(
         "df.write.format('delta')", lambda: df.write.format("delta").save(f"{root.base}/delta")
     )
     rmqtx_s = timed(
         "df.write.format('rmqtx')",
-        lambda: writer("Bench").option("sinkId", "bench").save(),
+        lambda: writer(df, "Bench").option("sinkId", "bench").save(),
     )
     published = root.rmqtx(spark.read, store).option("topic", "Bench").load().count()
     assert published == rows, published
