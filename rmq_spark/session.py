@@ -11,7 +11,7 @@ from pyspark.sql import SparkSession
 from rmq_spark.config import Settings, load_settings
 from rmq_spark.errors import RmqSparkError
 from rmq_spark.source import register
-from rmq_spark.storage import hadoop_settings, scheme
+from rmq_spark.storage import hadoop_settings, is_s3
 
 JARS_ENV = "RMQ_SPARK_JARS"
 _LOG4J2_CONF = Path(__file__).with_name("log4j2.properties")
@@ -37,6 +37,11 @@ LOCAL_SPARK_CONF = {
 }
 
 
+def _jars_folder() -> Path:
+    """``$RMQ_SPARK_JARS``, else ``.jars/`` of the source checkout (``make setup`` fills it)."""
+    return Path(os.environ.get(JARS_ENV) or Path(__file__).resolve().parents[1] / ".jars")
+
+
 def delta_jars() -> list[str]:
     """Paths of the delta-spark jars fetched by ``make setup``.
 
@@ -47,7 +52,7 @@ def delta_jars() -> list[str]:
     RmqSparkError
         When the jars are missing, with the command that fetches them.
     """
-    folder = Path(os.environ.get(JARS_ENV) or Path(__file__).resolve().parents[1] / ".jars")
+    folder = _jars_folder()
     jars = sorted(str(p) for p in folder.glob("*.jar")) if folder.is_dir() else []
     missing = [j for j in _REQUIRED_JARS if not any(Path(p).name.startswith(j) for p in jars)]
     if missing:
@@ -68,7 +73,7 @@ def s3_jars() -> list[str]:
         When they are missing, with the command that fetches them and the packages option
         that gives them on a cluster.
     """
-    folder = Path(os.environ.get(JARS_ENV) or Path(__file__).resolve().parents[1] / ".jars") / "s3"
+    folder = _jars_folder() / "s3"
     jars = sorted(str(p) for p in folder.glob("*.jar")) if folder.is_dir() else []
     if not any(Path(p).name.startswith("hadoop-aws-") for p in jars):
         raise RmqSparkError(
@@ -110,7 +115,7 @@ def get_spark(
     SparkSession
     """
     settings = settings or load_settings()
-    on_s3 = scheme(store_root or settings.store.path) in ("s3", "s3a")
+    on_s3 = is_s3(store_root or settings.store.path)
     storage = hadoop_settings(settings.store.storage_options) if on_s3 else {}
     conf = {**LOCAL_SPARK_CONF, **storage, **settings.spark, **(extra_conf or {})}
     builder = SparkSession.builder.appName(app_name)

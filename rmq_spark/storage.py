@@ -28,9 +28,9 @@ def scheme(uri: str) -> str:
     return uri.split("://", 1)[0].lower() if "://" in uri else "file"
 
 
-def is_local(uri: str) -> bool:
-    """Whether ``uri`` is on the local filesystem."""
-    return scheme(uri) == "file"
+def is_s3(uri: str) -> bool:
+    """Whether ``uri`` is on S3 (``s3://`` or ``s3a://``)."""
+    return scheme(uri) in ("s3", "s3a")
 
 
 def filesystem(uri: str, options: Mapping[str, str]) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -45,7 +45,7 @@ def filesystem(uri: str, options: Mapping[str, str]) -> tuple[fsspec.AbstractFil
     try:
         return fsspec.core.url_to_fs(uri, **fsspec_options(uri, options))
     except ImportError as exc:
-        extra = _EXTRAS.get(scheme(uri), "s3")
+        extra = _FAMILIES.get(scheme(uri), "s3")
         raise StorageConfigError(
             f"{uri!r} needs an fsspec filesystem that is not installed ({exc}); "
             f"install it with: pip install 'rmq-spark[{extra}]'."
@@ -55,10 +55,9 @@ def filesystem(uri: str, options: Mapping[str, str]) -> tuple[fsspec.AbstractFil
 def arrow_filesystem(uri: str, options: Mapping[str, str]) -> pafs.FileSystem:
     """A pyarrow filesystem for reading the files under ``uri``: pyarrow's own for local
     paths and S3 (its C++ client reads Parquet in parallel ranges), fsspec's otherwise."""
-    kind = scheme(uri)
-    if kind == "file":
+    if scheme(uri) == "file":
         return pafs.LocalFileSystem()
-    if kind in ("s3", "s3a"):
+    if is_s3(uri):
         return _arrow_s3(tuple(sorted(_upper(options).items())))
     fs, _ = filesystem(uri, options)
     return pafs.PyFileSystem(pafs.FSSpecHandler(fs))
@@ -84,7 +83,8 @@ def _arrow_s3(options: tuple[tuple[str, str], ...]) -> pafs.S3FileSystem:
     return pafs.S3FileSystem(**{k: v for k, v in kw.items() if v is not None})
 
 
-_EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"} | dict.fromkeys(
+#: The filesystem family of each scheme, which is also the name of the extra installing it.
+_FAMILIES = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"} | dict.fromkeys(
     ("abfs", "abfss", "az", "adl"), "adls"
 )
 
@@ -160,7 +160,7 @@ def fsspec_options(root: str, options: Mapping[str, str]) -> dict[str, Any]:
         ``account_key``; empty for local roots. Listings are never cached: a cached listing
         of a Delta log hides the commits made since (a new commit would read as missing).
     """
-    family = _EXTRAS.get(scheme(root))
+    family = _FAMILIES.get(scheme(root))
     if family is None:
         return {}
     opts = _upper(options)
@@ -239,7 +239,7 @@ def check_conditional_put(root: str, options: Mapping[str, str]) -> None:
     StorageConfigError
         When the second write succeeded, saying why the store cannot be used.
     """
-    if scheme(root) not in ("s3", "s3a"):
+    if not is_s3(root):
         return
     fs, path = filesystem(root, options)
     probe = f"{path.rstrip('/')}/_rmqtx_probe_{uuid.uuid4().hex}"

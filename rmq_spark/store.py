@@ -92,7 +92,6 @@ from rmq_spark.storage import (
     check_conditional_writes,
     deltalake_options,
     filesystem,
-    is_local,
 )
 from rmq_spark.txnlog import app_transactions
 
@@ -392,8 +391,7 @@ class Store:
                 "store.path). A store is made when a producer or Store.open(create=True) first "
                 "opens it."
             )
-        if not is_local(self.root):
-            check_conditional_put(self.root, self.settings.storage_options)
+        check_conditional_put(self.root, self.settings.storage_options)
         for name in TABLES:
             self._create_table(name)
             self._check_table(name)

@@ -50,13 +50,6 @@ class Cluster:
         with urllib.request.urlopen(f"{self.web}/json/", timeout=10) as answer:
             return json.load(answer)["workers"]
 
-    def executor_pids(self) -> list[int]:
-        """Process ids of the executor JVMs running now."""
-        found = subprocess.run(
-            ["pgrep", "-f", "CoarseGrainedExecutorBackend"], capture_output=True, text=True
-        )
-        return [int(p) for p in found.stdout.split()]
-
     def stop(self) -> None:
         for process in reversed(self.processes):
             os.killpg(process.pid, 9)
