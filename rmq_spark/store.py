@@ -5,10 +5,14 @@ How the contract (DESIGN.md section 3) is kept:
 
 * **Invisible until committed.** Half messages live only in ``half``; consumers read only
   ``commitlog``, which holds committed messages and nothing else.
-* **First decision wins.** ``op`` has one row per decided transaction, inserted by a Delta
-  MERGE (insert when not matched). Two MERGEs racing on the same transaction conflict in Delta's
-  optimistic concurrency check, so exactly one inserts; the loser retries, sees the winner's
-  row, and reports the request as refused (or as a no-op when it asked for the same thing).
+* **First decision wins.** ``op`` has one row per decided transaction. A decision is an append
+  made on the snapshot in which the transaction was read as undecided, and it records a Delta
+  application transaction for the bucket of each transaction id it decides
+  (:func:`decision_app_id`). Two deciders racing on the same transaction set the same id, so
+  Delta's optimistic concurrency check refuses the second commit (as for racing publishers);
+  the loser retries, sees the winner's row, and reports the request as refused (or as a no-op
+  when it asked for the same thing). An append costs a few milliseconds where a MERGE cost tens;
+  two deciders of different transactions in one bucket only retry.
 * **Committed exactly once, dense offsets.** Only the publisher writes ``commitlog``. Each
   publish commit records, as Delta application transactions (``txn`` actions), the ``op``
   version it has published up to and the next offset of every queue it wrote. Two publishers
@@ -34,6 +38,7 @@ import logging
 import random
 import threading
 import time
+import zlib
 from bisect import bisect_left
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -76,6 +81,7 @@ from rmq_spark.model import (
     queue_for,
     validate_message,
 )
+from rmq_spark.recent import RecentHalves
 from rmq_spark.schema import (
     COLUMNS_ADDED_LATER,
     COMMITLOG_SCHEMA,
@@ -93,7 +99,7 @@ from rmq_spark.storage import (
     deltalake_options,
     filesystem,
 )
-from rmq_spark.txnlog import app_transactions
+from rmq_spark.txnlog import app_transactions, commit_infos
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -107,6 +113,14 @@ _QUEUE_APP_ID_PREFIX = "rmqtx.queue."
 _QUEUE_APP_ID = _QUEUE_APP_ID_PREFIX + "{topic}.{queue_id}"
 _EARLIEST_APP_ID_PREFIX = "rmqtx.earliest."
 _EARLIEST_APP_ID = _EARLIEST_APP_ID_PREFIX + "{topic}.{queue_id}"
+_DECISION_APP_ID = "rmqtx.decision.{bucket}"
+#: ``commitInfo`` key of a decision commit of ``op``: the transactions it COMMITs, in order
+#: (JSON). The publisher reads them from the log: the data files an append added can be
+#: compacted away and vacuumed before a lagging publisher reads them.
+COMMITS_KEY = "rmqtx.commits"
+#: Buckets of transaction ids for the decision arbiter: ``op``'s snapshot keeps one
+#: application id per bucket, however many transactions were ever decided.
+DECISION_BUCKETS = 1024
 #: Tables added to layout 1 after its first stores were made: opening an older store creates
 #: them (empty) instead of refusing it. Any other missing table is damage.
 TABLES_ADDED_LATER = ("consumer_offsets", "epochs", "locks", "pending")
@@ -124,6 +138,13 @@ _COMPACT_TARGET_BYTES = 16 * 1024 * 1024
 def queue_app_id(topic: str, queue_id: int) -> str:
     """The application id whose version is the next offset of a queue in ``commitlog``."""
     return _QUEUE_APP_ID.format(topic=topic, queue_id=queue_id)
+
+
+def decision_app_id(transaction_id: str) -> str:
+    """The application id an ``op`` commit deciding ``transaction_id`` records: one per bucket
+    of ids (CRC-32, stable across processes), so racing deciders of a transaction conflict."""
+    bucket = zlib.crc32(transaction_id.encode()) % DECISION_BUCKETS
+    return _DECISION_APP_ID.format(bucket=bucket)
 
 
 def earliest_app_id(topic: str, queue_id: int) -> str:
@@ -282,6 +303,9 @@ class Store:
         # DeltaTable objects are not thread-safe; each thread keeps its own, refreshed
         # incrementally instead of replaying the log on every operation.
         self._tables = threading.local()
+        #: Half messages this process prepared, until it publishes them (a publisher that
+        #: finds a whole chunk here does not read ``half`` back).
+        self._recent = RecentHalves()
 
     # ------------------------------------------------------------------ opening
     @classmethod
@@ -501,6 +525,7 @@ class Store:
         check_group(producer_group)
         for message in messages:
             validate_message(message, self.settings.max_body_bytes)
+        fresh_ids = transaction_ids is None
         if transaction_ids is None:
             transaction_ids = [new_id() for _ in messages]
         if len(transaction_ids) != len(messages):
@@ -530,6 +555,8 @@ class Store:
             schema=HALF_SCHEMA,
         )
         version = self.append("half", half)
+        if fresh_ids:
+            self._recent.add(half)
         return [
             PreparedMessage(mid, tid, qid, version, stored)
             for mid, tid, qid in zip(msg_ids, transaction_ids, queue_ids, strict=True)
@@ -706,6 +733,9 @@ class Store:
         for d in decisions:
             first.setdefault(d.transaction_id, d)
         before = self._record_decisions(list(first.values()))
+        self._recent.discard(
+            t for t, d in first.items() if before.get(t, d.state) is LocalTransactionState.ROLLBACK
+        )
         results = []
         for d in decisions:
             in_force = before.get(d.transaction_id, first[d.transaction_id].state)
@@ -730,7 +760,7 @@ class Store:
         return results
 
     def _record_decisions(self, decisions: list[Decision]) -> dict[str, LocalTransactionState]:
-        """MERGE new decisions into ``op``; return the decisions that were already there.
+        """Append new decisions to ``op``; return the decisions that were already there.
 
         The returned dict holds the transactions decided *before* this call, with their
         decision; the ones this call decided are not in it.
@@ -743,38 +773,53 @@ class Store:
             fresh = [d for d in decisions if d.transaction_id not in existing]
             if not fresh:
                 return existing, None
-            decided_at = self.clock()
-            source = pa.Table.from_pydict(
-                {
-                    "transaction_id": [d.transaction_id for d in fresh],
-                    "producer_group": [d.producer_group for d in fresh],
-                    "decision": [d.state.value for d in fresh],
-                    "decided_by": [d.decided_by for d in fresh],
-                    "decided_timestamp": [decided_at] * len(fresh),
-                },
-                schema=OP_SCHEMA,
-            )
-            metrics = (
-                op.merge(
-                    source,
-                    predicate="t.transaction_id = s.transaction_id",
-                    source_alias="s",
-                    target_alias="t",
-                )
-                .when_not_matched_insert_all()
-                .execute()
-            )
-            if metrics.get("num_target_rows_inserted") != len(fresh):
-                raise CorruptStoreError(
-                    f"op MERGE inserted {metrics.get('num_target_rows_inserted')} rows, expected "
-                    f"{len(fresh)}; the op table holds duplicate transaction ids."
-                )
-            return existing, op.version()
+            return existing, self.write_decisions(op, fresh)
 
         existing, version = retry_commits(f"record {len(decisions)} decision(s)", "op", attempt)
         if version is not None:
             self._after_commit("op", version)
         return existing
+
+    def write_decisions(self, op: DeltaTable, decisions: Sequence[Decision]) -> int:
+        """Append ``decisions`` to the ``op`` snapshot ``op``, in which none of them is decided;
+        return the committed version.
+
+        The commit records :func:`decision_app_id` of every transaction, so it fails with
+        ``CommitFailedError`` (nothing landed) when a commit after ``op``'s version decided one
+        of them, or another transaction of the same bucket: the caller reads again and retries.
+        """
+        decided_at = self.clock()
+        rows = pa.Table.from_pydict(
+            {
+                "transaction_id": [d.transaction_id for d in decisions],
+                "producer_group": [d.producer_group for d in decisions],
+                "decision": [d.state.value for d in decisions],
+                "decided_by": [d.decided_by for d in decisions],
+                "decided_timestamp": [decided_at] * len(decisions),
+            },
+            schema=OP_SCHEMA,
+        )
+        version = op.version() + 1
+        arbiters = sorted({decision_app_id(d.transaction_id) for d in decisions})
+        write_deltalake(
+            op,
+            rows,
+            mode="append",
+            commit_properties=CommitProperties(
+                app_transactions=[Transaction(app_id, version) for app_id in arbiters],
+                custom_metadata={
+                    "rmqtx.operation": "decide",
+                    COMMITS_KEY: json.dumps(
+                        [
+                            d.transaction_id
+                            for d in decisions
+                            if d.state is LocalTransactionState.COMMIT
+                        ]
+                    ),
+                },
+            ),
+        )
+        return op.version()
 
     def decisions(
         self, transaction_ids: Sequence[str], *, op: DeltaTable | None = None
@@ -892,7 +937,8 @@ class Store:
             if cursor >= target and unsent.num_rows == 0:
                 version = commitlog.version() if landed else None
                 return PublishResult(len(landed), cursor, version, list(landed)), True
-            end, batch = self._next_chunk(self.table("op"), cursor, target)
+            # ``target`` was read from this thread's op snapshot: no newer one is needed.
+            end, batch = self._next_chunk(self.table("op", latest=False), cursor, target)
             last = end >= target
             if last:
                 batch = pa.concat_tables([batch, unsent])
@@ -1026,7 +1072,9 @@ class Store:
             end = _cut(versions, max_messages)
             decisions = decisions.filter(pa.array(versions <= end))
         txn_ids = decisions.column("transaction_id")
-        halves = self.half_messages(txn_ids.to_pylist())
+        halves = self._recent.take(txn_ids.to_pylist())
+        if halves is None:
+            halves = self.half_messages(txn_ids.to_pylist())
         # Decision order first, then send order: a transaction's rows are stored in one
         # append, in send order, and read back in file order.
         rank = pc.index_in(halves.column("transaction_id"), value_set=txn_ids).to_numpy()
@@ -1051,20 +1099,27 @@ class Store:
             {name: columns[name] for name in COMMITLOG_SCHEMA.names}, schema=COMMITLOG_SCHEMA
         )
 
-    @staticmethod
-    def _commits_in(op: DeltaTable, first: int, last: int) -> pa.Table:
+    def _commits_in(self, op: DeltaTable, first: int, last: int) -> pa.Table:
         """``(transaction_id, _commit_version)`` of the COMMITs recorded in ``op`` versions
-        first..last, in decision order."""
-        changes = read_arrow(op.load_cdf(starting_version=first, ending_version=last))
-        changes = changes.filter(
-            pc.and_(
-                pc.equal(changes.column("_change_type"), "insert"),
-                pc.equal(changes.column("decision"), "COMMIT"),
-            )
-        )
-        return changes.select(["transaction_id", "_commit_version"]).sort_by(
-            [("_commit_version", "ascending")]
-        )
+        first..last, in decision order.
+
+        Decision commits name their COMMITs in their ``commitInfo`` (:data:`COMMITS_KEY`), read
+        from the log; the change feed is read only for commits that inserted rows without
+        naming them (decisions of an older rmq-spark, written by MERGE), or for the whole range
+        when its log entries are gone.
+        """
+        try:
+            infos = commit_infos(self.table_uri("op"), self.settings.storage_options, first, last)
+        except LookupError:
+            return _changed_commits(op, first, last)
+        parts = [_COMMITTED.empty_table()]
+        for version, info in infos.items():
+            if COMMITS_KEY in info:
+                ids = json.loads(info[COMMITS_KEY])
+                parts.append(pa.table([ids, [version] * len(ids)], schema=_COMMITTED))
+            elif _may_insert(info):
+                parts.append(_changed_commits(op, version, version))
+        return pa.concat_tables(parts)
 
     def half_messages(self, transaction_ids: Sequence[str]) -> pa.Table:
         """The half messages of the given transactions (``half`` schema)."""
@@ -1221,6 +1276,34 @@ def _may_hold(wanted: Sequence[str], low: str | None, high: str | None) -> bool:
         return True
     i = bisect_left(wanted, low)
     return i < len(wanted) and wanted[i] <= high
+
+
+def _changed_commits(op: DeltaTable, first: int, last: int) -> pa.Table:
+    """``(transaction_id, _commit_version)`` of the COMMITs inserted into ``op`` versions
+    first..last, read from its change data feed, in decision order."""
+    changes = read_arrow(op.load_cdf(starting_version=first, ending_version=last))
+    changes = changes.filter(
+        pc.and_(
+            pc.equal(changes.column("_change_type"), "insert"),
+            pc.equal(changes.column("decision"), "COMMIT"),
+        )
+    )
+    ordered = changes.sort_by([("_commit_version", "ascending")])
+    return _conform(ordered, _COMMITTED)
+
+
+#: What :meth:`Store._commits_in` returns: COMMITted transactions and their ``op`` version.
+_COMMITTED = pa.schema([("transaction_id", pa.string()), ("_commit_version", pa.int64())])
+
+
+def _may_insert(info: Mapping[str, Any]) -> bool:
+    """Whether an ``op`` commit without :data:`COMMITS_KEY` can have inserted decisions: not a
+    compaction, a table creation or vacuum, nor a MERGE (retention) that inserted nothing."""
+    operation = info.get("operation", "")
+    if operation in ("OPTIMIZE", "CREATE TABLE", "VACUUM START", "VACUUM END"):
+        return False
+    metrics = info.get("operationMetrics") or {}
+    return not (operation == "MERGE" and metrics.get("num_target_rows_inserted") == 0)
 
 
 def _cut(versions: np.ndarray, first_over: int) -> int:

@@ -196,3 +196,35 @@ def _read_checkpoint(fs: fsspec.AbstractFileSystem, files: list[str]) -> dict[st
         ):
             txns[app_id] = int(version)
     return txns
+
+
+def commit_infos(
+    uri: str, storage_options: Mapping[str, str], first: int, last: int
+) -> dict[int, dict]:
+    """The ``commitInfo`` action of each commit ``first..last`` of a table (an empty dict for
+    a commit without one).
+
+    Raises
+    ------
+    LookupError
+        A commit's JSON is gone (cleaned up after the log retention) or unreadable.
+    """
+    if first > last:
+        return {}
+    fs, log_path = filesystem(f"{uri.rstrip('/')}/_delta_log", storage_options)
+    paths = {v: f"{log_path}/{v:020d}.json" for v in range(first, last + 1)}
+    contents = fs.cat(list(paths.values()), on_error="return")
+    infos = {}
+    for version, path in paths.items():
+        content = contents.get(path)
+        if not isinstance(content, bytes):
+            raise LookupError(f"the Delta log commit {path!r} is unreadable ({content!r})")
+        infos[version] = next(
+            (
+                json.loads(line)["commitInfo"]
+                for line in content.splitlines()
+                if line.startswith(b'{"commitInfo"')
+            ),
+            {},
+        )
+    return infos

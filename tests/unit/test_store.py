@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from deltalake import write_deltalake
+from deltalake import DeltaTable, write_deltalake
+from deltalake.exceptions import CommitFailedError
 
 from rmq_spark import (
     CorruptStoreError,
@@ -23,7 +25,7 @@ from rmq_spark import (
     StoreError,
     StoreVersionError,
 )
-from rmq_spark.store import COMPACT_EVERY_COMMITS, MARKER_FILE
+from rmq_spark.store import COMPACT_EVERY_COMMITS, MARKER_FILE, decision_app_id
 from tests.conftest import commitlog
 
 COMMIT, ROLLBACK = LocalTransactionState.COMMIT, LocalTransactionState.ROLLBACK
@@ -75,6 +77,55 @@ def test_first_decision_wins_and_duplicates_are_noops(any_store: Store) -> None:
     assert any_store.read("op").num_rows == 1
 
 
+def test_a_decision_from_a_stale_snapshot_is_refused_by_delta(any_store: Store) -> None:
+    """The arbiter itself: a decider that read ``op`` before a rival decided the transaction
+    cannot commit its own decision (Delta refuses it), whatever the timing."""
+    a, b = any_store.prepare([Message("Orders", b"a"), Message("Orders", b"b")], "pg")
+    stale = DeltaTable(any_store.table_uri("op"), storage_options=any_store._storage_options)
+    decide(any_store, [a], ROLLBACK)
+    with pytest.raises(CommitFailedError):
+        any_store.write_decisions(stale, [Decision(a.transaction_id, "pg", COMMIT)])
+    assert any_store.decisions([a.transaction_id]) == {a.transaction_id: ROLLBACK}
+    # Another transaction's decision lands on the same stale snapshot (unless it shares the
+    # bucket, which only means a retry).
+    other = DeltaTable(any_store.table_uri("op"), storage_options=any_store._storage_options)
+    if decision_app_id(b.transaction_id) != decision_app_id(a.transaction_id):
+        decide(any_store, [a], ROLLBACK)  # an ALREADY_DECIDED no-op writes nothing
+        any_store.write_decisions(other, [Decision(b.transaction_id, "pg", COMMIT)])
+        assert any_store.decisions([b.transaction_id]) == {b.transaction_id: COMMIT}
+
+
+def test_many_deciders_at_once_one_decision_each(store: Store) -> None:
+    """Threads with a store each race COMMIT against ROLLBACK on the same transactions: one
+    APPLIED per transaction, everyone agrees on the decision in force, one op row each."""
+    prepared = store.prepare([Message("Orders", str(i)) for i in range(20)], "pg")
+    ids = [p.transaction_id for p in prepared]
+    results: dict[int, list] = {}
+
+    def decider(n: int) -> None:
+        mine = Store.open(store.root, settings=store.settings, create=False)
+        state = COMMIT if n % 2 else ROLLBACK
+        results[n] = mine.end_transactions(
+            [Decision(t, "pg", state) for t in ids], publish=bool(n % 3)
+        )
+
+    threads = [threading.Thread(target=decider, args=(n,)) for n in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    op = store.read("op")
+    assert sorted(op.column("transaction_id").to_pylist()) == sorted(ids)
+    in_force = store.decisions(ids)
+    for i, txn in enumerate(ids):
+        outcomes = [results[n][i] for n in results]
+        assert [r.status for r in outcomes].count(EndTransactionStatus.APPLIED) == 1
+        assert {r.decision for r in outcomes} == {in_force[txn]}
+    store.publish()
+    committed = {t for t, d in in_force.items() if d is COMMIT}
+    assert sorted(commitlog(store).column("transaction_id").to_pylist()) == sorted(committed)
+
+
 def test_rollback_then_commit_is_refused(store: Store) -> None:
     (p,) = store.prepare([Message("Orders", b"a")], "pg")
     decide(store, [p], ROLLBACK)
@@ -119,6 +170,18 @@ def test_crash_between_decision_and_publish_is_repaired(any_store: Store) -> Non
     assert any_store.publish().published == 1
     assert any_store.publish().published == 0
     assert commitlog(any_store).num_rows == 1
+
+
+def test_publisher_lagging_past_compaction_and_vacuum_publishes_all(store: Store) -> None:
+    """Decisions recorded, the publisher gone for longer than the tombstone retention: op is
+    compacted and its old files vacuumed before anyone publishes. Nothing may be lost."""
+    prepared = store.prepare([Message("Orders", str(i).encode()) for i in range(6)], "pg")
+    for p, state in zip(prepared, [COMMIT, ROLLBACK] * 3, strict=True):
+        decide(store, [p], state, publish=False)
+    store.compact("op")
+    store.table("op").vacuum(retention_hours=0, enforce_retention_duration=False, dry_run=False)
+    assert store.publish().published == 3
+    assert sorted(commitlog(store).column("body").to_pylist()) == [b"0", b"2", b"4"]
 
 
 def test_normal_send_is_visible_with_offsets(store: Store) -> None:
