@@ -29,7 +29,7 @@ from rmq_spark import (
     TransactionListener,
     TransactionMQProducer,
 )
-from rmq_spark.schema import HALF_SCHEMA
+from rmq_spark.schema import HALF_SCHEMA, WRITER_COLUMNS
 
 
 class CommitAll(TransactionListener):
@@ -82,6 +82,7 @@ def rows(count: int, body: bytes) -> pa.Table:
             "properties": [[]] * count,
             "born_timestamp": [now] * count,
             "store_timestamp": [now] * count,
+            **{f.name: [None] * count for f in WRITER_COLUMNS},
         },
         schema=HALF_SCHEMA,
     )
