@@ -8,6 +8,7 @@ from pathlib import Path
 
 BENCHES = [
     "producer_bench.py",
+    "latency_bench.py",
     "publish_bench.py",
     "offsets_bench.py",
     "checkback_bench.py",
