@@ -44,12 +44,13 @@ class RecentHalves:
                 self._bytes -= self._rows.popitem(last=False)[1][1]
 
     def take(self, transaction_ids: Sequence[str]) -> pa.Table | None:
-        """The rows of all ``transaction_ids`` in their order, removed from the cache; None
-        (and nothing removed) when one of them is not here."""
+        """The rows of all ``transaction_ids`` (each once, in their order), removed from the
+        cache; None (and nothing removed) when one of them is not here."""
+        wanted = list(dict.fromkeys(transaction_ids))  # as a table read: each one once
         with self._lock:
-            if not transaction_ids or any(t not in self._rows for t in transaction_ids):
+            if not wanted or any(t not in self._rows for t in wanted):
                 return None
-            taken = [self._rows.pop(t) for t in transaction_ids]
+            taken = [self._rows.pop(t) for t in wanted]
             self._bytes -= sum(size for _, size in taken)
         return pa.concat_tables([rows for rows, _ in taken])
 
