@@ -101,7 +101,7 @@ def app_transactions(
     return txns
 
 
-class _MissingCommit(Exception):
+class _MissingCommit(LookupError):
     """A commit file of the log could not be read."""
 
     def __init__(self, path: str, error: object) -> None:
@@ -113,14 +113,8 @@ def _apply_commits(
     fs: fsspec.AbstractFileSystem, log_path: str, txns: dict[str, int], first: int, last: int
 ) -> dict[str, int]:
     """``txns`` updated with the ``txn`` actions of commits ``first..last``."""
-    if first > last:
-        return txns
-    paths = [f"{log_path}/{v:020d}.json" for v in range(first, last + 1)]
-    contents = fs.cat(paths, on_error="return")
-    for path in paths:  # in version order: the last action for an app id wins
-        content = contents.get(path)
-        if not isinstance(content, bytes):
-            raise _MissingCommit(path, content)
+    for content in _commits(fs, log_path, first, last).values():
+        # In version order: the last action for an app id wins.
         for line in content.splitlines():
             if b'"txn"' in line:
                 action = json.loads(line).get("txn")
@@ -198,6 +192,22 @@ def _read_checkpoint(fs: fsspec.AbstractFileSystem, files: list[str]) -> dict[st
     return txns
 
 
+def _commits(
+    fs: fsspec.AbstractFileSystem, log_path: str, first: int, last: int
+) -> dict[int, bytes]:
+    """The JSON of commits ``first..last``, by version in order; :class:`_MissingCommit` for
+    one that cannot be read."""
+    paths = {v: f"{log_path}/{v:020d}.json" for v in range(first, last + 1)}
+    contents = fs.cat(list(paths.values()), on_error="return") if paths else {}
+    found = {}
+    for version, path in paths.items():
+        content = contents.get(path)
+        if not isinstance(content, bytes):
+            raise _MissingCommit(path, content)
+        found[version] = content
+    return found
+
+
 def commit_infos(
     uri: str, storage_options: Mapping[str, str], first: int, last: int
 ) -> dict[int, dict]:
@@ -209,17 +219,9 @@ def commit_infos(
     LookupError
         A commit's JSON is gone (cleaned up after the log retention) or unreadable.
     """
-    if first > last:
-        return {}
     fs, log_path = filesystem(f"{uri.rstrip('/')}/_delta_log", storage_options)
-    paths = {v: f"{log_path}/{v:020d}.json" for v in range(first, last + 1)}
-    contents = fs.cat(list(paths.values()), on_error="return")
-    infos = {}
-    for version, path in paths.items():
-        content = contents.get(path)
-        if not isinstance(content, bytes):
-            raise LookupError(f"the Delta log commit {path!r} is unreadable ({content!r})")
-        infos[version] = next(
+    return {
+        version: next(
             (
                 json.loads(line)["commitInfo"]
                 for line in content.splitlines()
@@ -227,4 +229,5 @@ def commit_infos(
             ),
             {},
         )
-    return infos
+        for version, content in _commits(fs, log_path, first, last).items()
+    }
