@@ -13,6 +13,7 @@ Measured in one run, on a fresh local store:
   COMMIT to the micro-batch that holds it. p50, p99 and the trigger for reference.
 
 Usage: python bench/latency_bench.py [--transactions 400] [--rate 1000] [--seconds 30]
+                                     [--log-retention 0s]
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import logging
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +36,7 @@ from rmq_spark import (
     TransactionMQProducer,
     get_spark,
 )
+from rmq_spark.config import StoreSettings, parse_duration
 
 BODY = b"x" * 256
 
@@ -146,13 +149,31 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--senders", type=int, default=32)
     parser.add_argument("--trigger", default="1 second")
+    parser.add_argument(
+        "--log-retention",
+        help="the store's log_retention for the one-sender run (e.g. 0s: clean at every "
+        "checkpoint, to see the cost of a store that has run longer than the retention)",
+    )
     args = parser.parse_args()
     logging.getLogger("py4j").setLevel(logging.WARNING)
     with tempfile.TemporaryDirectory(prefix="rmq-bench-") as tmp:
-        sends, visible = one_sender(Store.open(Path(tmp) / "one"), args.transactions)
+        settings = StoreSettings()
+        if args.log_retention is not None:
+            settings = replace(settings, log_retention=parse_duration(args.log_retention, "log"))
+        sends, visible = one_sender(
+            Store.open(Path(tmp) / "one", settings=settings), args.transactions
+        )
         print(f"one sender, {args.transactions} sequential transactions:")
         print(f"  send_message_in_transaction: {percentiles(sends)}  ({1 / np.mean(sends):.0f}/s)")
         print(f"  send to published (readable): {percentiles(visible)}")
+        eighth = max(1, args.transactions // 8)
+        first, last = slice(None, eighth), slice(-eighth, None)
+        print(
+            "  as the store grows, median send / send to readable: first eighth "
+            f"{np.median(sends[first]) * 1000:.1f} / {np.median(visible[first]) * 1000:.1f} ms, "
+            f"last eighth {np.median(sends[last]) * 1000:.1f} / "
+            f"{np.median(visible[last]) * 1000:.1f} ms"
+        )
         seen, sent = commit_to_visible(
             Store.open(Path(tmp) / "stream"),
             args.rate,

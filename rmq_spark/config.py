@@ -98,6 +98,10 @@ class StoreSettings:
     #: Most body bytes in one publish commit (a single decision larger than either limit is
     #: published in one commit of its own).
     publish_max_bytes: int = 64 * 1024 * 1024
+    #: How long the Delta log entries of the internal tables (all but the CommitLog) are kept
+    #: before the newest checkpoint: on a local filesystem every commit lists the whole log,
+    #: so its cost would grow with the store's age (15 min).
+    log_retention: float = 900.0
 
     def with_storage_options(self, extra: Mapping[str, str]) -> StoreSettings:
         """These settings with ``extra`` storage options over the configured ones."""
@@ -204,6 +208,7 @@ def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
             "max_body_bytes": lambda v, n: parse_int(v, n, 1),
             "publish_max_messages": lambda v, n: parse_int(v, n, 1),
             "publish_max_bytes": lambda v, n: parse_int(v, n, 1),
+            "log_retention": parse_duration,
             "path": lambda v, n: str(v),
             "storage_options": lambda v, n: {str(k): str(x) for k, x in dict(v).items()},
         },

@@ -22,7 +22,8 @@ How it stays exact (it always equals the full anti-join of the versions it cover
   logs why.
 
 Every update rewrites the table, so every ``COMPACT_EVERY_COMMITS`` versions it vacuums the
-files older versions left behind (past the table's one-hour tombstone retention).
+files older versions left behind (past the table's one-hour tombstone retention) and cleans its
+log (:meth:`rmq_spark.store.Store.clean_log`).
 
 Deleted half rows (retention) are ignored: retention deletes only decided transactions, which
 are not pending. Nothing but this module writes ``pending``.
@@ -152,15 +153,17 @@ def _attempt(store: Store) -> PendingUpdate:
     )
     log.debug("pending transactions: %d at half %d, op %d", rows.num_rows, half_version, op_version)
     if pending.version() % COMPACT_EVERY_COMMITS == 0:
-        _vacuum(pending)
+        _vacuum(store, pending)
     return PendingUpdate(rows, half_version, op_version)
 
 
-def _vacuum(pending: DeltaTable) -> None:
+def _vacuum(store: Store, pending: DeltaTable) -> None:
     """Delete the files of older versions (every update rewrites the table) once they are past
-    the table's tombstone retention. Never raises: the update has landed."""
+    the table's tombstone retention, and the log entries past the store's ``log_retention``.
+    Never raises: the update has landed."""
     try:
         deleted = pending.vacuum(dry_run=False)
+        store.clean_log("pending")
     except Exception:
         log.warning("vacuum of the pending table failed; a later update retries", exc_info=True)
         return

@@ -99,7 +99,7 @@ from rmq_spark.storage import (
     deltalake_options,
     filesystem,
 )
-from rmq_spark.txnlog import app_transactions, commit_infos
+from rmq_spark.txnlog import app_transactions, clean_log, commit_infos
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -629,14 +629,40 @@ class Store:
             return
         try:
             self.compact(name)
+            if name != "commitlog":
+                self.clean_log(name)
         except Exception:
             log.warning(
-                "compaction of %s after its version %d failed (the commit itself landed); "
-                "a later commit will compact it",
+                "compaction or log cleanup of %s after its version %d failed (the commit itself "
+                "landed); a later commit will do it",
                 name,
                 version,
                 exc_info=True,
             )
+
+    def clean_log(self, name: str) -> int:
+        """Delete the Delta log entries of an internal table that are older than the store's
+        ``log_retention`` and covered by a checkpoint; return how many files went.
+
+        Runs after every ``COMPACT_EVERY_COMMITS`` commits of a table. On a local filesystem
+        every commit and snapshot update lists the whole log, so a log that only grew would
+        make every operation slower with the store's age (rule 9). Entries of ``op`` that the
+        publisher has yet to read (after its cursor) are kept whatever their age. The CommitLog
+        is not cleaned here: readers stream it with Delta's own source, so its log follows the
+        table's ``delta.logRetentionDuration``.
+        """
+        if name == "commitlog":
+            raise StoreError("the CommitLog's log follows its own delta.logRetentionDuration.")
+        keep_from = self.table(name).version()
+        if name == "op":
+            keep_from = min(keep_from, self.published_op_version() + 1)
+        older_than = self.clock() - timedelta(seconds=self.settings.log_retention)
+        deleted = clean_log(
+            self.table_uri(name), self.settings.storage_options, keep_from, older_than
+        )
+        if deleted:
+            log.debug("deleted %d log entries of %s before version %d", deleted, name, keep_from)
+        return deleted
 
     def compact(self, *names: str) -> dict[str, int]:
         """Rewrite the small files of the store's tables into larger ones.

@@ -25,6 +25,7 @@ import json
 import re
 import threading
 from collections.abc import Mapping
+from datetime import datetime
 
 import fsspec
 import pyarrow.compute as pc
@@ -38,6 +39,8 @@ from rmq_spark.storage import filesystem
 #: again from the newest checkpoint (which deltalake writes every 100 commits).
 _MAX_INCREMENTAL_COMMITS = 200
 _CHECKPOINT = re.compile(r"^(\d{20})\.checkpoint(?:\.(\d{10})\.(\d{10}))?\.parquet$")
+#: What :func:`clean_log` may delete: commits, their checksums, and classic checkpoints.
+_LOG_ENTRY = re.compile(r"^(\d{20})\.(?:json|crc|checkpoint(?:\.\d{10}\.\d{10})?\.parquet)$")
 
 _cache: dict[tuple[str, str], tuple[int, dict[str, int]]] = {}
 _cache_lock = threading.Lock()
@@ -231,3 +234,61 @@ def commit_infos(
         )
         for version, content in _commits(fs, log_path, first, last).items()
     }
+
+
+def clean_log(
+    uri: str, storage_options: Mapping[str, str], keep_from: int, older_than: datetime
+) -> int:
+    """Delete the log entries that no reader of version ``keep_from`` or later needs: the
+    commits, checksums and checkpoints of the versions before the newest complete checkpoint at
+    or before ``keep_from``, when they were written before ``older_than``. Return how many
+    files were deleted.
+
+    This is Delta's expired-log cleanup (``delta.logRetentionDuration``), bounded by a version
+    as well as by time. Entries are deleted oldest first, so an interrupted cleanup leaves the
+    log contiguous from its oldest entry. A filesystem that gives no modification time (it
+    cannot tell the age) has nothing deleted.
+    """
+    fs, log_path = filesystem(f"{uri.rstrip('/')}/_delta_log", storage_options)
+    entries = []
+    checkpoints: dict[int, list[str]] = {}
+    for info in fs.ls(log_path, detail=True):
+        name = info["name"].rsplit("/", 1)[-1]
+        if _LOG_ENTRY.match(name) is None:
+            continue
+        version = int(name[:20])
+        entries.append((version, info["name"], _modified(info)))
+        match = _CHECKPOINT.match(name)
+        if match is not None and version <= keep_from:
+            checkpoints.setdefault(version, []).append(match.group(3))
+    complete = [
+        v for v, parts in checkpoints.items() if parts == [None] or len(parts) == int(parts[0])
+    ]
+    if not complete:
+        return 0
+    oldest_kept = max(complete)
+    cutoff = older_than.timestamp()
+    doomed = sorted(
+        (v, path)
+        for v, path, modified in entries
+        if v < oldest_kept and modified is not None and modified < cutoff
+    )
+    for _, path in doomed:
+        fs.rm_file(path)
+    return len(doomed)
+
+
+def _modified(info: Mapping[str, object]) -> float | None:
+    """A listing entry's modification time (epoch seconds), as the filesystems spell it."""
+    for key in ("mtime", "LastModified", "last_modified", "updated"):
+        value = info.get(key)
+        if isinstance(value, int | float):
+            return float(value)
+        if isinstance(value, datetime):
+            return value.timestamp()
+        if isinstance(value, str):
+            try:
+                return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+            except ValueError:
+                return None
+    return None

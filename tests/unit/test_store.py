@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from pathlib import Path
@@ -25,6 +26,7 @@ from rmq_spark import (
     StoreError,
     StoreVersionError,
 )
+from rmq_spark.storage import filesystem
 from rmq_spark.store import COMPACT_EVERY_COMMITS, MARKER_FILE, decision_app_id
 from tests.conftest import commitlog
 
@@ -411,3 +413,54 @@ def test_two_compactions_at_once_never_duplicate_rows(tmp_path: Path) -> None:
         assert sum(r.get("half", 0) for r in results.values()) >= 30  # one of them compacted
         half = store.table("half").to_pyarrow_table()
         assert half.num_rows == 30 and len(set(half.column("msg_id").to_pylist())) == 30
+
+
+def _log_entries(store: Store, name: str) -> int:
+    fs, path = filesystem(f"{store.table_uri(name)}/_delta_log", store.settings.storage_options)
+    return sum(p.endswith(".json") for p in fs.ls(path, detail=False))
+
+
+@pytest.fixture
+def short_log_store(any_store: Store) -> Store:
+    """A store whose internal tables' logs are cleaned as soon as a checkpoint covers them
+    (on local disk and on S3, whose listings tell the age differently)."""
+    settings = dataclasses.replace(any_store.settings, log_retention=0.0)
+    return Store.open(any_store.root, settings=settings)
+
+
+def test_the_log_of_an_internal_table_stays_bounded(short_log_store: Store) -> None:
+    """A store that has grown for months: every commit lists the log on a local filesystem,
+    so a log that only grows makes every send slower (rule 9)."""
+    for i in range(230):
+        short_log_store.prepare([Message("Orders", str(i).encode())], "pg")
+    assert short_log_store.table("half").version() > 200  # appends, and compactions
+    assert _log_entries(short_log_store, "half") <= 2 * COMPACT_EVERY_COMMITS
+    assert short_log_store.read("half").num_rows == 230
+
+
+def test_the_op_log_a_lagging_publisher_needs_is_kept(short_log_store: Store) -> None:
+    """Decisions recorded, nobody publishing for longer than the log retention: the op
+    commits after the publish cursor must survive the cleanup, or COMMITs would be lost."""
+    store = short_log_store
+    prepared = store.prepare([Message("Orders", str(i).encode()) for i in range(210)], "pg")
+    for p in prepared:
+        decide(store, [p], COMMIT, publish=False)
+    store.clean_log("op")
+    assert store.publish().published == 210
+    assert commitlog(store).num_rows == 210
+    for p in store.prepare([Message("Orders", b"more")] * 60, "pg"):
+        decide(store, [p], COMMIT)  # publishes as it goes: the cursor moves, the log is cleaned
+    assert _log_entries(store, "op") <= 2 * COMPACT_EVERY_COMMITS
+    assert commitlog(store).num_rows == 270
+
+
+def test_a_snapshot_whose_log_was_cleaned_under_it_still_updates(short_log_store: Store) -> None:
+    """A producer idle for longer than the log retention while others wrote: the commits after
+    its cached snapshot are gone, and deltalake brings it up to date from the checkpoint."""
+    idle = Store.open(short_log_store.root, settings=short_log_store.settings)
+    assert idle.table("half").version() == 0
+    for i in range(230):
+        short_log_store.prepare([Message("Orders", str(i).encode())], "pg")
+    assert idle.table("half").version() == short_log_store.table("half").version()
+    idle.prepare([Message("Orders", b"after")], "pg")
+    assert short_log_store.read("half").num_rows == 231
