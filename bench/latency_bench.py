@@ -103,7 +103,8 @@ def commit_to_visible(
             while not seen:
                 time.sleep(0.05)
             print(f"  warm-up: the first message was seen after {seen.pop():.2f} s")
-            warm_batches = query.lastProgress.batchId if query.lastProgress else -1
+            # The warm-up batch may not have reported its progress yet: skip it as well.
+            warm_batches = (query.lastProgress.batchId if query.lastProgress else -1) + 1
             stop = time.monotonic() + seconds
 
             def sender(n: int) -> None:
