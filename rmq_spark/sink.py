@@ -236,19 +236,27 @@ def stage(
     delta_table: str | None = None,
 ) -> Staged:
     """Validate rows and write them as half messages of one new transaction (one commit), in
-    ``generation`` of the epoch (hold it first: :class:`rmq_spark.epochs.Lease`).
+    ``generation`` of the epoch (hold it first: :class:`rmq_spark.epochs.Lease`). The rows are
+    written as they arrive, one batch in memory at a time, and committed at the end.
 
-    Raises InvalidMessageError, naming the problem, before anything is written.
+    Raises InvalidMessageError, naming the problem, before anything is committed.
     """
-    received = [b for b in batches if b.num_rows]
-    if not received:
-        return Staged(sink_id, epoch, None, 0, generation)
-    table = pa.Table.from_batches(received)
     txn = new_id()
-    half = _half_rows(table, options, txn, _Writer(sink_id, epoch, generation, delta_table))
-    store.append("half", half)
+    writer = _Writer(sink_id, epoch, generation, delta_table)
+    count = 0
+
+    def halves() -> Iterator[pa.Table]:
+        nonlocal count
+        for batch in batches:
+            if batch.num_rows:
+                rows = _half_rows(pa.Table.from_batches([batch]), options, txn, writer)
+                count += rows.num_rows
+                yield rows
+
+    if store.append_batches("half", halves()) is None:
+        return Staged(sink_id, epoch, None, 0, generation)
     failpoint("sink.staged")
-    return Staged(sink_id, epoch, txn, half.num_rows, generation)
+    return Staged(sink_id, epoch, txn, count, generation)
 
 
 def _half_rows(table: pa.Table, options: WriterOptions, txn: str, writer: _Writer) -> pa.Table:

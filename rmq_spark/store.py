@@ -40,7 +40,7 @@ import threading
 import time
 import zlib
 from bisect import bisect_left
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
@@ -99,6 +99,7 @@ from rmq_spark.storage import (
     deltalake_options,
     filesystem,
 )
+from rmq_spark.streamed import LargeVersion, commit_files, stored_share, write_files
 from rmq_spark.txnlog import app_transactions, clean_log, commit_infos
 
 log = logging.getLogger(__name__)
@@ -589,6 +590,31 @@ class Store:
         self._after_commit(name, version)
         return version
 
+    def append_batches(self, name: str, rows: Iterable[pa.Table]) -> int | None:
+        """Blind-append rows given batch by batch to one of the store's tables in one commit,
+        holding one batch in memory at a time (deltalake's writer holds all its input, several
+        times over); return the version committed, or a later one (None: ``rows`` was empty).
+
+        The files are written first, invisible; an error raised while ``rows`` is iterated
+        commits nothing. A retried commit adds the same files again, which Delta reconciles
+        by path: a commit that landed although it reported a failure stores nothing twice.
+        """
+        schema, partitions, _ = TABLES[name]
+        partition = partitions[0] if partitions else None
+        uri, options = self.table_uri(name), self.settings.storage_options
+        files = write_files(uri, iter(rows), schema, partition, options)
+        if not files:
+            return None
+
+        def attempt(n: int) -> int:
+            table = self.table(name, latest=n > 0)
+            commit_files(table, files, partition, CommitProperties())
+            return table.version()
+
+        version = retry_commits(f"append to {name}", name, attempt)
+        self._after_commit(name, version)
+        return version
+
     def merge(
         self,
         name: str,
@@ -965,8 +991,10 @@ class Store:
                 return PublishResult(len(landed), cursor, version, list(landed)), True
             # ``target`` was read from this thread's op snapshot: no newer one is needed.
             end, batch = self._next_chunk(self.table("op", latest=False), cursor, target)
-            last = end >= target
-            if last:
+            streamed = isinstance(batch, LargeVersion)
+            # A streamed version leaves the normal messages to a commit of their own.
+            last = end >= target and not (streamed and unsent.num_rows)
+            if last and not streamed:
                 batch = pa.concat_tables([batch, unsent])
             # Catch up before writing, so that a publisher that lost the race writes no files.
             # The chunk was read for ``cursor``: the newer snapshot may be written on only if
@@ -979,19 +1007,33 @@ class Store:
                 and self.published_op_version(commitlog) != cursor
             ):
                 raise CommitFailedError("another publisher moved the op cursor")
-            batch, txns = self._assign_offsets(self.next_offsets(commitlog), batch)
+            if streamed:
+                stream, next_offsets, written = self._stream_offsets(
+                    batch, self.next_offsets(commitlog)
+                )
+                batch = COMMITLOG_SCHEMA.empty_table()
+            else:
+                batch, next_offsets = self._assign_offsets(self.next_offsets(commitlog), batch)
+                written = batch.num_rows
+            txns = [Transaction(queue_app_id(t, q), n) for (t, q), n in next_offsets.items()]
             if end > cursor:
                 txns.append(Transaction(OP_CURSOR_APP_ID, end))
+            properties = CommitProperties(
+                app_transactions=txns, custom_metadata={"rmqtx.operation": "publish"}
+            )
             try:
-                write_deltalake(
-                    commitlog,
-                    batch,
-                    mode="append",
-                    partition_by=["topic"],
-                    commit_properties=CommitProperties(
-                        app_transactions=txns, custom_metadata={"rmqtx.operation": "publish"}
-                    ),
-                )
+                if streamed:
+                    uri, options = self.table_uri("commitlog"), self.settings.storage_options
+                    files = write_files(uri, stream, COMMITLOG_SCHEMA, "topic", options)
+                    commit_files(commitlog, files, "topic", properties)
+                else:
+                    write_deltalake(
+                        commitlog,
+                        batch,
+                        mode="append",
+                        partition_by=["topic"],
+                        commit_properties=properties,
+                    )
             except (CommitFailedError, SchemaMismatchError, DeltaProtocolError):
                 raise  # nothing landed: a lost race (retried) or a bug (raised)
             except (DeltaError, OSError) as exc:
@@ -1008,9 +1050,9 @@ class Store:
                     strict=True,
                 )
             )
-            log.debug("published %d message(s) up to op version %d", batch.num_rows, end)
+            log.debug("published %d message(s) up to op version %d", written, end)
             result = PublishResult(
-                batch.num_rows + len(landed), max(end, cursor), commitlog.version(), landed + sent
+                written + len(landed), max(end, cursor), commitlog.version(), landed + sent
             )
             return result, last
 
@@ -1100,6 +1142,22 @@ class Store:
         txn_ids = decisions.column("transaction_id")
         halves = self._recent.take(txn_ids.to_pylist())
         if halves is None:
+            # Cut the chunk before reading it, by what its transactions take in ``half`` (a
+            # sink epoch has a whole task's rows in each): one version over the limits alone
+            # is streamed instead of read whole.
+            files = with_uris(self.table("half"), self.table_uri("half"))
+            size = stored_share(files, txn_ids, "size_bytes")
+            rows = stored_share(files, txn_ids, "num_records")
+            limits = self.settings.publish_max_bytes, max_messages
+            versions = decisions.column("_commit_version").to_numpy()
+            over = (np.cumsum(size) > limits[0]) | (np.cumsum(rows) > limits[1])
+            if over.any():
+                end = _cut(versions, int(np.argmax(over)))
+                keep = versions <= end
+                decisions = decisions.filter(pa.array(keep))
+                txn_ids = decisions.column("transaction_id")
+                if size[keep].sum() > limits[0] or rows[keep].sum() > limits[1]:
+                    return end, LargeVersion(files, txn_ids)
             halves = self.half_messages(txn_ids.to_pylist())
         # Decision order first, then send order: a transaction's rows are stored in one
         # append, in send order, and read back in file order.
@@ -1113,17 +1171,46 @@ class Store:
         if over.any():
             end = _cut(versions, int(np.argmax(over)))
             halves = halves.slice(0, int(np.searchsorted(versions, end, side="right")))
-        now = self.clock()
-        columns = {
-            name: halves.column(name)
-            for name in COMMITLOG_SCHEMA.names
-            if name in HALF_SCHEMA.names
-        }
-        columns["queue_offset"] = pa.array([0] * halves.num_rows, pa.int64())
-        columns["store_timestamp"] = pa.array([now] * halves.num_rows, TIMESTAMP)
-        return end, pa.table(
-            {name: columns[name] for name in COMMITLOG_SCHEMA.names}, schema=COMMITLOG_SCHEMA
+        return end, _as_commitlog(halves, self.clock())
+
+    def _stream_offsets(
+        self, version: LargeVersion, next_offsets: Mapping[tuple[str, int], int]
+    ) -> tuple[Iterator[pa.Table], dict[tuple[str, int], int], int]:
+        """The committed messages of one op version too large to hold, as a stream of
+        CommitLog rows with offsets after ``next_offsets``: ``(stream, the next offsets of the
+        queues it moves, messages)``.
+
+        A first pass reads only the routing columns to count each queue's messages (the commit
+        names its queues' next offsets); the second reads the messages a batch at a time.
+        """
+        options = self.settings.storage_options
+        routing = read_files(
+            version.uris,
+            pa.schema([HALF_SCHEMA.field(c) for c in ("transaction_id", "topic", "queue_id")]),
+            options,
+            version.keep,
         )
+        counts = routing.group_by(["topic", "queue_id"]).aggregate([("topic", "count")])
+        moved = {
+            (r["topic"], r["queue_id"]): next_offsets.get((r["topic"], r["queue_id"]), 0)
+            + r["topic_count"]
+            for r in counts.to_pylist()
+        }
+        now = self.clock()
+
+        def stream() -> Iterator[pa.Table]:
+            running = dict(next_offsets)
+            for rows in version.batches(options):
+                rows, advanced = self._assign_offsets(running, _as_commitlog(rows, now))
+                running.update(advanced)
+                yield rows
+            if {k: running.get(k) for k in moved} != moved:
+                raise CorruptStoreError(
+                    "the half messages of one decision differ between two reads of the same "
+                    "snapshot: a data file of half changed under the publisher."
+                )
+
+        return stream(), moved, routing.num_rows
 
     def _commits_in(self, op: DeltaTable, first: int, last: int) -> pa.Table:
         """``(transaction_id, _commit_version)`` of the COMMITs recorded in ``op`` versions
@@ -1254,9 +1341,9 @@ class Store:
     @staticmethod
     def _assign_offsets(
         next_offsets: Mapping[tuple[str, int], int], batch: pa.Table
-    ) -> tuple[pa.Table, list[Transaction]]:
+    ) -> tuple[pa.Table, dict[tuple[str, int], int]]:
         """Give each row the next dense offset of its queue (``next_offsets``: the snapshot's);
-        return the queue txn actions."""
+        return the rows and the next offset of each queue they went to."""
         queues = batch.select(["topic", "queue_id"])
         offsets = np.zeros(batch.num_rows, dtype=np.int64)
         next_offset: dict[tuple[str, int], int] = {}
@@ -1275,8 +1362,7 @@ class Store:
             COMMITLOG_SCHEMA.field("queue_offset"),
             pa.array(offsets, pa.int64()),
         )
-        txns = [Transaction(queue_app_id(t, q), n) for (t, q), n in next_offset.items()]
-        return batch, txns
+        return batch, next_offset
 
     # ------------------------------------------------------------------ normal send
     def send(self, messages: Sequence[Message], producer_group: str) -> PublishResult:
@@ -1330,6 +1416,18 @@ def _may_insert(info: Mapping[str, Any]) -> bool:
         return False
     metrics = info.get("operationMetrics") or {}
     return not (operation == "MERGE" and metrics.get("num_target_rows_inserted") == 0)
+
+
+def _as_commitlog(halves: pa.Table, now: datetime) -> pa.Table:
+    """Half messages as CommitLog rows stored at ``now`` (offsets still to assign)."""
+    columns = {
+        name: halves.column(name) for name in COMMITLOG_SCHEMA.names if name in HALF_SCHEMA.names
+    }
+    columns["queue_offset"] = pa.array([0] * halves.num_rows, pa.int64())
+    columns["store_timestamp"] = pa.array([now] * halves.num_rows, TIMESTAMP)
+    return pa.table(
+        {name: columns[name] for name in COMMITLOG_SCHEMA.names}, schema=COMMITLOG_SCHEMA
+    )
 
 
 def _cut(versions: np.ndarray, first_over: int) -> int:

@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+from pyspark.sql import functions as F
+
 from rmq_spark import Decision, LocalTransactionState, Message, Store
+from rmq_spark.config import Settings, StoreSettings
 from rmq_spark.schema import COMMITLOG_SCHEMA, HALF_SCHEMA, OP_SCHEMA
 from tests.conftest import commitlog
 
 
-def test_spark_reads_every_table_as_written(spark, store: Store) -> None:
+@pytest.mark.parametrize(
+    "publish_max_messages",
+    # 1: the COMMIT's version is over the publish limits, so it is streamed into files written
+    # by pyarrow with statistics of rmq-spark's own (rmq_spark/streamed.py).
+    [10_000, 1],
+    ids=["published-by-deltalake", "streamed"],
+)
+def test_spark_reads_every_table_as_written(
+    spark, tmp_path: Path, publish_max_messages: int
+) -> None:
+    limits = StoreSettings(queue_nums=2, publish_max_messages=publish_max_messages)
+    store = Store.open(tmp_path / "store", settings=Settings(store=limits))
     prepared = store.prepare(
         [
             Message(
@@ -22,9 +39,13 @@ def test_spark_reads_every_table_as_written(spark, store: Store) -> None:
         "pg",
     )
     store.end_transactions(
-        [Decision(prepared[0].transaction_id, "pg", LocalTransactionState.COMMIT)]
+        [Decision(prepared[0].transaction_id, "pg", LocalTransactionState.COMMIT)], publish=False
     )
+    Store.open(store.root, settings=store.settings).publish()  # not this process's own halves
     store.send([Message("Payments", b"normal")], "svc")
+
+    paths = store.data_files("commitlog").column("path").to_pylist()
+    assert any(".rmqtx." in p for p in paths) == (publish_max_messages == 1)
 
     for name, schema in (("half", HALF_SCHEMA), ("op", OP_SCHEMA), ("commitlog", COMMITLOG_SCHEMA)):
         df = spark.read.format("delta").load(store.table_uri(name))
@@ -53,6 +74,16 @@ def test_spark_reads_every_table_as_written(spark, store: Store) -> None:
             want["transaction_id"],
         )
         assert got["store_timestamp"].timestamp() == want["store_timestamp"].timestamp()
+    # Data skipping by the files' statistics keeps every row (timestamps to the microsecond).
+    table = spark.read.format("delta").load(store.table_uri("commitlog"))
+    for want in expected:
+        found = table.where(
+            (F.col("msg_id") == want["msg_id"])
+            & (F.col("queue_offset") == want["queue_offset"])
+            & (F.col("born_timestamp") == F.lit(want["born_timestamp"]))
+            & (F.col("store_timestamp") == F.lit(want["store_timestamp"]))
+        )
+        assert found.count() == 1, want["msg_id"]
     committed = rows[prepared[0].msg_id]
     assert committed["properties"] == {"region": "eu", "CHECK_IMMUNITY_TIME_IN_SECONDS": "30"}
     assert committed["keys"] == "k1 k2"

@@ -119,7 +119,8 @@ def test_one_decision_larger_than_the_limits_is_one_commit(tmp_path: Path) -> No
     commits = [sorted(b.decode() for b in bodies) for bodies in publish_commits(store)]
     assert commits == [
         ["small-0", "small-1"],
-        [f"big-{i}" for i in range(8)] + ["normal"],  # normal messages go with the last chunk
+        [f"big-{i}" for i in range(8)],  # streamed: normal messages go in a commit of their own
+        ["normal"],
     ]
     check_published(store, ["small-0", "small-1", *[f"big-{i}" for i in range(8)], "normal"])
 
@@ -228,3 +229,78 @@ def _deltalake_answers(table: DeltaTable, topics: list[str]) -> dict[str, int]:
     app_ids = [queue_app_id(t, q) for t in topics for q in range(3)] + [OP_CURSOR_APP_ID]
     answers = {app_id: table.transaction_version(app_id) for app_id in app_ids}
     return {app_id: version for app_id, version in answers.items() if version is not None}
+
+
+def _grown_mib(setup: str, action: str) -> tuple[str, int]:
+    """Run ``setup`` then ``action`` (which sets ``result``) in a new Python process; return
+    ``str(result)`` and how many MiB the process's peak memory grew during ``action``."""
+    child = "\n".join(
+        [
+            "import resource",
+            textwrap.dedent(setup),
+            "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss",
+            textwrap.dedent(action),
+            "grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before",
+            "print(result, grown // 1024)",
+        ]
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", child], cwd=REPO, capture_output=True, text=True, check=True
+    )
+    result, grown = out.stdout.split()
+    return result, int(grown)
+
+
+def test_a_decision_larger_than_memory_is_published_in_bounded_memory(tmp_path: Path) -> None:
+    """A sink epoch is one decision of every row the job wrote, published by one Python
+    process on the driver: reading it whole would fail any epoch larger than that memory.
+    Here 256 MiB, published with a peak of well under that (1.4 GiB when read whole)."""
+    store = open_store(tmp_path / "s", publish_max_bytes=1 << 20)
+    for part in range(4):  # four tasks' stages of one epoch
+        bodies = [os.urandom(1 << 20) for _ in range(64)]
+        store.prepare([Message("A", b) for b in bodies], "pg", transaction_ids=[f"t{part}"] * 64)
+    store.end_transactions([Decision(f"t{part}", "pg", COMMIT) for part in range(4)], publish=False)
+    published, grown = _grown_mib(
+        f"""
+        from rmq_spark import Store
+        from rmq_spark.config import Settings, StoreSettings
+        settings = Settings(store=StoreSettings(queue_nums=3, publish_max_bytes=1 << 20))
+        store = Store.open({store.root!r}, settings=settings)
+        store.table("commitlog"), store.table("half"), store.table("op")
+        """,
+        "result = store.publish().published",
+    )
+    assert int(published) == 256
+    assert grown < 160, f"the publisher's peak memory grew by {grown} MiB"
+    offsets = defaultdict(list)
+    for r in commitlog(store).select(["queue_id", "queue_offset"]).to_pylist():
+        offsets[r["queue_id"]].append(r["queue_offset"])
+    assert offsets and all(sorted(o) == list(range(len(o))) for o in offsets.values())
+
+
+def test_a_sink_task_stages_more_rows_than_memory_in_bounded_memory(tmp_path: Path) -> None:
+    """A sink task stages its whole partition as one transaction: 256 MiB staged with a peak
+    of well under that (deltalake's writer alone would grow the process by over 1 GiB)."""
+    store = open_store(tmp_path / "s")
+    staged, grown = _grown_mib(
+        f"""
+        import os
+        import pyarrow as pa
+        from pyspark.sql.types import BinaryType, StructField, StructType
+        from rmq_spark import Store
+        from rmq_spark.sink import WriterOptions, stage
+        schema = StructType([StructField("body", BinaryType())])
+        options = WriterOptions.parse(
+            {{"path": {store.root!r}, "topic": "A", "producerGroup": "pg"}}, schema
+        )
+        store = Store.open({store.root!r}, create=False)
+        store.table("half")
+        def batches():  # as Spark hands them to a task: made as they are read
+            for _ in range(64):
+                yield pa.record_batch([[os.urandom(1 << 20) for _ in range(4)]], names=["body"])
+        """,
+        "result = stage(store, batches(), options, 'sink', 0, 0).count",
+    )
+    assert int(staged) == 256
+    assert grown < 160, f"the task's peak memory grew by {grown} MiB"
+    assert store.read("half", ["transaction_id"]).num_rows == 256

@@ -1,0 +1,241 @@
+"""Writing more rows than memory holds: sink stages, and publishing a large ``op`` version.
+
+deltalake's writer holds its whole input, several times over (256 MiB of bodies grew a
+process by 0.9 to 1.9 GiB), so handing it a sink task's partition, or the publish of a sink
+epoch (one decision committing every row a job wrote, published by one Python process on the
+driver), would fail any write larger than that process's memory. Here rows are written with
+pyarrow's streaming Parquet writer, one batch in memory at a time, into new data files with
+the statistics readers prune by, and the files are committed in one Delta commit (deltalake's
+``create_write_transaction``: the same conflict check, application ids included, as any
+append). A publish reads a large version from ``half`` the same way, a batch at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from urllib.parse import quote
+
+import fsspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as pads
+import pyarrow.parquet as pq
+from deltalake import CommitProperties, DeltaTable
+from deltalake.transaction import AddAction
+
+from rmq_spark.schema import HALF_SCHEMA, TIMESTAMP
+from rmq_spark.storage import arrow_filesystem
+
+#: Rows per batch read from ``half`` by a publish (also the row groups it writes).
+BATCH_ROWS = 32_768
+#: A CommitLog file is closed at about this many bytes (deltalake's default target).
+FILE_BYTES = 100 * 1024 * 1024
+#: Columns whose statistics the written files carry (what readers prune by): ids, routing
+#: columns and timestamps; not bodies, keys or properties.
+_STATS_COLUMNS = frozenset(
+    {
+        "transaction_id",
+        "msg_id",
+        "producer_group",
+        "topic",
+        "queue_id",
+        "queue_offset",
+        "born_timestamp",
+        "store_timestamp",
+        "sink_id",
+        "epoch",
+        "generation",
+    }
+)
+
+
+@dataclass(frozen=True)
+class LargeVersion:
+    """The committed transactions of one ``op`` version and the ``half`` files (add actions
+    with their ``uri``, in the order they were stored) that may hold them."""
+
+    files: pa.Table
+    transaction_ids: pa.ChunkedArray
+
+    @property
+    def uris(self) -> list[str]:
+        """The files whose statistics admit one of the transactions, in stored order."""
+        first, stop = id_ranges(self.files, np.sort(self.transaction_ids.to_numpy(False)))
+        uris = self.files.column("uri").to_pylist()
+        return [u for u, admits in zip(uris, stop > first, strict=True) if admits]
+
+    def keep(self, rows: pa.Table) -> pa.ChunkedArray:
+        """Mask of the rows of these transactions."""
+        return pc.is_in(rows.column("transaction_id"), value_set=self.transaction_ids)
+
+    def batches(self, storage_options: Mapping[str, str]) -> Iterator[pa.Table]:
+        """The half messages of the transactions, a batch at a time, in stored order (a
+        transaction's messages in send order)."""
+        for uri in self.uris:
+            dataset = pads.dataset(
+                [fsspec.core.strip_protocol(uri)],
+                schema=HALF_SCHEMA,  # older files lack columns added later: null
+                format="parquet",
+                filesystem=arrow_filesystem(uri, storage_options),
+            )
+            for batch in dataset.to_batches(batch_size=BATCH_ROWS):
+                rows = pa.Table.from_batches([batch])
+                rows = rows.filter(self.keep(rows))
+                if rows.num_rows:
+                    yield rows
+
+
+def id_ranges(files: pa.Table, ranked: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per file (add action): the run ``[first, stop)`` of the sorted ids ``ranked`` that its
+    ``transaction_id`` statistics admit (a file without statistics admits them all)."""
+    low = files.column("min.transaction_id").to_pylist()
+    high = files.column("max.transaction_id").to_pylist()
+    first = [0 if v is None else np.searchsorted(ranked, v, "left") for v in low]
+    stop = [len(ranked) if v is None else np.searchsorted(ranked, v, "right") for v in high]
+    return np.array(first, dtype=np.int64), np.array(stop, dtype=np.int64)
+
+
+def stored_share(files: pa.Table, transaction_ids: pa.ChunkedArray, column: str) -> np.ndarray:
+    """An upper estimate of each transaction's share of a file statistic (``size_bytes``,
+    ``num_records``) in ``half``: every file its id statistics admit, shared equally among the
+    transactions of ``transaction_ids`` that the file admits (a sink stage writes one
+    transaction per file; a producer's prepare many per file)."""
+    ids = np.array(transaction_ids.to_pylist(), dtype=object)
+    order = np.argsort(ids, kind="stable")
+    first, stop = id_ranges(files, ids[order])
+    held = stop - first
+    admits = held > 0
+    per_id = np.array(files.column(column).to_pylist(), dtype=float)[admits] / held[admits]
+    share = np.zeros(len(ids) + 1)
+    np.add.at(share, first[admits], per_id)
+    np.add.at(share, stop[admits], -per_id)
+    stored = np.zeros(len(ids))
+    stored[order] = np.cumsum(share)[:-1]
+    return stored
+
+
+def write_files(
+    uri: str,
+    rows: Iterator[pa.Table],
+    schema: pa.Schema,
+    partition: str | None,
+    storage_options: Mapping[str, str],
+) -> list[AddAction]:
+    """Write ``rows`` (``schema``) as new data files of the Delta table at ``uri``, streaming,
+    one file at a time per value of the ``partition`` column; return their add actions, with
+    the statistics readers prune by. The files are invisible until a commit adds them; files
+    no commit adds are removed by VACUUM."""
+    fs = arrow_filesystem(uri, storage_options)
+    base = fsspec.core.strip_protocol(uri).rstrip("/")
+    file_schema = pa.schema([f for f in schema if f.name != partition])
+    open_files: dict[str | None, _File] = {}
+    done: list[AddAction] = []
+    try:
+        for batch in rows:
+            values = [None] if partition is None else pc.unique(batch[partition]).to_pylist()
+            for value in values:
+                part = batch
+                if len(values) > 1:
+                    part = batch.filter(pc.equal(batch[partition], value))
+                current = open_files.get(value)
+                if current is None:
+                    current = open_files[value] = _File(fs, base, file_schema, partition, value)
+                current.write(part.select(file_schema.names))
+                if current.size >= FILE_BYTES:
+                    done.append(open_files.pop(value).close())
+        done += [f.close() for f in open_files.values()]
+        open_files.clear()
+    finally:
+        for f in open_files.values():
+            f.writer.close()
+    return done
+
+
+def commit_files(
+    table: DeltaTable,
+    actions: list[AddAction],
+    partition: str | None,
+    commit_properties: CommitProperties,
+) -> None:
+    """Commit ``actions`` as one append on ``table``'s snapshot (Delta's conflict check
+    applies, application ids included), and bring ``table`` up to date (to that commit or a
+    later one)."""
+    table.create_write_transaction(
+        actions,
+        mode="append",
+        schema=table.schema(),
+        partition_by=[partition] if partition else None,
+        commit_properties=commit_properties,
+    )
+    table.update_incremental()
+
+
+class _File:
+    """One data file being written, and the statistics of what it holds."""
+
+    def __init__(
+        self, fs: object, base: str, schema: pa.Schema, partition: str | None, value: str | None
+    ) -> None:
+        self.partition = None if partition is None else {partition: value}
+        directory = "" if partition is None else f"{partition}={quote(str(value), safe='')}/"
+        self.relative = f"{directory}part-{uuid.uuid4()}-c000.rmqtx.snappy.parquet"
+        if directory:
+            fs.create_dir(f"{base}/{directory}", recursive=True)  # type: ignore[attr-defined]
+        self.stream = fs.open_output_stream(f"{base}/{self.relative}")  # type: ignore[attr-defined]
+        self.writer = pq.ParquetWriter(self.stream, schema, compression="snappy")
+        self.columns = [n for n in schema.names if n in _STATS_COLUMNS]
+        self.rows = 0
+        self.low: dict[str, object] = {}
+        self.high: dict[str, object] = {}
+        self.nulls = dict.fromkeys(self.columns, 0)
+
+    @property
+    def size(self) -> int:
+        return self.stream.tell()
+
+    def write(self, rows: pa.Table) -> None:
+        self.writer.write_table(rows)  # a row group per batch
+        self.rows += rows.num_rows
+        for name in self.columns:
+            column = rows.column(name)
+            self.nulls[name] += column.null_count
+            low, high = pc.min_max(column).values()
+            if low.is_valid:
+                self.low[name] = min(self.low.get(name, low.as_py()), low.as_py())
+                self.high[name] = max(self.high.get(name, high.as_py()), high.as_py())
+
+    def close(self) -> AddAction:
+        self.writer.close()
+        size = self.stream.tell()
+        self.stream.close()
+        stats = {
+            "numRecords": self.rows,
+            "minValues": {k: _stat(v, math.floor) for k, v in self.low.items()},
+            "maxValues": {k: _stat(v, math.ceil) for k, v in self.high.items()},
+            "nullCount": self.nulls,
+        }
+        return AddAction(
+            path=quote(self.relative, safe="/="),
+            size=size,
+            partition_values=self.partition or {},
+            modification_time=int(time.time() * 1000),
+            data_change=True,
+            stats=json.dumps(stats),
+        )
+
+
+def _stat(value: object, rounding: object) -> object:
+    """A statistic as Delta writes it: timestamps in milliseconds (rounded outwards, so that
+    the range still holds every row), ISO 8601 in UTC."""
+    if not isinstance(value, datetime):
+        return value
+    millis = rounding(value.timestamp() * 1000)  # type: ignore[operator]
+    moment = pa.scalar(int(millis) * 1000, TIMESTAMP).as_py()
+    return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
