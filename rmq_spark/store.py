@@ -39,7 +39,6 @@ import random
 import threading
 import time
 import zlib
-from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -99,7 +98,7 @@ from rmq_spark.storage import (
     deltalake_options,
     filesystem,
 )
-from rmq_spark.streamed import LargeVersion, commit_files, stored_share, write_files
+from rmq_spark.streamed import LargeVersion, admitting, commit_files, stored_share, write_files
 from rmq_spark.txnlog import app_transactions, clean_log, commit_infos
 
 log = logging.getLogger(__name__)
@@ -894,11 +893,11 @@ class Store:
 
     def discarded(self, transaction_ids: Sequence[str]) -> set[str]:
         """Which of the given transactions have rows in ``discard`` (files pruned by id)."""
-        rows = self._rows_by_id(self.table("discard"), "discard", transaction_ids)
+        rows = self._rows_by_id(self.data_files("discard"), "discard", transaction_ids)
         return set(rows.column("transaction_id").to_pylist())
 
     def _decisions_of(self, op: DeltaTable, ids: list[str]) -> dict[str, LocalTransactionState]:
-        rows = self._rows_by_id(op, "op", ids)
+        rows = self._rows_by_id(with_uris(op, self.table_uri("op")), "op", ids)
         return {
             tid: LocalTransactionState(dec)
             for tid, dec in zip(
@@ -1102,7 +1101,7 @@ class Store:
         """``(msg_id, queue_id, queue_offset)`` of the normal messages ``rows`` if an earlier
         attempt put them into ``commitlog`` (in the order of ``rows``), else None."""
         ids = rows.column("msg_id").to_pylist()
-        found = self._rows_by_id(self.table("commitlog"), "commitlog", ids, column="msg_id")
+        found = self._rows_by_id(self.data_files("commitlog"), "commitlog", ids, column="msg_id")
         if found.num_rows == 0:
             return None
         where = {
@@ -1145,7 +1144,7 @@ class Store:
             # Cut the chunk before reading it, by what its transactions take in ``half`` (a
             # sink epoch has a whole task's rows in each): one version over the limits alone
             # is streamed instead of read whole.
-            files = with_uris(self.table("half"), self.table_uri("half"))
+            files = self.data_files("half")
             size = stored_share(files, txn_ids, "size_bytes")
             rows = stored_share(files, txn_ids, "num_records")
             limits = self.settings.publish_max_bytes, max_messages
@@ -1158,7 +1157,7 @@ class Store:
                 txn_ids = decisions.column("transaction_id")
                 if size[keep].sum() > limits[0] or rows[keep].sum() > limits[1]:
                     return end, LargeVersion(files, txn_ids)
-            halves = self.half_messages(txn_ids.to_pylist())
+            halves = self.half_messages(txn_ids.to_pylist(), files)
         # Decision order first, then send order: a transaction's rows are stored in one
         # append, in send order, and read back in file order.
         rank = pc.index_in(halves.column("transaction_id"), value_set=txn_ids).to_numpy()
@@ -1234,28 +1233,30 @@ class Store:
                 parts.append(_changed_commits(op, version, version))
         return pa.concat_tables(parts)
 
-    def half_messages(self, transaction_ids: Sequence[str]) -> pa.Table:
-        """The half messages of the given transactions (``half`` schema)."""
-        return _conform(self._rows_by_id(self.table("half"), "half", transaction_ids), HALF_SCHEMA)
+    def half_messages(
+        self, transaction_ids: Sequence[str], files: pa.Table | None = None
+    ) -> pa.Table:
+        """The half messages of the given transactions (``half`` schema).
+
+        ``files``: the add actions of the latest ``half`` snapshot (:meth:`data_files`) when
+        the caller has read them already.
+        """
+        if files is None:
+            files = self.data_files("half")
+        return _conform(self._rows_by_id(files, "half", transaction_ids), HALF_SCHEMA)
 
     def _rows_by_id(
-        self, table: DeltaTable, name: str, ids: Sequence[str], column: str = "transaction_id"
+        self, files: pa.Table, name: str, ids: Sequence[str], column: str = "transaction_id"
     ) -> pa.Table:
-        """Rows whose ``column`` (an id) is in ``ids``, in the table's snapshot, in file order.
+        """Rows whose ``column`` (an id) is in ``ids``, in the snapshot of table ``name`` whose
+        add actions are ``files`` (:func:`with_uris`), in file order.
 
         Files whose statistics of ``column`` admit none of the ids are not read (ids are
         time-ordered, so a lookup reads few files). Partition columns are read as nulls.
         """
         wanted = sorted(set(ids))
-        low, high = f"min.{column}", f"max.{column}"
-        files = with_uris(table, self.table_uri(name))
-        uris = [
-            f["uri"]
-            for f in files.select(["uri", low, high]).to_pylist()
-            if _may_hold(wanted, f[low], f[high])
-        ]
         return read_files(
-            uris,
+            admitting(files, wanted, column),
             TABLES[name][0],
             self.settings.storage_options,
             lambda rows: pc.is_in(rows.column(column), value_set=pa.array(wanted, pa.string())),
@@ -1380,14 +1381,6 @@ def with_uris(table: DeltaTable, base: str) -> pa.Table:
     # An add action's path is a relative, percent-encoded URI (Delta protocol).
     uris = [f"{base.rstrip('/')}/{unquote(p)}" for p in files.column("path").to_pylist()]
     return files.append_column("uri", pa.array(uris, pa.string()))
-
-
-def _may_hold(wanted: Sequence[str], low: str | None, high: str | None) -> bool:
-    """Whether a file with these min/max statistics can hold one of the sorted ``wanted``."""
-    if low is None or high is None:
-        return True
-    i = bisect_left(wanted, low)
-    return i < len(wanted) and wanted[i] <= high
 
 
 def _changed_commits(op: DeltaTable, first: int, last: int) -> pa.Table:

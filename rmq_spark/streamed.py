@@ -16,9 +16,10 @@ import json
 import math
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from functools import cached_property
 from urllib.parse import quote
 
 import fsspec
@@ -64,12 +65,10 @@ class LargeVersion:
     files: pa.Table
     transaction_ids: pa.ChunkedArray
 
-    @property
+    @cached_property
     def uris(self) -> list[str]:
         """The files whose statistics admit one of the transactions, in stored order."""
-        first, stop = id_ranges(self.files, np.sort(self.transaction_ids.to_numpy(False)))
-        uris = self.files.column("uri").to_pylist()
-        return [u for u, admits in zip(uris, stop > first, strict=True) if admits]
+        return admitting(self.files, self.transaction_ids.to_pylist())
 
     def keep(self, rows: pa.Table) -> pa.ChunkedArray:
         """Mask of the rows of these transactions."""
@@ -92,13 +91,26 @@ class LargeVersion:
                     yield rows
 
 
-def id_ranges(files: pa.Table, ranked: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def admitting(files: pa.Table, ids: Sequence[str], column: str = "transaction_id") -> list[str]:
+    """The ``uri`` of each file (add action) whose statistics of ``column`` admit one of
+    ``ids``, in the files' order."""
+    first, stop = id_ranges(files, np.sort(np.array(list(ids), dtype=object)), column)
+    uris = files.column("uri").to_pylist()
+    return [u for u, admits in zip(uris, stop > first, strict=True) if admits]
+
+
+def id_ranges(
+    files: pa.Table, ranked: np.ndarray, column: str = "transaction_id"
+) -> tuple[np.ndarray, np.ndarray]:
     """Per file (add action): the run ``[first, stop)`` of the sorted ids ``ranked`` that its
-    ``transaction_id`` statistics admit (a file without statistics admits them all)."""
-    low = files.column("min.transaction_id").to_pylist()
-    high = files.column("max.transaction_id").to_pylist()
-    first = [0 if v is None else np.searchsorted(ranked, v, "left") for v in low]
-    stop = [len(ranked) if v is None else np.searchsorted(ranked, v, "right") for v in high]
+    statistics of ``column`` admit (a file without statistics admits them all)."""
+    low = files.column(f"min.{column}").to_pylist()
+    high = files.column(f"max.{column}").to_pylist()
+    first, stop = [], []
+    for lo, hi in zip(low, high, strict=True):
+        unknown = lo is None or hi is None
+        first.append(0 if unknown else np.searchsorted(ranked, lo, "left"))
+        stop.append(len(ranked) if unknown else np.searchsorted(ranked, hi, "right"))
     return np.array(first, dtype=np.int64), np.array(stop, dtype=np.int64)
 
 
