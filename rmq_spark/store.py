@@ -40,6 +40,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
@@ -251,6 +252,23 @@ def retry_commits(what: str, name: str, attempt: Callable[[int], _T]) -> _T:
     )
 
 
+@contextmanager
+def _refused_if_cleaned(table: DeltaTable) -> Iterator[None]:
+    """Turn deltalake's refusal to commit on a snapshot whose successors' log entries were
+    cleaned (a blind append on a cached snapshot older than the ``log_retention``, for example
+    after a clock skew between hosts) into a lost race: nothing landed, and
+    :func:`retry_commits` tries again from the latest version."""
+    version = table.version()
+    try:
+        yield
+    except DeltaError as exc:
+        if str(exc) != f"Invalid table version: {version}":
+            raise
+        raise CommitFailedError(
+            f"the log after version {version} was cleaned under this snapshot"
+        ) from exc
+
+
 def _plain_type(dtype: pa.DataType) -> pa.DataType:
     """The same type with string/binary views replaced by plain strings/binaries."""
     if dtype == pa.string_view():
@@ -301,8 +319,10 @@ class Store:
         self.settings = settings
         self.clock = clock or _now
         # DeltaTable objects are not thread-safe; each thread keeps its own, refreshed
-        # incrementally instead of replaying the log on every operation.
+        # incrementally instead of replaying the log on every operation, and when each was
+        # last brought up to date (time.monotonic()).
         self._tables = threading.local()
+        self._refreshed = threading.local()
         #: Half messages this process prepared, until it publishes them (a publisher that
         #: finds a whole chunk here does not read ``half`` back).
         self._recent = RecentHalves()
@@ -361,16 +381,22 @@ class Store:
         name : str
             ``half``, ``op`` or ``commitlog``.
         latest : bool, default True
-            Bring the snapshot up to the newest version. Blind appends do not need it.
+            Bring the snapshot up to the newest version. Blind appends do not need it, as
+            long as the snapshot is younger than half the ``log_retention``: the log entries
+            after an older one may have been cleaned, and deltalake refuses to commit on it.
         """
-        cache = self._tables.__dict__
+        cache, refreshed = self._tables.__dict__, self._refreshed.__dict__
         table = cache.get(name)
+        now = time.monotonic()
         if table is None:
             table = cache[name] = DeltaTable(
                 self.table_uri(name), storage_options=self._storage_options
             )
-        elif latest:
+        elif latest or now - refreshed[name] > self.settings.log_retention / 2:
             table.update_incremental()
+        else:
+            return table
+        refreshed[name] = now
         return table
 
     @property
@@ -574,13 +600,14 @@ class Store:
 
         def attempt(n: int) -> int:
             dt = self.table(name, latest=n > 0)
-            write_deltalake(
-                dt,
-                data,
-                mode="append",
-                partition_by=TABLES[name][1] or None,
-                commit_properties=commit_properties,
-            )
+            with _refused_if_cleaned(dt):
+                write_deltalake(
+                    dt,
+                    data,
+                    mode="append",
+                    partition_by=TABLES[name][1] or None,
+                    commit_properties=commit_properties,
+                )
             # After a write, the DeltaTable holds the snapshot of its own commit, even when
             # concurrent appends landed first.
             return dt.version()
@@ -607,7 +634,8 @@ class Store:
 
         def attempt(n: int) -> int:
             table = self.table(name, latest=n > 0)
-            commit_files(table, files, partition, CommitProperties())
+            with _refused_if_cleaned(table):
+                commit_files(table, files, partition, CommitProperties())
             return table.version()
 
         version = retry_commits(f"append to {name}", name, attempt)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pyarrow as pa
@@ -464,3 +465,29 @@ def test_a_snapshot_whose_log_was_cleaned_under_it_still_updates(short_log_store
     assert idle.table("half").version() == short_log_store.table("half").version()
     idle.prepare([Message("Orders", b"after")], "pg")
     assert short_log_store.read("half").num_rows == 231
+
+
+@pytest.mark.parametrize("large", [False, True], ids=["append", "streamed"])
+@pytest.mark.parametrize("skew", [False, True], ids=["idle", "clock-skew"])
+def test_a_writer_appends_after_the_log_was_cleaned_under_its_snapshot(
+    any_store: Store, large: bool, skew: bool
+) -> None:
+    """A producer idle for longer than the log retention while another wrote (or whose
+    snapshot is younger, but the other's clock runs two hours ahead): the log entries after
+    its cached snapshot are gone, and deltalake refuses to commit on it ("Invalid table
+    version"); every later send of that process failed."""
+    retention = 3600.0 if skew else 0.0
+    settings = dataclasses.replace(any_store.settings, log_retention=retention)
+    ahead = (lambda: datetime.now(UTC) + timedelta(hours=2)) if skew else None
+    writer = Store.open(any_store.root, settings=settings, clock=ahead)
+    idle = Store.open(any_store.root, settings=settings)
+    idle.prepare([Message("Orders", b"before")], "pg")  # caches its half snapshot
+    for i in range(230):
+        writer.prepare([Message("Orders", str(i).encode())], "pg")
+    assert _log_entries(writer, "half") <= 2 * COMPACT_EVERY_COMMITS  # it was cleaned
+    if large:
+        rows = writer.read("half").slice(0, 3)
+        assert idle.append_batches("half", iter([rows])) is not None
+    else:
+        idle.prepare([Message("Orders", b"after")], "pg")
+    assert writer.read("half").num_rows == (234 if large else 232)
