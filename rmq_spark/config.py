@@ -98,9 +98,10 @@ class StoreSettings:
     #: Most body bytes in one publish commit (a single decision larger than either limit is
     #: published in one commit of its own).
     publish_max_bytes: int = 64 * 1024 * 1024
-    #: How long the Delta log entries of the internal tables (all but the CommitLog) are kept
-    #: before the newest checkpoint: on a local filesystem every commit lists the whole log,
-    #: so its cost would grow with the store's age (15 min).
+    #: How long the Delta log entries of the internal tables (all but the CommitLog) that a
+    #: lagging check-back job still needs are kept (15 min); entries nobody needs go after ten
+    #: seconds. On a local filesystem every commit lists the whole log, so its cost would grow
+    #: with the store's age.
     log_retention: float = 900.0
 
     def with_storage_options(self, extra: Mapping[str, str]) -> StoreSettings:

@@ -44,6 +44,8 @@ from rmq_spark.failpoints import failpoint
 from rmq_spark.schema import PENDING_SCHEMA, TABLES
 from rmq_spark.store import (
     COMPACT_EVERY_COMMITS,
+    PENDING_HALF_APP_ID,
+    PENDING_OP_APP_ID,
     Store,
     read_arrow,
     read_files,
@@ -53,9 +55,6 @@ from rmq_spark.store import (
 
 log = logging.getLogger(__name__)
 
-#: Application ids under which ``pending`` records the half and op versions it covers.
-HALF_CURSOR_APP_ID = "rmqtx.pending.half_version"
-OP_CURSOR_APP_ID = "rmqtx.pending.op_version"
 #: The half columns ``pending`` keeps (all but the body).
 _HALF_COLUMNS = [n for n in PENDING_SCHEMA.names if n != "message_count"]
 
@@ -102,8 +101,8 @@ def scan_pending(store: Store) -> pa.Table:
 
 def _attempt(store: Store) -> PendingUpdate:
     pending = store.table("pending")
-    half_cursor = pending.transaction_version(HALF_CURSOR_APP_ID)
-    op_cursor = pending.transaction_version(OP_CURSOR_APP_ID)
+    half_cursor = pending.transaction_version(PENDING_HALF_APP_ID)
+    op_cursor = pending.transaction_version(PENDING_OP_APP_ID)
     # op first: a half message read later is looked up against this op snapshot.
     op = store.table("op")
     half = store.table("half")
@@ -145,8 +144,8 @@ def _attempt(store: Store) -> PendingUpdate:
         mode="overwrite",
         commit_properties=CommitProperties(
             app_transactions=[
-                Transaction(HALF_CURSOR_APP_ID, half_version),
-                Transaction(OP_CURSOR_APP_ID, op_version),
+                Transaction(PENDING_HALF_APP_ID, half_version),
+                Transaction(PENDING_OP_APP_ID, op_version),
             ],
             custom_metadata={"rmqtx.operation": "update pending"},
         ),

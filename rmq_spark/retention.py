@@ -48,7 +48,7 @@ from deltalake import CommitProperties, Transaction
 from rmq_spark.config import RetentionSettings
 from rmq_spark.failpoints import failpoint
 from rmq_spark.model import new_id
-from rmq_spark.store import Store, earliest_app_id, retry_commits, sql_string
+from rmq_spark.store import Store, earliest_app_id, retry_commits, sql_string, sql_time
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ def _expire_messages(store: Store, cutoff: datetime, summary: MaintenanceSummary
             "commitlog",
             "SELECT topic, queue_id, MIN(queue_offset) AS lowest, "
             "MAX(queue_offset) + 1 AS next_offset, "
-            f"MIN(CASE WHEN store_timestamp >= {_sql_time(cutoff)} THEN queue_offset END) "
+            f"MIN(CASE WHEN store_timestamp >= {sql_time(cutoff)} THEN queue_offset END) "
             "AS keep_from FROM commitlog GROUP BY topic, queue_id",
             table=commitlog,
         ).to_pylist()
@@ -190,10 +190,6 @@ def _expire_messages(store: Store, cutoff: datetime, summary: MaintenanceSummary
     )
 
 
-def _sql_time(moment: datetime) -> str:
-    return f"TIMESTAMP '{moment.isoformat()}'"
-
-
 # --------------------------------------------------------------------------- transactions
 def _expire_transactions(store: Store, cutoff: datetime, summary: MaintenanceSummary) -> None:
     cursor = store.published_op_version()
@@ -201,7 +197,7 @@ def _expire_transactions(store: Store, cutoff: datetime, summary: MaintenanceSum
         return  # nothing was ever published (rollbacks alone wait for the first publish)
     expired = store.sql(
         "op",
-        f"SELECT transaction_id, decided_by FROM op WHERE decided_timestamp < {_sql_time(cutoff)}",
+        f"SELECT transaction_id, decided_by FROM op WHERE decided_timestamp < {sql_time(cutoff)}",
         version=cursor,
     )
     rows = list(

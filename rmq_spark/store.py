@@ -110,6 +110,13 @@ MARKER_FILE = "_rmqtx_store.json"
 STORE_FORMAT = "rmq-spark-store"
 #: Application id under which ``commitlog`` records the last ``op`` version it published.
 OP_CURSOR_APP_ID = "rmqtx.publish.op_version"
+#: Application ids under which ``pending`` records the ``half`` and ``op`` versions it covers.
+PENDING_HALF_APP_ID = "rmqtx.pending.half_version"
+PENDING_OP_APP_ID = "rmqtx.pending.op_version"
+#: Log entries of an internal table that no reader's cursor needs are kept this long (seconds,
+#: or the ``log_retention`` if shorter), for the operations under way: a commit's conflict
+#: check reads the commits after its snapshot.
+UNNEEDED_LOG_SECONDS = 10.0
 _QUEUE_APP_ID_PREFIX = "rmqtx.queue."
 _QUEUE_APP_ID = _QUEUE_APP_ID_PREFIX + "{topic}.{queue_id}"
 _EARLIEST_APP_ID_PREFIX = "rmqtx.earliest."
@@ -382,8 +389,9 @@ class Store:
             ``half``, ``op`` or ``commitlog``.
         latest : bool, default True
             Bring the snapshot up to the newest version. Blind appends do not need it, as
-            long as the snapshot is younger than half the ``log_retention``: the log entries
-            after an older one may have been cleaned, and deltalake refuses to commit on it.
+            long as the snapshot is younger than half of ``UNNEEDED_LOG_SECONDS``: the log
+            entries after an older one may have been cleaned, and deltalake refuses to
+            commit on it.
         """
         cache, refreshed = self._tables.__dict__, self._refreshed.__dict__
         table = cache.get(name)
@@ -392,12 +400,16 @@ class Store:
             table = cache[name] = DeltaTable(
                 self.table_uri(name), storage_options=self._storage_options
             )
-        elif latest or now - refreshed[name] > self.settings.log_retention / 2:
+        elif latest or now - refreshed[name] > self._unneeded_log_seconds / 2:
             table.update_incremental()
         else:
             return table
         refreshed[name] = now
         return table
+
+    @property
+    def _unneeded_log_seconds(self) -> float:
+        return min(UNNEEDED_LOG_SECONDS, self.settings.log_retention)
 
     @property
     def _storage_options(self) -> dict[str, str] | None:
@@ -694,28 +706,59 @@ class Store:
             )
 
     def clean_log(self, name: str) -> int:
-        """Delete the Delta log entries of an internal table that are older than the store's
-        ``log_retention`` and covered by a checkpoint; return how many files went.
+        """Delete the Delta log entries of an internal table that a checkpoint covers and that
+        no reader needs any more; return how many files went.
 
         Runs after every ``COMPACT_EVERY_COMMITS`` commits of a table. On a local filesystem
-        every commit and snapshot update lists the whole log, so a log that only grew would
-        make every operation slower with the store's age (rule 9). Entries of ``op`` that the
-        publisher has yet to read (after its cursor) are kept whatever their age. The CommitLog
-        is not cleaned here: readers stream it with Delta's own source, so its log follows the
-        table's ``delta.logRetentionDuration``.
+        every commit and snapshot update lists the whole log (about 8.5 us an entry), so a log
+        that only grew would make every operation slower with the store's age (rule 9), and
+        one kept for minutes of a busy store's commits makes sends several times slower.
+        Entries go once they are:
+
+        * older than ``UNNEEDED_LOG_SECONDS`` (or the ``log_retention`` if shorter), for the
+          operations under way, and not after a reader's cursor, unless a long operation on
+          the table holds its lock (a maintenance run, a compaction): its commit checks the
+          commits after its snapshot;
+        * or older than ``log_retention`` and not after the publisher's cursor: the pending
+          list (:mod:`rmq_spark.pending`) of a check-back job that lags that much rebuilds from
+          a full scan, while the ``op`` entries the publisher has yet to read are kept whatever
+          their age (they name the COMMITs to publish).
+
+        The CommitLog is not cleaned here: readers stream it with Delta's own source, so its
+        log follows the table's ``delta.logRetentionDuration``.
         """
         if name == "commitlog":
             raise StoreError("the CommitLog's log follows its own delta.logRetentionDuration.")
-        keep_from = self.table(name).version()
-        if name == "op":
-            keep_from = min(keep_from, self.published_op_version() + 1)
-        older_than = self.clock() - timedelta(seconds=self.settings.log_retention)
-        deleted = clean_log(
-            self.table_uri(name), self.settings.storage_options, keep_from, older_than
-        )
+        latest = self.table(name).version()
+        kept = min(latest, self.published_op_version() + 1) if name == "op" else latest
+        lagging = self._pending_cursors().get(name)
+        uri, options = self.table_uri(name), self.settings.storage_options
+
+        def older_than(seconds: float) -> datetime:
+            return self.clock() - timedelta(seconds=seconds)
+
+        deleted = clean_log(uri, options, kept, older_than(self.settings.log_retention))
+        if not self._held("maintain", f"compact:{name}"):
+            if lagging is not None:
+                kept = min(kept, lagging + 1)
+            deleted += clean_log(uri, options, kept, older_than(self._unneeded_log_seconds))
         if deleted:
-            log.debug("deleted %d log entries of %s before version %d", deleted, name, keep_from)
+            log.debug("deleted %d log entries of %s", deleted, name)
         return deleted
+
+    def _held(self, *locks: str) -> bool:
+        """Whether one of the ``locks`` is held (taken and not expired)."""
+        names = ", ".join(sql_string(n) for n in locks)
+        held = self.query("locks", f"name IN ({names}) AND expires > {sql_time(self.clock())}")
+        return held.num_rows > 0
+
+    def _pending_cursors(self) -> dict[str, int]:
+        """The ``half`` and ``op`` versions the pending list covers (none before its first
+        update)."""
+        uri, options = self.table_uri("pending"), self.settings.storage_options
+        cursors = app_transactions(self.table("pending"), uri, options)
+        by_table = {"half": PENDING_HALF_APP_ID, "op": PENDING_OP_APP_ID}
+        return {name: cursors[app] for name, app in by_table.items() if app in cursors}
 
     def compact(self, *names: str) -> dict[str, int]:
         """Rewrite the small files of the store's tables into larger ones.
@@ -1517,6 +1560,11 @@ def read_files(
 def sql_string(value: str) -> str:
     """``value`` as a SQL string literal (for :meth:`Store.query` conditions)."""
     return "'" + value.replace("'", "''") + "'"
+
+
+def sql_time(moment: datetime) -> str:
+    """``moment`` as a SQL timestamp literal (for :meth:`Store.query` conditions)."""
+    return f"TIMESTAMP '{moment.isoformat()}'"
 
 
 def normalise_root(root: str) -> str:

@@ -20,8 +20,9 @@ from rmq_spark import Decision, LocalTransactionState, Message, Store
 from rmq_spark import pending as pending_module
 from rmq_spark.config import Settings, StoreSettings
 from rmq_spark.model import new_id
-from rmq_spark.pending import HALF_CURSOR_APP_ID, scan_pending, update_pending
+from rmq_spark.pending import scan_pending, update_pending
 from rmq_spark.schema import HALF_SCHEMA, PENDING_SCHEMA, WRITER_COLUMNS
+from rmq_spark.store import PENDING_HALF_APP_ID
 from tests.conftest import race
 
 #: Random histories per run: 60 in the suite (under a minute); RMQ_PENDING_HISTORIES=300 (or
@@ -252,7 +253,7 @@ def test_an_update_covers_only_new_versions(store: Store) -> None:
     )
     third = update_pending(store)
     assert third.rows.num_rows == 1 and third.op_version == 1
-    assert store.table("pending").transaction_version(HALF_CURSOR_APP_ID) == 2
+    assert store.table("pending").transaction_version(PENDING_HALF_APP_ID) == 2
 
 
 def test_vacuumed_change_feed_rebuilds_with_a_log_line(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -27,6 +28,8 @@ from rmq_spark import (
     StoreError,
     StoreVersionError,
 )
+from rmq_spark.config import StoreSettings
+from rmq_spark.pending import update_pending
 from rmq_spark.storage import filesystem
 from rmq_spark.store import COMPACT_EVERY_COMMITS, MARKER_FILE, decision_app_id
 from tests.conftest import commitlog
@@ -491,3 +494,77 @@ def test_a_writer_appends_after_the_log_was_cleaned_under_its_snapshot(
     else:
         idle.prepare([Message("Orders", b"after")], "pg")
     assert writer.read("half").num_rows == (234 if large else 232)
+
+
+def _ahead(minutes: float) -> Callable[[], datetime]:
+    return lambda: datetime.now(UTC) + timedelta(minutes=minutes)
+
+
+def test_a_busy_store_keeps_minutes_not_the_log_retention_of_log(tmp_path: Path) -> None:
+    """A store sending for an hour at the default 15 min log retention: every commit lists
+    the log on a local filesystem (about 8.5 us an entry here: 8.5 ms a send with 200 entries,
+    58 ms with 6,000), so 15 minutes of commits made sends ten times slower. Entries that no
+    reader's cursor needs go after ten seconds (here the clock is two minutes ahead)."""
+    store = Store.open(tmp_path, settings=StoreSettings(), clock=_ahead(2))
+    assert store.settings.log_retention == 900.0  # the default
+    for i in range(430):
+        if i % 25 == 0:
+            update_pending(store)  # the check-back job keeps up
+        store.prepare([Message("Orders", str(i).encode())], "pg")
+    # A checkpoint every 100 commits, a cleanup every 50, the pending list 25 sends behind.
+    assert _log_entries(store, "half") <= 4 * COMPACT_EVERY_COMMITS
+    assert store.read("half").num_rows == 430
+
+
+def test_the_log_a_lagging_check_back_job_needs_is_kept_for_the_log_retention(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The pending list reads half's and op's change feeds after its cursors: entries after
+    them stay for the log retention (here two minutes old of 15), so the next update is
+    incremental; past it (20 minutes old) they go, and the update rebuilds from a full scan."""
+    for minutes, full_scan in ((2, False), (20, True)):
+        store = Store.open(tmp_path / str(minutes), settings=StoreSettings(), clock=_ahead(minutes))
+        update_pending(store)
+        for i in range(230):
+            store.prepare([Message("Orders", str(i).encode())], "pg")
+        caplog.clear()
+        with caplog.at_level("INFO", logger="rmq_spark.pending"):
+            assert update_pending(store).rows.num_rows == 230
+        assert ("full scan" in caplog.text) is full_scan, caplog.text
+
+
+def _long_run(tmp_path: Path, lock: str) -> tuple[Store, DeltaTable, list[str]]:
+    """A store whose ``lock`` is held by a run that started on a snapshot of ``half`` with ten
+    sends, and 230 sends since, on a clock two minutes ahead."""
+    store = Store.open(tmp_path, settings=StoreSettings(), clock=_ahead(2))
+    ids = [store.prepare([Message("Orders", b"old")], "pg")[0].transaction_id for _ in range(10)]
+    assert store.lock(lock, "a long run", 3600.0)
+    snapshot = DeltaTable(store.table_uri("half"))  # where the long operation started
+    for i in range(230):
+        store.prepare([Message("Orders", str(i).encode())], "pg")
+    return store, snapshot, ids
+
+
+def test_a_long_compaction_keeps_the_log_its_commit_checks(tmp_path: Path) -> None:
+    """A compaction of a large half table can take minutes while sends go on: its commit
+    checks the commits after its snapshot, and deltalake refuses it if they were cleaned
+    ("Invalid table version"). While it holds its lock, only entries past the log retention
+    go (here they are two minutes old of 15)."""
+    store, snapshot, _ = _long_run(tmp_path, "compact:half")
+    assert snapshot.optimize.compact()["numFilesRemoved"] == 10
+    assert store.read("half").num_rows == 240
+
+
+def test_a_long_maintenance_run_keeps_the_log_its_commit_checks(tmp_path: Path) -> None:
+    """The same for a maintenance run's retention MERGE: a commit that lost to the sends is a
+    lost race (``Store.merge`` retries it from the latest snapshot), never a broken table."""
+    store, snapshot, ids = _long_run(tmp_path, "maintain")
+    merge = snapshot.merge(
+        pa.table({"transaction_id": ids}),
+        "t.transaction_id = s.transaction_id",
+        source_alias="s",
+        target_alias="t",
+    ).when_matched_delete()
+    with pytest.raises(CommitFailedError):
+        merge.execute()
+    assert store.read("half").num_rows == 240
