@@ -262,9 +262,10 @@ def retry_commits(what: str, name: str, attempt: Callable[[int], _T]) -> _T:
 @contextmanager
 def _refused_if_cleaned(table: DeltaTable) -> Iterator[None]:
     """Turn deltalake's refusal to commit on a snapshot whose successors' log entries were
-    cleaned (a blind append on a cached snapshot older than the ``log_retention``, for example
-    after a clock skew between hosts) into a lost race: nothing landed, and
-    :func:`retry_commits` tries again from the latest version."""
+    cleaned into a lost race: nothing landed, and :func:`retry_commits` tries again from the
+    latest version. It happens to a blind append on a cached snapshot (after a clock skew
+    between hosts), and to an operation that outlives ``UNNEEDED_LOG_SECONDS`` while others
+    commit and clean."""
     version = table.version()
     try:
         yield
@@ -674,14 +675,15 @@ class Store:
 
         def attempt(_: int) -> tuple[dict[str, Any], int]:
             table = self.table(name)
-            merger = table.merge(
-                source,
-                predicate=" AND ".join(f"t.{k} = s.{k}" for k in keys),
-                source_alias="s",
-                target_alias="t",
-                commit_properties=commit_properties,
-            )
-            return clauses(merger).execute(), table.version()
+            with _refused_if_cleaned(table):
+                merger = table.merge(
+                    source,
+                    predicate=" AND ".join(f"t.{k} = s.{k}" for k in keys),
+                    source_alias="s",
+                    target_alias="t",
+                    commit_properties=commit_properties,
+                )
+                return clauses(merger).execute(), table.version()
 
         metrics, version = retry_commits(f"MERGE into {name}", name, attempt)
         self._after_commit(name, version)
@@ -895,7 +897,8 @@ class Store:
             fresh = [d for d in decisions if d.transaction_id not in existing]
             if not fresh:
                 return existing, None
-            return existing, self.write_decisions(op, fresh)
+            with _refused_if_cleaned(op):
+                return existing, self.write_decisions(op, fresh)
 
         existing, version = retry_commits(f"record {len(decisions)} decision(s)", "op", attempt)
         if version is not None:

@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 from deltalake import DeltaTable, write_deltalake
 from deltalake.exceptions import CommitFailedError
+from deltalake.table import TableMerger
 
 from rmq_spark import (
     CorruptStoreError,
@@ -30,6 +31,7 @@ from rmq_spark import (
 )
 from rmq_spark.config import StoreSettings
 from rmq_spark.pending import update_pending
+from rmq_spark.schema import LOCKS_SCHEMA
 from rmq_spark.storage import filesystem
 from rmq_spark.store import COMPACT_EVERY_COMMITS, MARKER_FILE, decision_app_id
 from tests.conftest import commitlog
@@ -568,3 +570,24 @@ def test_a_long_maintenance_run_keeps_the_log_its_commit_checks(tmp_path: Path) 
     with pytest.raises(CommitFailedError):
         merge.execute()
     assert store.read("half").num_rows == 240
+
+
+def test_a_merge_that_outlives_the_log_of_its_snapshot_is_retried(tmp_path: Path) -> None:
+    """A MERGE (a lock, a check-back state update) that runs longer than the log entries
+    after its snapshot live, while another process commits and cleans: deltalake refuses its
+    commit ("Invalid table version"), which is a lost race, retried from the latest snapshot."""
+    settings = StoreSettings(log_retention=0.0)
+    store, other = Store.open(tmp_path, settings=settings), Store.open(tmp_path, settings=settings)
+    attempts = []
+
+    def slow(merger: TableMerger) -> TableMerger:
+        if not attempts:  # the first attempt outlives its snapshot's log
+            for _ in range(230):
+                assert other.lock("busy", "other", 60.0)
+        attempts.append(1)
+        return merger.when_not_matched_insert({c: f"s.{c}" for c in ("name", "holder", "expires")})
+
+    row = {"name": "slow", "holder": "me", "expires": datetime.now(UTC)}
+    store.merge("locks", pa.Table.from_pylist([row], schema=LOCKS_SCHEMA), "name", slow)
+    assert len(attempts) == 2
+    assert store.query("locks", "name = 'slow'").num_rows == 1
