@@ -6,6 +6,9 @@ Baselines measured in the same run:
   one commit per message (what a service writing events one by one would do). Its cost grows
   with every commit, so it runs on the first --baseline-messages rows only.
 
+"first/last tenth" is the send rate in the first and in the last tenth of a run: a producer
+that slows down as its store grows shows it there (run enough messages for that to show).
+
 Usage: python bench/producer_bench.py [--messages 4000] [--body-bytes 256]
 """
 
@@ -40,13 +43,18 @@ class CommitAll(TransactionListener):
         return LocalTransactionState.COMMIT
 
 
-def run_threads(senders: int, total: int, send: Callable[[int], None]) -> float:
-    """Run ``total`` sends split over ``senders`` threads; return elapsed seconds."""
+def run_threads(
+    senders: int, total: int, send: Callable[[int], None], done: list[float] | None = None
+) -> float:
+    """Run ``total`` sends split over ``senders`` threads; return elapsed seconds. ``done``
+    gets each send's completion time (``time.perf_counter()``)."""
     per = total // senders  # callers pass a multiple of senders
 
     def worker(n: int) -> None:
         for i in range(per):
             send(n * per + i)
+            if done is not None:
+                done.append(time.perf_counter())
 
     pool = [threading.Thread(target=worker, args=(n,)) for n in range(senders)]
     start = time.perf_counter()
@@ -65,6 +73,17 @@ def append_retrying(uri: str, data: pa.Table) -> None:
             return
         except CommitFailedError:
             continue
+
+
+def tenths(done: list[float]) -> tuple[float, float]:
+    """Sends per second in the first and the last tenth of the run (a rate that falls as the
+    store grows shows here)."""
+    done = sorted(done)
+    start, end = done[0], done[-1]
+    tenth = (end - start) / 10 or 1e-9
+    first = sum(t < start + tenth for t in done) / tenth
+    last = sum(t > end - tenth for t in done) / tenth
+    return first, last
 
 
 def rows(count: int, body: bytes) -> pa.Table:
@@ -111,13 +130,14 @@ def main() -> None:
             f"{bulk_rate:,.0f} rows/s\n"
         )
         print(
-            f"{'senders':>7} {'transactional msg/s':>20} {'plain append/msg msg/s':>23} "
-            f"{'vs per-msg':>10} {'vs bulk':>8}"
+            f"{'senders':>7} {'transactional msg/s':>20} {'first/last tenth':>17} "
+            f"{'plain append/msg msg/s':>23} {'vs per-msg':>10} {'vs bulk':>8}"
         )
         for senders in (1, 8, 64):
             total = args.messages if senders > 1 else max(200, args.messages // 10)
             total -= total % senders
             store = Store.open(Path(tmp) / f"store-{senders}")
+            done: list[float] = []
             with TransactionMQProducer("bench", CommitAll(), store=store) as producer:
                 elapsed = run_threads(
                     senders,
@@ -125,6 +145,7 @@ def main() -> None:
                     lambda i, p=producer: p.send_message_in_transaction(
                         Message("Bench", body, keys=f"k{i}")
                     ),
+                    done,
                 )
                 # Until every COMMIT is published: end-to-end, not just the sends.
                 flush_start = time.perf_counter()
@@ -140,8 +161,10 @@ def main() -> None:
                 senders, plain_total, lambda i, u=plain_uri, d=one: append_retrying(u, d)
             )
             tx_rate, plain_rate = total / elapsed, plain_total / plain
+            first, last = tenths(done)
             print(
-                f"{senders:>7} {tx_rate:>20,.0f} {plain_rate:>23,.0f} "
+                f"{senders:>7} {tx_rate:>20,.0f} {f'{first:,.0f} / {last:,.0f}':>17} "
+                f"{plain_rate:>23,.0f} "
                 f"{tx_rate / plain_rate:>9.1f}x {tx_rate / bulk_rate:>7.2f}x",
                 flush=True,
             )
