@@ -25,11 +25,14 @@ import argparse
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import peers
 
 HERE = Path(__file__).parent
+T = TypeVar("T")
 
 
 def run(script: str, *args: object) -> str:
@@ -43,6 +46,16 @@ def run(script: str, *args: object) -> str:
     )
     print(done.stdout, flush=True)
     return done.stdout
+
+
+def measured(measure: Callable[..., T | None], *args: object, **kwargs: object) -> T | None:
+    """A peer's figure, or None (reported as not run) when its script failed: one broken
+    peer does not throw away the rest of an hour-long run."""
+    try:
+        return measure(*args, **kwargs)
+    except RuntimeError as exc:
+        print(f"!!! {getattr(measure, '__name__', 'peer')} failed: {exc}", flush=True)
+        return None
 
 
 def number(pattern: str, text: str) -> float | None:
@@ -69,9 +82,9 @@ def main() -> None:
     rmq_64 = number(r"\n\s+64\s+([\d,]+)", producer)
     tenths_64 = re.search(r"\n\s+64\s+[\d,]+\s+([\d,]+ / [\d,]+)", producer)
     rmq_1 = number(r"\n\s+1\s+([\d,]+)", producer)
-    sync64 = peers.rocketmq_tx(64, 256, args.rocketmq_seconds, flush="SYNC_FLUSH")
-    async64 = peers.rocketmq_tx(64, 256, args.rocketmq_seconds, flush="ASYNC_FLUSH")
-    sync1 = peers.rocketmq_tx(1, 256, args.rocketmq_seconds, flush="SYNC_FLUSH")
+    sync64 = measured(peers.rocketmq_tx, 64, 256, args.rocketmq_seconds, flush="SYNC_FLUSH")
+    async64 = measured(peers.rocketmq_tx, 64, 256, args.rocketmq_seconds, flush="ASYNC_FLUSH")
+    sync1 = measured(peers.rocketmq_tx, 1, 256, args.rocketmq_seconds, flush="SYNC_FLUSH")
     for label, peer in (("SYNC_FLUSH", sync64), ("ASYNC_FLUSH", async64)):
         rows.append(
             (
@@ -117,7 +130,7 @@ def main() -> None:
     sink = run("sink_bench.py", "--rows", args.messages)
     found = re.search(r"local disk\s+([\d.]+)\s+([\d.]+)\s+[\d.]+x", sink)
     sink_delta, sink_rmqtx = (float(g) for g in found.groups()) if found else (None, None)
-    kafka = peers.kafka_spark(args.messages)
+    kafka = measured(peers.kafka_spark, args.messages)
     kafka_sink = (
         f"; Kafka sink {kafka.sink_seconds:.1f} s, Parquet {kafka.parquet_seconds:.1f} s"
         if kafka
