@@ -733,17 +733,14 @@ class Store:
             raise StoreError("the CommitLog's log follows its own delta.logRetentionDuration.")
         latest = self.table(name).version()
         kept = min(latest, self.published_op_version() + 1) if name == "op" else latest
-        lagging = self._pending_cursors().get(name)
-        uri, options = self.table_uri(name), self.settings.storage_options
-
-        def older_than(seconds: float) -> datetime:
-            return self.clock() - timedelta(seconds=seconds)
-
-        deleted = clean_log(uri, options, kept, older_than(self.settings.log_retention))
+        now = self.clock()
+        rules = [(kept, now - timedelta(seconds=self.settings.log_retention))]
         if not self._held("maintain", f"compact:{name}"):
+            lagging = self._pending_cursors().get(name) if name in ("half", "op") else None
             if lagging is not None:
                 kept = min(kept, lagging + 1)
-            deleted += clean_log(uri, options, kept, older_than(self._unneeded_log_seconds))
+            rules.append((kept, now - timedelta(seconds=self._unneeded_log_seconds)))
+        deleted = clean_log(self.table_uri(name), self.settings.storage_options, rules)
         if deleted:
             log.debug("deleted %d log entries of %s", deleted, name)
         return deleted
@@ -1219,8 +1216,7 @@ class Store:
             # sink epoch has a whole task's rows in each): one version over the limits alone
             # is streamed instead of read whole.
             files = self.data_files("half")
-            size = stored_share(files, txn_ids, "size_bytes")
-            rows = stored_share(files, txn_ids, "num_records")
+            size, rows = stored_share(files, txn_ids, ["size_bytes", "num_records"])
             limits = self.settings.publish_max_bytes, max_messages
             versions = decisions.column("_commit_version").to_numpy()
             over = (np.cumsum(size) > limits[0]) | (np.cumsum(rows) > limits[1])

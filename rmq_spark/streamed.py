@@ -114,23 +114,28 @@ def id_ranges(
     return np.array(first, dtype=np.int64), np.array(stop, dtype=np.int64)
 
 
-def stored_share(files: pa.Table, transaction_ids: pa.ChunkedArray, column: str) -> np.ndarray:
-    """An upper estimate of each transaction's share of a file statistic (``size_bytes``,
-    ``num_records``) in ``half``: every file its id statistics admit, shared equally among the
-    transactions of ``transaction_ids`` that the file admits (a sink stage writes one
-    transaction per file; a producer's prepare many per file)."""
+def stored_share(
+    files: pa.Table, transaction_ids: pa.ChunkedArray, columns: Sequence[str]
+) -> list[np.ndarray]:
+    """Per file statistic of ``columns`` (``size_bytes``, ``num_records``), an upper estimate
+    of each transaction's share of it in ``half``: every file its id statistics admit, shared
+    equally among the transactions of ``transaction_ids`` that the file admits (a sink stage
+    writes one transaction per file; a producer's prepare many per file)."""
     ids = np.array(transaction_ids.to_pylist(), dtype=object)
     order = np.argsort(ids, kind="stable")
     first, stop = id_ranges(files, ids[order])
     held = stop - first
     admits = held > 0
-    per_id = np.array(files.column(column).to_pylist(), dtype=float)[admits] / held[admits]
-    share = np.zeros(len(ids) + 1)
-    np.add.at(share, first[admits], per_id)
-    np.add.at(share, stop[admits], -per_id)
-    stored = np.zeros(len(ids))
-    stored[order] = np.cumsum(share)[:-1]
-    return stored
+    shares = []
+    for column in columns:
+        per_id = np.array(files.column(column).to_pylist(), dtype=float)[admits] / held[admits]
+        share = np.zeros(len(ids) + 1)
+        np.add.at(share, first[admits], per_id)
+        np.add.at(share, stop[admits], -per_id)
+        stored = np.zeros(len(ids))
+        stored[order] = np.cumsum(share)[:-1]
+        shares.append(stored)
+    return shares
 
 
 def write_files(

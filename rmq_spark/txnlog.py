@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import re
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 
 import fsspec
@@ -237,12 +237,12 @@ def commit_infos(
 
 
 def clean_log(
-    uri: str, storage_options: Mapping[str, str], keep_from: int, older_than: datetime
+    uri: str, storage_options: Mapping[str, str], rules: Sequence[tuple[int, datetime]]
 ) -> int:
-    """Delete the log entries that no reader of version ``keep_from`` or later needs: the
-    commits, checksums and checkpoints of the versions before the newest complete checkpoint at
-    or before ``keep_from``, when they were written before ``older_than``. Return how many
-    files were deleted.
+    """Delete the log entries that no reader of version ``keep_from`` or later needs, for any
+    ``(keep_from, older_than)`` of ``rules``: the commits, checksums and checkpoints of the
+    versions before the newest complete checkpoint at or before ``keep_from``, when they were
+    written before ``older_than``. The log is listed once. Return how many files were deleted.
 
     This is Delta's expired-log cleanup (``delta.logRetentionDuration``), bounded by a version
     as well as by time. Entries are deleted oldest first, so an interrupted cleanup leaves the
@@ -259,19 +259,21 @@ def clean_log(
         version = int(name[:20])
         entries.append((version, info["name"], _modified(info)))
         match = _CHECKPOINT.match(name)
-        if match is not None and version <= keep_from:
+        if match is not None:
             checkpoints.setdefault(version, []).append(match.group(3))
-    complete = [
+    complete = sorted(
         v for v, parts in checkpoints.items() if parts == [None] or len(parts) == int(parts[0])
+    )
+    # Per rule: entries before this version (the newest checkpoint at or before keep_from)
+    # go when written before this time.
+    bounds = [
+        (max((v for v in complete if v <= keep_from), default=-1), older_than.timestamp())
+        for keep_from, older_than in rules
     ]
-    if not complete:
-        return 0
-    oldest_kept = max(complete)
-    cutoff = older_than.timestamp()
     doomed = sorted(
         (v, path)
         for v, path, modified in entries
-        if v < oldest_kept and modified is not None and modified < cutoff
+        if modified is not None and any(v < kept and modified < cut for kept, cut in bounds)
     )
     for _, path in doomed:
         fs.rm_file(path)
