@@ -592,11 +592,7 @@ class CheckBackJob:
     ) -> None:
         """Record discards; with ``op_version``, in the same commit record that every
         check-max rollback up to that ``op`` version has its discard rows."""
-        cursor = (
-            None
-            if op_version is None
-            else CommitProperties(app_transactions=[Transaction(DISCARD_CURSOR_APP_ID, op_version)])
-        )
+        cursor = None if op_version is None else {DISCARD_CURSOR_APP_ID: op_version}
         if not transaction_ids:
             if cursor is not None:
                 self.store.append("discard", DISCARD_SCHEMA.empty_table(), cursor)
@@ -618,7 +614,9 @@ class CheckBackJob:
             rows,
             ["transaction_id", "msg_id"],
             lambda m: m.when_not_matched_insert_all(),
-            cursor,
+            None
+            if cursor is None
+            else CommitProperties(app_transactions=[Transaction(*c) for c in cursor.items()]),
         )
         log.warning(
             "discarded %d message(s) after %d unanswered checks; inspect the discard "

@@ -13,7 +13,8 @@ has not recorded the batch yet), ``delta.staged``, ``delta.written`` and ``delta
 (the same steps of :func:`rmq_spark.sink.publish_with_delta_write`), ``redrive.claimed``
 (:func:`rmq_spark.checkback.redrive` has claimed discard rows, staged nothing yet),
 ``pending.computed`` (:func:`rmq_spark.pending.update_pending` has computed the new pending
-rows, committed nothing yet).
+rows, committed nothing yet), ``deltacommit.staged`` and ``deltacommit.committed`` (a direct
+append's log entry is staged, or has taken its version; :mod:`rmq_spark.deltacommit`).
 """
 
 from __future__ import annotations

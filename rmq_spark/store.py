@@ -63,8 +63,11 @@ from deltalake.exceptions import (
     TableNotFoundError,
 )
 from deltalake.table import TableMerger
+from deltalake.transaction import AddAction
 
 from rmq_spark.config import Settings, StoreSettings
+from rmq_spark.deltacommit import appendable, checkpoint, checkpoint_interval
+from rmq_spark.deltacommit import commit as commit_direct
 from rmq_spark.errors import (
     CorruptStoreError,
     NotAStoreError,
@@ -334,6 +337,10 @@ class Store:
         #: Half messages this process prepared, until it publishes them (a publisher that
         #: finds a whole chunk here does not read ``half`` back).
         self._recent = RecentHalves()
+        #: The newest version of each table this process committed: where a blind append
+        #: starts looking for a free version when its cached snapshot is older.
+        self._known: dict[str, int] = {}
+        self._known_lock = threading.Lock()
 
     # ------------------------------------------------------------------ opening
     @classmethod
@@ -601,31 +608,29 @@ class Store:
             for mid, tid, qid in zip(msg_ids, transaction_ids, queue_ids, strict=True)
         ]
 
-    def append(
-        self, name: str, data: pa.Table, commit_properties: CommitProperties | None = None
-    ) -> int:
-        """Blind-append rows to one of the store's tables; return the committed version.
+    def append(self, name: str, data: pa.Table, app_ids: Mapping[str, int] | None = None) -> int:
+        """Append rows to one of the store's tables in one commit; return the committed
+        version.
 
-        Blind appends never conflict, but under many concurrent writers deltalake can run out
-        of its own commit retries (``CommitFailedError``: nothing landed); the append is then
-        retried, like :meth:`merge` and :meth:`publish`.
+        ``app_ids`` (application id to version) are recorded with the commit, which then
+        fails (and is retried from the latest snapshot) if a concurrent commit recorded one of
+        them. Without them an append never conflicts; a lost race for the version (under many
+        concurrent writers) is retried, like :meth:`merge` and :meth:`publish`.
         """
-
-        def attempt(n: int) -> int:
-            dt = self.table(name, latest=n > 0)
-            with _refused_if_cleaned(dt):
-                write_deltalake(
-                    dt,
-                    data,
-                    mode="append",
-                    partition_by=TABLES[name][1] or None,
-                    commit_properties=commit_properties,
-                )
-            # After a write, the DeltaTable holds the snapshot of its own commit, even when
-            # concurrent appends landed first.
-            return dt.version()
-
-        version = retry_commits(f"append to {name}", name, attempt)
+        schema, partitions, _ = TABLES[name]
+        rows = [data] if data.num_rows else []
+        files = write_files(
+            self.table_uri(name),
+            iter(rows),
+            schema,
+            partitions[0] if partitions else None,
+            self.settings.storage_options,
+        )
+        version = retry_commits(
+            f"append to {name}",
+            name,
+            lambda n: self._commit_files(name, files, self.table(name, latest=n > 0), app_ids),
+        )
         self._after_commit(name, version)
         return version
 
@@ -644,15 +649,61 @@ class Store:
         files = write_files(uri, iter(rows), schema, partition, options)
         if not files:
             return None
-
-        def attempt(n: int) -> int:
-            table = self.table(name, latest=n > 0)
-            with _refused_if_cleaned(table):
-                commit_files(table, files, partition, CommitProperties())
-            return table.version()
-
-        version = retry_commits(f"append to {name}", name, attempt)
+        version = retry_commits(
+            f"append to {name}",
+            name,
+            lambda n: self._commit_files(name, files, self.table(name, latest=n > 0)),
+        )
         self._after_commit(name, version)
+        return version
+
+    def _commit_files(
+        self,
+        name: str,
+        files: list[AddAction],
+        snapshot: DeltaTable,
+        app_ids: Mapping[str, int] | None = None,
+        info: Mapping[str, str] | None = None,
+    ) -> int:
+        """One attempt (for :func:`retry_commits`) at committing written data files as an
+        append to a table on ``snapshot``; return the committed version.
+
+        The log entry is written directly (:mod:`rmq_spark.deltacommit`, about 1 ms) unless
+        the table needs more of a writer than that (then deltalake commits it). Without
+        ``app_ids`` the commit may go after versions this process committed since
+        ``snapshot`` (an append does not depend on what it read); with them, conflicts are
+        checked from ``snapshot`` on.
+        """
+        partitions = TABLES[name][1]
+        if not appendable(snapshot):
+            properties = CommitProperties(
+                app_transactions=[Transaction(a, v) for a, v in (app_ids or {}).items()],
+                custom_metadata=dict(info or {}),
+            )
+            with _refused_if_cleaned(snapshot):
+                commit_files(snapshot, files, partitions[0] if partitions else None, properties)
+            return snapshot.version()
+        after = snapshot.version()
+        with self._known_lock:
+            if not app_ids:
+                after = max(after, self._known.get(name, after))
+        uri = self.table_uri(name)
+        version = commit_direct(
+            uri, self.settings.storage_options, after, files, app_ids=app_ids, info=info
+        )
+        with self._known_lock:
+            self._known[name] = max(version, self._known.get(name, version))
+        if version % checkpoint_interval(snapshot) == 0:
+            try:
+                checkpoint(uri, self._storage_options, version)
+            except Exception:
+                log.warning(
+                    "checkpoint of %s at version %d failed (the commit itself landed); the "
+                    "next interval writes one",
+                    name,
+                    version,
+                    exc_info=True,
+                )
         return version
 
     def merge(
@@ -894,8 +945,7 @@ class Store:
             fresh = [d for d in decisions if d.transaction_id not in existing]
             if not fresh:
                 return existing, None
-            with _refused_if_cleaned(op):
-                return existing, self.write_decisions(op, fresh)
+            return existing, self.write_decisions(op, fresh)
 
         existing, version = retry_commits(f"record {len(decisions)} decision(s)", "op", attempt)
         if version is not None:
@@ -923,25 +973,17 @@ class Store:
         )
         version = op.version() + 1
         arbiters = sorted({decision_app_id(d.transaction_id) for d in decisions})
-        write_deltalake(
-            op,
-            rows,
-            mode="append",
-            commit_properties=CommitProperties(
-                app_transactions=[Transaction(app_id, version) for app_id in arbiters],
-                custom_metadata={
-                    "rmqtx.operation": "decide",
-                    COMMITS_KEY: json.dumps(
-                        [
-                            d.transaction_id
-                            for d in decisions
-                            if d.state is LocalTransactionState.COMMIT
-                        ]
-                    ),
-                },
-            ),
+        files = write_files(
+            self.table_uri("op"), iter([rows]), OP_SCHEMA, None, self.settings.storage_options
         )
-        return op.version()
+        committed = [d.transaction_id for d in decisions if d.state is LocalTransactionState.COMMIT]
+        return self._commit_files(
+            "op",
+            files,
+            op,
+            app_ids=dict.fromkeys(arbiters, version),
+            info={"rmqtx.operation": "decide", COMMITS_KEY: json.dumps(committed)},
+        )
 
     def decisions(
         self, transaction_ids: Sequence[str], *, op: DeltaTable | None = None

@@ -32,6 +32,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from deltalake import DeltaTable
 
+from rmq_spark.deltacommit import STAGED_NAME
 from rmq_spark.errors import CorruptStoreError
 from rmq_spark.storage import filesystem
 
@@ -247,13 +248,19 @@ def clean_log(
     This is Delta's expired-log cleanup (``delta.logRetentionDuration``), bounded by a version
     as well as by time. Entries are deleted oldest first, so an interrupted cleanup leaves the
     log contiguous from its oldest entry. A filesystem that gives no modification time (it
-    cannot tell the age) has nothing deleted.
+    cannot tell the age) has nothing deleted. Staged entries a killed direct commit left
+    behind (:data:`rmq_spark.deltacommit.STAGED_NAME`) go when older than every rule's time.
     """
     fs, log_path = filesystem(f"{uri.rstrip('/')}/_delta_log", storage_options)
     entries = []
     checkpoints: dict[int, list[str]] = {}
+    staged_before = min(older_than for _, older_than in rules).timestamp()
+    abandoned = []
     for info in fs.ls(log_path, detail=True):
         name = info["name"].rsplit("/", 1)[-1]
+        if STAGED_NAME.match(name) is not None:
+            if (_modified(info) or staged_before) < staged_before:
+                abandoned.append(info["name"])
         if _LOG_ENTRY.match(name) is None:
             continue
         version = int(name[:20])
@@ -275,9 +282,9 @@ def clean_log(
         for v, path, modified in entries
         if modified is not None and any(v < kept and modified < cut for kept, cut in bounds)
     )
-    for _, path in doomed:
+    for path in [p for _, p in doomed] + abandoned:
         fs.rm_file(path)
-    return len(doomed)
+    return len(doomed) + len(abandoned)
 
 
 def _modified(info: Mapping[str, object]) -> float | None:

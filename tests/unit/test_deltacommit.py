@@ -1,0 +1,260 @@
+"""Appends committed by writing the Delta log entry directly (rmq_spark.deltacommit), on real
+tables: racing writers of both kinds, conflicts, checkpoints, and processes killed mid-commit."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from deltalake import DeltaTable, TableFeatures, write_deltalake
+from deltalake.exceptions import CommitFailedError
+
+from rmq_spark import Decision, LocalTransactionState, Message, Store, StoreError
+from rmq_spark.config import Settings, StoreSettings
+from rmq_spark.deltacommit import appendable, commit
+from rmq_spark.model import new_id
+from rmq_spark.schema import HALF_SCHEMA
+from rmq_spark.streamed import write_files
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def open_store(root: Path) -> Store:
+    return Store.open(root, settings=Settings(store=StoreSettings(queue_nums=2)))
+
+
+def half_files(store: Store, body: bytes = b"x"):
+    """Data files of one half message, written and not committed."""
+    table = _half_rows(body)
+    options = store.settings.storage_options
+    return write_files(store.table_uri("half"), iter([table]), HALF_SCHEMA, None, options)
+
+
+def _half_rows(body: bytes, queue_id: int = 0) -> pa.Table:
+    """One half message as rows of ``half``."""
+    now = datetime.now(UTC)
+    row = {f.name: None for f in HALF_SCHEMA}
+    row |= {
+        "transaction_id": new_id(),
+        "msg_id": new_id(),
+        "producer_group": "pg",
+        "topic": "T",
+        "queue_id": queue_id,
+        "body": body,
+        "born_timestamp": now,
+        "store_timestamp": now,
+    }
+    return pa.Table.from_pylist([row], schema=HALF_SCHEMA)
+
+
+def contiguous(uri: str) -> list[int]:
+    """The versions of the table's log entries; asserts there is no gap after the oldest."""
+    names = sorted(p.name for p in (Path(uri) / "_delta_log").glob("*.json"))
+    versions = [int(n[:20]) for n in names]
+    assert versions == list(range(versions[0], versions[-1] + 1))
+    return versions
+
+
+def test_direct_and_deltalake_writers_racing_lose_and_duplicate_nothing(tmp_path: Path) -> None:
+    """Four producers (each its own Store, so its own idea of the latest version), a deltalake
+    writer and compactions append to ``half`` at once: every row lands exactly once and the
+    log has no gap, as deltalake and Spark-side readers expect."""
+    root = tmp_path / "s"
+    open_store(root)
+    sent: list[str] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def producer(i: int) -> None:
+        try:
+            store = open_store(root)
+            for n in range(30):
+                for p in store.prepare([Message("T", f"{i}-{n}-{k}") for k in range(3)], "pg"):
+                    with lock:
+                        sent.append(p.msg_id)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    def deltalake_writer() -> None:
+        try:
+            store = open_store(root)
+            for n in range(20):
+                rows = _half_rows(f"dl-{n}".encode())
+                write_deltalake(store.table_uri("half"), rows, mode="append")
+                with lock:
+                    sent.append(rows.column("msg_id")[0].as_py())
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    def compactor() -> None:
+        try:
+            store = open_store(root)
+            for _ in range(5):
+                store.compact("half")
+                time.sleep(0.05)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=producer, args=(i,)) for i in range(4)]
+    threads += [threading.Thread(target=deltalake_writer), threading.Thread(target=compactor)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    store = open_store(root)
+    stored = store.read("half", ["msg_id"]).column("msg_id").to_pylist()
+    assert sorted(stored) == sorted(sent) and len(sent) == 4 * 30 * 3 + 20
+    contiguous(store.table_uri("half"))
+
+
+def test_a_commit_after_a_table_change_is_refused_and_the_append_retried(any_store: Store) -> None:
+    """A metaData action between the snapshot and the commit conflicts: nothing lands. The
+    Store's append then retries on the new snapshot."""
+    uri, options = any_store.table_uri("half"), any_store.settings.storage_options
+    before = any_store.table("half").version()
+    files = half_files(any_store)
+    DeltaTable(uri, storage_options=any_store._storage_options).alter.set_table_properties(
+        {"delta.logRetentionDuration": "interval 2 days"}
+    )
+    with pytest.raises(CommitFailedError, match="changed the table"):
+        commit(uri, options, before, files)
+    assert DeltaTable(uri, storage_options=any_store._storage_options).version() == before + 1
+    (p,) = any_store.prepare([Message("T", b"after")], "pg")
+    assert p.half_version == before + 2
+    assert any_store.half_messages([p.transaction_id]).num_rows == 1
+
+
+def test_an_application_id_recorded_first_refuses_the_later_commit(any_store: Store) -> None:
+    """Two commits on one snapshot naming the same application id: the second is refused
+    (first decision wins, offsets stay dense); one naming another id lands after both."""
+    uri, options = any_store.table_uri("half"), any_store.settings.storage_options
+    base = any_store.table("half").version()
+    assert commit(uri, options, base, half_files(any_store), app_ids={"a": 1}) == base + 1
+    with pytest.raises(CommitFailedError, match="application id 'a'"):
+        commit(uri, options, base, half_files(any_store), app_ids={"a": 2})
+    assert commit(uri, options, base, half_files(any_store), app_ids={"b": 1}) == base + 2
+    table = DeltaTable(uri, storage_options=any_store._storage_options)
+    assert table.transaction_version("a") == 1 and table.transaction_version("b") == 1
+    assert table.version() == base + 2
+
+
+def test_a_commit_whose_base_entry_was_cleaned_is_refused(store: Store) -> None:
+    """The log after a version may have been cleaned (its entry is gone): a commit on it
+    could take a version the table has moved past, so it is refused before it writes."""
+    uri = store.table_uri("half")
+    base = store.table("half").version()
+    os.unlink(Path(uri) / "_delta_log" / f"{base:020d}.json")
+    with pytest.raises(CommitFailedError, match="is gone"):
+        commit(uri, {}, base, half_files(store))
+    assert not (Path(uri) / "_delta_log" / f"{base + 1:020d}.json").exists()
+
+
+def test_direct_commits_are_checkpointed_at_the_interval(store: Store) -> None:
+    uri = store.table_uri("half")
+    store.table("half").alter.set_table_properties({"delta.checkpointInterval": "10"})
+    for n in range(25):
+        store.prepare([Message("T", f"m{n}")], "pg")
+    version = store.table("half").version()
+    assert version == 26
+    checkpoints = sorted(p.name for p in (Path(uri) / "_delta_log").glob("*.checkpoint.parquet"))
+    assert checkpoints == [f"{v:020d}.checkpoint.parquet" for v in (10, 20)]
+    fresh = DeltaTable(uri)
+    assert fresh.version() == version and fresh.to_pyarrow_table().num_rows == 25
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (lambda t: t.alter.add_constraint({"known_queue": "queue_id >= 0"}), "known_queue"),
+        (
+            lambda t: t.alter.add_feature(
+                TableFeatures.RowTracking, allow_protocol_versions_increase=True
+            ),
+            "rowTracking",
+        ),
+    ],
+    ids=["check-constraint", "row-tracking"],
+)
+def test_a_table_that_asks_more_of_a_writer_is_refused_clearly(
+    store: Store, change, named: str
+) -> None:
+    """A CHECK constraint or a writer feature is the writer's to honour; files written ahead
+    of their commit cannot be checked, so rmq-spark refuses such a table instead of writing
+    what it may not, and says how to undo the change. Nothing is written."""
+    assert appendable(store.table("half"))
+    change(store.table("half"))
+    before = store.table("half").version()
+    with pytest.raises(StoreError, match=f"{named}.*must not be altered"):
+        store.prepare([Message("T", b"refused")], "pg")
+    assert store.table("half").version() == before
+    assert store.read("half").num_rows == 0
+
+
+def run_killed(store: Store, failpoint: str, sends: int = 1) -> None:
+    child = textwrap.dedent(
+        f"""
+        from rmq_spark import Message, Store
+        from rmq_spark.config import Settings, StoreSettings
+        store = Store.open({store.root!r}, settings=Settings(store=StoreSettings(queue_nums=2)))
+        for n in range({sends}):
+            store.prepare([Message("T", b"killed")], "pg")
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", child],
+        env={**os.environ, "PYTHONPATH": str(REPO), "RMQ_SPARK_FAILPOINT": failpoint},
+        start_new_session=True,  # the failpoint kills the child's whole session
+        capture_output=True,
+        timeout=300,
+    )
+    assert proc.returncode == -9, proc.stderr.decode()
+
+
+def test_a_process_killed_with_its_entry_staged_commits_nothing(store: Store) -> None:
+    (kept,) = store.prepare([Message("T", b"kept")], "pg")
+    before = store.table("half").version()
+    run_killed(store, "deltacommit.staged")
+    log_dir = Path(store.table_uri("half")) / "_delta_log"
+    (staged,) = log_dir.glob(".*.json.tmp")
+    assert store.table("half").version() == before
+    assert store.read("half", ["body"]).column("body").to_pylist() == [b"kept"]
+    (after,) = store.prepare([Message("T", b"after")], "pg")
+    assert after.half_version == before + 1
+    # The log cleanup takes the abandoned entry once it is older than every rule's time.
+    old = time.time() - 3600
+    os.utime(staged, (old, old))
+    store.clean_log("half")
+    assert not staged.exists()
+    assert DeltaTable(store.table_uri("half")).to_pyarrow_table().num_rows == 2
+
+
+def test_a_process_killed_after_taking_the_checkpoint_version_leaves_a_readable_table(
+    store: Store,
+) -> None:
+    """Killed after its commit took the interval's version and before the checkpoint: the
+    message is durable (a half message the check-back job resolves), the table reads, and the
+    next interval is checkpointed."""
+    store.table("half").alter.set_table_properties({"delta.checkpointInterval": "5"})
+    while store.table("half").version() % 5 != 4:
+        store.prepare([Message("T", b"before")], "pg")
+    run_killed(store, "deltacommit.committed")
+    uri = store.table_uri("half")
+    killed_at = DeltaTable(uri).version()
+    assert killed_at % 5 == 0
+    assert not (Path(uri) / "_delta_log" / f"{killed_at:020d}.checkpoint.parquet").exists()
+    for n in range(5):
+        (p,) = store.prepare([Message("T", f"after-{n}")], "pg")
+    assert (Path(uri) / "_delta_log" / f"{killed_at + 5:020d}.checkpoint.parquet").exists()
+    bodies = DeltaTable(uri).to_pyarrow_table(columns=["body"]).column("body").to_pylist()
+    assert bodies.count(b"killed") == 1 and b"after-4" in bodies
+    store.end_transactions([Decision(p.transaction_id, "pg", LocalTransactionState.COMMIT)])
+    assert store.published_op_version() >= 1
