@@ -53,7 +53,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as pads
-from deltalake import CommitProperties, DeltaTable, QueryBuilder, Transaction, write_deltalake
+from deltalake import CommitProperties, DeltaTable, QueryBuilder, Transaction
 from deltalake import Field as DeltaField
 from deltalake.exceptions import (
     CommitFailedError,
@@ -1127,32 +1127,24 @@ class Store:
             else:
                 batch, next_offsets = self._assign_offsets(self.next_offsets(commitlog), batch)
                 written = batch.num_rows
-            txns = [Transaction(queue_app_id(t, q), n) for (t, q), n in next_offsets.items()]
+            app_ids = {queue_app_id(t, q): n for (t, q), n in next_offsets.items()}
             if end > cursor:
-                txns.append(Transaction(OP_CURSOR_APP_ID, end))
-            properties = CommitProperties(
-                app_transactions=txns, custom_metadata={"rmqtx.operation": "publish"}
-            )
+                app_ids[OP_CURSOR_APP_ID] = end
+            uri, options = self.table_uri("commitlog"), self.settings.storage_options
             try:
-                if streamed:
-                    uri, options = self.table_uri("commitlog"), self.settings.storage_options
-                    files = write_files(uri, stream, COMMITLOG_SCHEMA, "topic", options)
-                    commit_files(commitlog, files, "topic", properties)
-                else:
-                    write_deltalake(
-                        commitlog,
-                        batch,
-                        mode="append",
-                        partition_by=["topic"],
-                        commit_properties=properties,
-                    )
-            except (CommitFailedError, SchemaMismatchError, DeltaProtocolError):
+                files = write_files(
+                    uri, stream if streamed else iter([batch]), *_COMMITLOG_FILES, options
+                )
+                version = self._commit_files(
+                    "commitlog", files, commitlog, app_ids, {"rmqtx.operation": "publish"}
+                )
+            except (CommitFailedError, SchemaMismatchError, DeltaProtocolError, StoreError):
                 raise  # nothing landed: a lost race (retried) or a bug (raised)
             except (DeltaError, OSError) as exc:
                 unsure.append(exc)
                 log.warning("publish failed without telling whether it landed (%s); checking", exc)
                 raise _Unsure from exc
-            self._after_commit("commitlog", commitlog.version())
+            self._after_commit("commitlog", version)
             normal_rows = batch.filter(pc.is_null(batch.column("transaction_id")))
             sent = list(
                 zip(
@@ -1163,9 +1155,7 @@ class Store:
                 )
             )
             log.debug("published %d message(s) up to op version %d", written, end)
-            result = PublishResult(
-                written + len(landed), max(end, cursor), commitlog.version(), landed + sent
-            )
+            result = PublishResult(written + len(landed), max(end, cursor), version, landed + sent)
             return result, last
 
         return retry_commits("publish", "commitlog", attempt)
@@ -1508,6 +1498,9 @@ def _changed_commits(op: DeltaTable, first: int, last: int) -> pa.Table:
     ordered = changes.sort_by([("_commit_version", "ascending")])
     return _conform(ordered, _COMMITTED)
 
+
+#: The schema and partition column of CommitLog data files.
+_COMMITLOG_FILES = (COMMITLOG_SCHEMA, "topic")
 
 #: What :meth:`Store._commits_in` returns: COMMITted transactions and their ``op`` version.
 _COMMITTED = pa.schema([("transaction_id", pa.string()), ("_commit_version", pa.int64())])

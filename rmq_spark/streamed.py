@@ -38,6 +38,9 @@ from rmq_spark.storage import arrow_filesystem
 BATCH_ROWS = 32_768
 #: A CommitLog file is closed at about this many bytes (deltalake's default target).
 FILE_BYTES = 100 * 1024 * 1024
+#: A row group holds about this many bytes of Arrow data at most: what a reader of the file
+#: holds in memory at once (a publish reading ``half`` a batch at a time, the source).
+ROW_GROUP_BYTES = 8 * 1024 * 1024
 #: Columns whose statistics the written files carry (what readers prune by): ids, routing
 #: columns and timestamps; not bodies, keys or properties.
 _STATS_COLUMNS = frozenset(
@@ -218,7 +221,9 @@ class _File:
         return self.stream.tell()
 
     def write(self, rows: pa.Table) -> None:
-        self.writer.write_table(rows)  # a row group per batch
+        # A row group per batch, split when its bytes would go over ROW_GROUP_BYTES.
+        per_group = max(1, rows.num_rows * ROW_GROUP_BYTES // max(rows.nbytes, 1))
+        self.writer.write_table(rows, row_group_size=per_group)
         self.rows += rows.num_rows
         for name in self.columns:
             column = rows.column(name)
