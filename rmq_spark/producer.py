@@ -53,6 +53,9 @@ _PUBLISH_LINGER_SECONDS = 0.05
 #: alternating half-size batches.
 _PREPARE_LINGER_SECONDS = 0.003
 
+#: How often a lingering committer looks whether the whole wave is back.
+_WAVE_POLL_SECONDS = 0.0002
+
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -157,6 +160,13 @@ class _GroupCommitter(Generic[T, R]):
         self._queue.put(self._STOP)
         self._thread.join()
 
+    def _await_wave(self, size: int) -> None:
+        """Wait up to ``linger`` seconds for ``size`` items (the last batch's callers coming
+        back) to be queued."""
+        deadline = time.monotonic() + self._linger
+        while self._queue.qsize() + 1 < size and time.monotonic() < deadline:
+            time.sleep(_WAVE_POLL_SECONDS)
+
     def _run(self) -> None:
         stopping = False
         last_batch_size = 0
@@ -165,7 +175,7 @@ class _GroupCommitter(Generic[T, R]):
             if first is self._STOP:
                 return
             if self._linger and last_batch_size > 1:
-                time.sleep(self._linger)
+                self._await_wave(last_batch_size)
             batch = [first]
             while len(batch) < self._max_batch:
                 try:
