@@ -255,6 +255,7 @@ class TransactionMQProducer:
         with self._lock:
             self._lock.wait_for(lambda: not self._closing)
             if self._prepare is None:
+                self.store.maintain_in_background()
                 self._prepare = _GroupCommitter(
                     f"rmqtx-prepare-{self.producer_group}",
                     self._prepare_batch,
@@ -274,9 +275,10 @@ class TransactionMQProducer:
 
         Sends that have started complete normally: their half message is written, their
         local transaction runs, and their COMMIT or ROLLBACK is recorded (and published)
-        before ``shutdown`` returns. Sends that start after ``shutdown`` was called raise
-        :class:`ProducerStateError` before anything is written, so retrying them elsewhere
-        is safe. A no-op on a producer that is not started.
+        before ``shutdown`` returns, as are the compactions their commits asked for (done on
+        a background thread, so that no send waits for one). Sends that start after
+        ``shutdown`` was called raise :class:`ProducerStateError` before anything is written,
+        so retrying them elsewhere is safe. A no-op on a producer that is not started.
 
         Raises
         ------
@@ -300,6 +302,7 @@ class TransactionMQProducer:
             # included, and completion callbacks can take the lock meanwhile.
             for committer in committers:
                 committer.close()
+            self.store.finish_maintenance()
         finally:
             with self._lock:
                 self._prepare = self._publish = None

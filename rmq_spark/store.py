@@ -65,6 +65,7 @@ from deltalake.exceptions import (
 from deltalake.table import TableMerger
 from deltalake.transaction import AddAction
 
+from rmq_spark.chores import Chores
 from rmq_spark.config import Settings, StoreSettings
 from rmq_spark.deltacommit import appendable, checkpoint, checkpoint_interval
 from rmq_spark.deltacommit import commit as commit_direct
@@ -341,6 +342,8 @@ class Store:
         #: starts looking for a free version when its cached snapshot is older.
         self._known: dict[str, int] = {}
         self._known_lock = threading.Lock()
+        #: Background compactions and log cleanups (see :meth:`maintain_in_background`).
+        self._chores: Chores | None = None
 
     # ------------------------------------------------------------------ opening
     @classmethod
@@ -741,20 +744,42 @@ class Store:
         return metrics
 
     def _after_commit(self, name: str, version: int) -> None:
-        """Compact every ``COMPACT_EVERY_COMMITS`` commits. Never raises: the commit has
-        landed, and a caller told it failed would retry it and duplicate what it wrote."""
+        """Compact and clean the log every ``COMPACT_EVERY_COMMITS`` commits, on the
+        committing thread or, after :meth:`maintain_in_background`, on a background one."""
         if version % COMPACT_EVERY_COMMITS:
             return
+        if self._chores is not None:
+            self._chores.ask(name)
+        else:
+            self._maintain(name)
+
+    def maintain_in_background(self) -> None:
+        """Compact and clean tables after their commits on a background thread of this process
+        from now on, so that no commit waits for it (a producer's sends: one send in 50 would
+        wait 50 to 100 ms). Idempotent; :meth:`finish_maintenance` waits for what is asked."""
+        with self._known_lock:
+            if self._chores is None:
+                self._chores = Chores(f"rmqtx-maintain-{self.root}", self._maintain)
+
+    def finish_maintenance(self) -> None:
+        """Wait until the background compactions and log cleanups asked for so far are done
+        (a no-op without :meth:`maintain_in_background`)."""
+        if self._chores is not None:
+            self._chores.wait()
+
+    def _maintain(self, name: str) -> None:
+        """Compact a table and clean its log. Never raises: the commit that asked has landed,
+        and a caller told it failed would retry it and duplicate what it wrote."""
+        failpoint("store.maintain")
         try:
             self.compact(name)
             if name != "commitlog":
                 self.clean_log(name)
         except Exception:
             log.warning(
-                "compaction or log cleanup of %s after its version %d failed (the commit itself "
-                "landed); a later commit will do it",
+                "compaction or log cleanup of %s failed (the commits themselves landed); a "
+                "later commit will ask again",
                 name,
-                version,
                 exc_info=True,
             )
 

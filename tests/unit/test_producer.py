@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +25,8 @@ from rmq_spark import (
     TransactionMQProducer,
 )
 from tests.conftest import commitlog
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 class ScriptedListener(TransactionListener):
@@ -205,3 +212,47 @@ def test_shutdown_while_many_threads_send_never_hangs_nor_fails_accepted_sends(
     assert half == {r.transaction_id for r in results} == listener.executed
     assert set(commitlog(store).column("msg_id").to_pylist()) == {r.msg_id for r in results}
     assert not pending_ids(store)
+
+
+def test_no_send_waits_for_a_compaction(store: Store, tmp_path: Path) -> None:
+    """Every 50th commit of a table asks for its compaction and log cleanup (50 to 100 ms):
+    a producer does it on a background thread. Here that chore never ends (it pauses at a
+    failpoint), and the sends after it still complete; a send that waited would hang. The
+    chore did start: it wrote its pid."""
+    marker = tmp_path / "paused"
+    child = textwrap.dedent(
+        f"""
+        import os
+        from rmq_spark import LocalTransactionState, Message, Store, TransactionMQProducer
+        from tests.unit.test_producer import ScriptedListener
+        store = Store.open({store.root!r})
+        producer = TransactionMQProducer("pg", ScriptedListener(), store=store).start()
+        for i in range(120):
+            producer.send_message_in_transaction(Message("T", b"x"), LocalTransactionState.COMMIT)
+        producer.flush()
+        print(store.table("half").version(), flush=True)
+        os._exit(0)  # shutdown() would wait for the paused chore
+        """
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "RMQ_SPARK_FAILPOINT": "store.maintain:pause",
+        "RMQ_SPARK_FAILPOINT_MARKER": str(marker),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert int(proc.stdout) >= 120
+    assert marker.read_text().isdigit()  # the chore started, and never ended
+    assert commitlog(store).num_rows == 120
+
+
+def test_shutdown_finishes_the_compactions_its_sends_asked_for(store: Store) -> None:
+    listener = ScriptedListener()
+    with TransactionMQProducer("pg", listener, store=store) as producer:
+        for _ in range(60):
+            producer.send_message_in_transaction(Message("T", b"x"), LocalTransactionState.COMMIT)
+    # The 50th commit of half asked for a compaction; it is done when shutdown returns.
+    assert len(store.data_files("half")) < 20
