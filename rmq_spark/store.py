@@ -342,6 +342,8 @@ class Store:
         #: starts looking for a free version when its cached snapshot is older.
         self._known: dict[str, int] = {}
         self._known_lock = threading.Lock()
+        #: Per table: (snapshot version, checkpoint interval or None), see _direct_interval.
+        self._writers: dict[str, tuple[int, int | None]] = {}
         #: Background compactions and log cleanups (see :meth:`maintain_in_background`).
         self._chores: Chores | None = None
 
@@ -678,7 +680,8 @@ class Store:
         checked from ``snapshot`` on.
         """
         partitions = TABLES[name][1]
-        if not appendable(snapshot):
+        interval = self._direct_interval(name, snapshot)
+        if interval is None:
             properties = CommitProperties(
                 app_transactions=[Transaction(a, v) for a, v in (app_ids or {}).items()],
                 custom_metadata=dict(info or {}),
@@ -696,7 +699,7 @@ class Store:
         )
         with self._known_lock:
             self._known[name] = max(version, self._known.get(name, version))
-        if version % checkpoint_interval(snapshot) == 0:
+        if version % interval == 0:
             try:
                 checkpoint(uri, self._storage_options, version)
             except Exception:
@@ -708,6 +711,16 @@ class Store:
                     exc_info=True,
                 )
         return version
+
+    def _direct_interval(self, name: str, snapshot: DeltaTable) -> int | None:
+        """The checkpoint interval of a table that :func:`commit_direct` appends to, None when
+        deltalake commits its appends (:func:`appendable`); known per snapshot version."""
+        version = snapshot.version()
+        cached = self._writers.get(name)
+        if cached is None or cached[0] != version:
+            interval = checkpoint_interval(snapshot) if appendable(snapshot) else None
+            cached = self._writers[name] = (version, interval)
+        return cached[1]
 
     def merge(
         self,
