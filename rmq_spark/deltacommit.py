@@ -23,7 +23,8 @@ whose own entry is gone (deltalake's own guard: once the log after a snapshot wa
 a version written on it could take a place the table has moved past).
 
 The commit that reaches the table's ``delta.checkpointInterval`` is followed by the
-checkpoint, as deltalake's post-commit hook does (:func:`checkpoint`). Tables on filesystems other
+checkpoint and the expired-log cleanup, as deltalake's post-commit hook does
+(:func:`checkpoint`). Tables on filesystems other
 than local and S3 are committed by deltalake; tables that need more of a writer than Parquet
 files with statistics (column mapping, row tracking, CHECK constraints...) are refused, by
 either path: :func:`appendable`.
@@ -166,8 +167,15 @@ def commit(
 
 
 def checkpoint(uri: str, storage_options: Mapping[str, str] | None, version: int) -> None:
-    """Write the checkpoint of ``version`` of the table at ``uri``."""
-    DeltaTable(uri, version=version, storage_options=storage_options).create_checkpoint()
+    """Write the checkpoint of ``version`` of the table at ``uri``, then delete the log entries
+    older than its ``delta.logRetentionDuration`` that a checkpoint covers (unless its
+    ``delta.enableExpiredLogCleanup`` is false): deltalake's post-commit hook, which a direct
+    commit does not run."""
+    table = DeltaTable(uri, version=version, storage_options=storage_options)
+    table.create_checkpoint()
+    configuration = table.metadata().configuration
+    if configuration.get("delta.enableExpiredLogCleanup", "true").lower() != "false":
+        table.cleanup_metadata()
 
 
 def _add(action: AddAction) -> dict[str, object]:

@@ -11,6 +11,7 @@ import random
 import subprocess
 import sys
 import textwrap
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -163,6 +164,28 @@ def test_publisher_killed_between_chunks_and_rerun_publishes_exactly_once(tmp_pa
     assert len(first) == 1 and 0 < len(first[0]) <= 4  # died after its first chunk
     assert store.publish().published == len(expected) - len(first[0])
     check_published(store, expected)
+
+
+def test_the_commitlog_log_follows_its_log_retention(tmp_path: Path) -> None:
+    """A store that publishes for months: the CommitLog's log entries older than its
+    ``delta.logRetentionDuration`` go at each checkpoint (deltalake's post-commit hook did it
+    for its own commits; rmq-spark's direct commits must too), or every snapshot update of
+    it would list a log that only grows."""
+    store = open_store(tmp_path / "s")
+    store.table("commitlog").alter.set_table_properties(
+        {"delta.checkpointInterval": "5", "delta.logRetentionDuration": "interval 1 seconds"}
+    )
+    log_dir = Path(store.table_uri("commitlog")) / "_delta_log"
+    for i in range(6):
+        store.send([Message("A", f"early-{i}")], "svc")
+    old = time.time() - 60
+    for entry in log_dir.glob("*.json"):
+        os.utime(entry, (old, old))
+    for i in range(6):
+        store.send([Message("A", f"late-{i}")], "svc")
+    versions = sorted(int(p.name[:20]) for p in log_dir.glob("*.json"))
+    assert versions[0] >= 5, versions  # the early entries a checkpoint covers are gone
+    assert commitlog(store).num_rows == 12
 
 
 def test_every_table_is_checkpointed(tmp_path: Path) -> None:
