@@ -281,6 +281,29 @@ def _refused_if_cleaned(table: DeltaTable) -> Iterator[None]:
         ) from exc
 
 
+def relisting(action: Callable[[], _T]) -> _T:
+    """Run a deltalake action that lists a table's log, again when the listing had a hole.
+
+    On a local filesystem a listing made while commits land can miss an entry made during it
+    and still see a later one (directory order is not name order), and deltalake refuses it
+    ("Expected contiguous commit files"). Seen about once in 20 s of one thread reading
+    ``half`` while another sent; listing again sees both entries.
+    """
+    for _ in range(_RELISTINGS - 1):
+        try:
+            return action()
+        except DeltaError as exc:
+            if _LISTING_GAP not in str(exc):
+                raise
+            log.debug("a log listing raced a commit (%s); listing again", exc)
+    return action()
+
+
+#: deltalake's refusal of a log listing with a hole in it, and how often to list again.
+_LISTING_GAP = "Expected contiguous commit files"
+_RELISTINGS = 5
+
+
 def _plain_type(dtype: pa.DataType) -> pa.DataType:
     """The same type with string/binary views replaced by plain strings/binaries."""
     if dtype == pa.string_view():
@@ -410,11 +433,12 @@ class Store:
         table = cache.get(name)
         now = time.monotonic()
         if table is None:
-            table = cache[name] = DeltaTable(
-                self.table_uri(name), storage_options=self._storage_options
+            uri = self.table_uri(name)
+            table = cache[name] = relisting(
+                lambda: DeltaTable(uri, storage_options=self._storage_options)
             )
         elif latest or now - refreshed[name] > self._unneeded_log_seconds / 2:
-            table.update_incremental()
+            relisting(table.update_incremental)
         else:
             return table
         refreshed[name] = now
@@ -876,7 +900,9 @@ class Store:
                 log.debug("%s is being compacted by another process; skipped", name)
                 continue
             try:
-                metrics = self.table(name).optimize.compact(target_size=_COMPACT_TARGET_BYTES)
+                metrics = relisting(
+                    lambda n=name: self.table(n).optimize.compact(target_size=_COMPACT_TARGET_BYTES)
+                )
             except CommitFailedError:
                 log.debug("compaction of %s lost a race; the next one will do it", name)
                 continue

@@ -591,3 +591,32 @@ def test_a_merge_that_outlives_the_log_of_its_snapshot_is_retried(tmp_path: Path
     store.merge("locks", pa.Table.from_pylist([row], schema=LOCKS_SCHEMA), "name", slow)
     assert len(attempts) == 2
     assert store.query("locks", "name = 'slow'").num_rows == 1
+
+
+def test_a_log_listing_that_raced_a_commit_is_listed_again(store: Store) -> None:
+    """On a local filesystem a listing made while commits land can miss an entry and see a
+    later one (about once in 20 s of one thread reading ``half`` while another sent);
+    deltalake refuses such a log. Here the entry shows up on the second listing, as it does
+    on disk."""
+    from deltalake.exceptions import DeltaError
+
+    from rmq_spark.store import relisting
+
+    for i in range(3):
+        store.prepare([Message("Orders", str(i).encode())], "pg")
+    log_dir = Path(store.table_uri("half")) / "_delta_log"
+    entry = log_dir / f"{2:020d}.json"
+    hidden = log_dir / "late.json.tmp"
+    entry.rename(hidden)
+    listings = []
+
+    def load() -> DeltaTable:
+        listings.append(1)
+        if len(listings) == 2:
+            hidden.rename(entry)
+        return DeltaTable(store.table_uri("half"))
+
+    assert relisting(load).version() == 3
+    assert len(listings) == 2
+    with pytest.raises(DeltaError):  # any other error is not listed again
+        relisting(lambda: DeltaTable(store.table_uri("half"), version=99))
