@@ -638,29 +638,16 @@ class Store:
         ]
 
     def append(self, name: str, data: pa.Table, app_ids: Mapping[str, int] | None = None) -> int:
-        """Append rows to one of the store's tables in one commit; return the committed
-        version.
+        """Append rows to one of the store's tables in one commit (one with no rows records
+        ``app_ids`` alone); return the committed version.
 
         ``app_ids`` (application id to version) are recorded with the commit, which then
         fails (and is retried from the latest snapshot) if a concurrent commit recorded one of
         them. Without them an append never conflicts; a lost race for the version (under many
         concurrent writers) is retried, like :meth:`merge` and :meth:`publish`.
         """
-        schema, partitions, _ = TABLES[name]
-        rows = [data] if data.num_rows else []
-        files = write_files(
-            self.table_uri(name),
-            iter(rows),
-            schema,
-            partitions[0] if partitions else None,
-            self.settings.storage_options,
-        )
-        version = retry_commits(
-            f"append to {name}",
-            name,
-            lambda n: self._commit_files(name, files, self.table(name, latest=n > 0), app_ids),
-        )
-        self._after_commit(name, version)
+        version = self._append(name, [data] if data.num_rows else [], app_ids, always=True)
+        assert version is not None
         return version
 
     def append_batches(self, name: str, rows: Iterable[pa.Table]) -> int | None:
@@ -672,16 +659,28 @@ class Store:
         commits nothing. A retried commit adds the same files again, which Delta reconciles
         by path: a commit that landed although it reported a failure stores nothing twice.
         """
+        return self._append(name, rows, None, always=False)
+
+    def _append(
+        self,
+        name: str,
+        rows: Iterable[pa.Table],
+        app_ids: Mapping[str, int] | None,
+        *,
+        always: bool,
+    ) -> int | None:
+        """Write ``rows`` as new files of a table and commit them (nothing when there are
+        none, unless ``always``), retrying lost races."""
         schema, partitions, _ = TABLES[name]
         partition = partitions[0] if partitions else None
         uri, options = self.table_uri(name), self.settings.storage_options
         files = write_files(uri, iter(rows), schema, partition, options)
-        if not files:
+        if not files and not always:
             return None
         version = retry_commits(
             f"append to {name}",
             name,
-            lambda n: self._commit_files(name, files, self.table(name, latest=n > 0)),
+            lambda n: self._commit_files(name, files, self.table(name, latest=n > 0), app_ids),
         )
         self._after_commit(name, version)
         return version
@@ -725,7 +724,7 @@ class Store:
             self._known[name] = max(version, self._known.get(name, version))
         if version % interval == 0:
             try:
-                checkpoint(uri, self._storage_options, version)
+                relisting(lambda: checkpoint(uri, self._storage_options, version))
             except Exception:
                 log.warning(
                     "checkpoint of %s at version %d failed (the commit itself landed); the "
