@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pyarrow as pa
+
 from rmq_spark import Decision, LocalTransactionState, Message, Store
 from rmq_spark.recent import RecentHalves
 
@@ -22,13 +24,42 @@ def test_a_chunk_is_served_whole_or_not_at_all(store: Store) -> None:
     assert cache.take([ids[1]]).num_rows == 1
 
 
+def _prepared(store: Store, count: int) -> pa.Table:
+    prepared = store.prepare([Message("Orders", b"x" * 100) for _ in range(count)], "pg")
+    return store.half_messages([p.transaction_id for p in prepared])
+
+
 def test_memory_is_bounded_oldest_first(store: Store) -> None:
-    prepared = store.prepare([Message("Orders", b"x" * 100) for _ in range(5)], "pg")
-    ids = [p.transaction_id for p in prepared]
     cache = RecentHalves(max_bytes=250)
-    cache.add(store.half_messages(ids))
-    assert cache.take(ids[:3]) is None
-    assert cache.take(ids[3:]).num_rows == 2
+    first, second = _prepared(store, 2), _prepared(store, 2)
+    cache.add(first)
+    cache.add(second)
+    assert cache.take(first.column("transaction_id").to_pylist()[:1]) is None
+    assert cache.take(second.column("transaction_id").to_pylist()).num_rows == 2
+
+
+def test_a_prepare_is_counted_until_its_last_transaction_leaves(store: Store) -> None:
+    # The kept rows are rows of the prepare's table: one left keeps all of it in memory.
+    cache = RecentHalves(max_bytes=250)
+    first, second = _prepared(store, 2), _prepared(store, 1)
+    cache.add(first)
+    taken, left = first.column("transaction_id").to_pylist()
+    assert cache.take([taken]).num_rows == 1
+    cache.add(second)  # 200 + 100 bytes held: over the limit, the oldest goes
+    assert cache.take([left]) is None
+    assert cache.take(second.column("transaction_id").to_pylist()).num_rows == 1
+
+
+def test_rows_of_many_prepares_come_in_few_chunks(store: Store) -> None:
+    # One chunk per prepare, not per row: the publisher's Parquet writer pays per chunk.
+    cache = RecentHalves()
+    tables = [_prepared(store, 3) for _ in range(4)]
+    for rows in tables:
+        cache.add(rows)
+    ids = [t for rows in tables for t in rows.column("transaction_id").to_pylist()]
+    taken = cache.take(ids[::-1])
+    assert sorted(taken.column("transaction_id").to_pylist()) == sorted(ids)
+    assert taken.column("body").num_chunks <= len(tables)
 
 
 def test_rolled_back_transactions_leave_the_producers_cache(store: Store) -> None:
