@@ -171,6 +171,7 @@ def checkpoint(uri: str, storage_options: Mapping[str, str] | None, version: int
     older than its ``delta.logRetentionDuration`` that a checkpoint covers (unless its
     ``delta.enableExpiredLogCleanup`` is false): deltalake's post-commit hook, which a direct
     commit does not run."""
+    failpoint("deltacommit.checkpoint")
     table = DeltaTable(uri, version=version, storage_options=storage_options)
     table.create_checkpoint()
     configuration = table.metadata().configuration

@@ -15,7 +15,8 @@ has not recorded the batch yet), ``delta.staged``, ``delta.written`` and ``delta
 ``pending.computed`` (:func:`rmq_spark.pending.update_pending` has computed the new pending
 rows, committed nothing yet), ``deltacommit.staged`` and ``deltacommit.committed`` (a direct
 append's log entry is staged, or has taken its version; :mod:`rmq_spark.deltacommit`),
-``store.maintain`` (a compaction and log cleanup that a commit asked for starts).
+``deltacommit.checkpoint`` (a checkpoint after a direct append starts), ``store.maintain``
+(a compaction and log cleanup that a commit asked for starts).
 """
 
 from __future__ import annotations

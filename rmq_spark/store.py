@@ -723,17 +723,22 @@ class Store:
         with self._known_lock:
             self._known[name] = max(version, self._known.get(name, version))
         if version % interval == 0:
-            try:
-                relisting(lambda: checkpoint(uri, self._storage_options, version))
-            except Exception:
-                log.warning(
-                    "checkpoint of %s at version %d failed (the commit itself landed); the "
-                    "next interval writes one",
-                    name,
-                    version,
-                    exc_info=True,
-                )
+            self._soon(("checkpoint", name), lambda: self._checkpoint(name, version))
         return version
+
+    def _checkpoint(self, name: str, version: int) -> None:
+        """Write a table's checkpoint at ``version`` (:func:`checkpoint`). Never raises: the
+        commit has landed, and the next interval writes one."""
+        try:
+            relisting(lambda: checkpoint(self.table_uri(name), self._storage_options, version))
+        except Exception:
+            log.warning(
+                "checkpoint of %s at version %d failed (the commit itself landed); the next "
+                "interval writes one",
+                name,
+                version,
+                exc_info=True,
+            )
 
     def _direct_interval(self, name: str, snapshot: DeltaTable) -> int | None:
         """The checkpoint interval of a table that :func:`commit_direct` appends to, None when
@@ -780,22 +785,26 @@ class Store:
         return metrics
 
     def _after_commit(self, name: str, version: int) -> None:
-        """Compact and clean the log every ``COMPACT_EVERY_COMMITS`` commits, on the
-        committing thread or, after :meth:`maintain_in_background`, on a background one."""
-        if version % COMPACT_EVERY_COMMITS:
-            return
+        """Compact and clean the log every ``COMPACT_EVERY_COMMITS`` commits (:meth:`_soon`)."""
+        if version % COMPACT_EVERY_COMMITS == 0:
+            self._soon(("maintain", name), lambda: self._maintain(name))
+
+    def _soon(self, key: tuple[str, str], work: Callable[[], None]) -> None:
+        """Run ``work`` (a chore a commit asks for, which never raises) now, on the committing
+        thread, or after :meth:`maintain_in_background` on the background thread."""
         if self._chores is not None:
-            self._chores.ask(name)
+            self._chores.ask(key, work)
         else:
-            self._maintain(name)
+            work()
 
     def maintain_in_background(self) -> None:
-        """Compact and clean tables after their commits on a background thread of this process
-        from now on, so that no commit waits for it (a producer's sends: one send in 50 would
-        wait 50 to 100 ms). Idempotent; :meth:`finish_maintenance` waits for what is asked."""
+        """Write checkpoints, compact and clean tables after their commits on a background
+        thread of this process from now on, so that no commit waits for them (a producer's
+        sends: one send in 50 would wait 50 to 100 ms for a compaction, one in 100 some 20 ms
+        for a checkpoint). Idempotent; :meth:`finish_maintenance` waits for what is asked."""
         with self._known_lock:
             if self._chores is None:
-                self._chores = Chores(f"rmqtx-maintain-{self.root}", self._maintain)
+                self._chores = Chores(f"rmqtx-maintain-{self.root}")
 
     def finish_maintenance(self) -> None:
         """Wait until the background compactions and log cleanups asked for so far are done

@@ -214,11 +214,14 @@ def test_shutdown_while_many_threads_send_never_hangs_nor_fails_accepted_sends(
     assert not pending_ids(store)
 
 
-def test_no_send_waits_for_a_compaction(store: Store, tmp_path: Path) -> None:
-    """Every 50th commit of a table asks for its compaction and log cleanup (50 to 100 ms):
-    a producer does it on a background thread. Here that chore never ends (it pauses at a
-    failpoint), and the sends after it still complete; a send that waited would hang. The
-    chore did start: it wrote its pid."""
+@pytest.mark.parametrize("chore", ["store.maintain", "deltacommit.checkpoint"])
+def test_no_send_waits_for_a_compaction_or_a_checkpoint(
+    store: Store, tmp_path: Path, chore: str
+) -> None:
+    """Every 50th commit of a table asks for its compaction and log cleanup (50 to 100 ms),
+    every 100th for a checkpoint (some 20 ms): a producer does them on a background thread.
+    Here that chore never ends (it pauses at a failpoint), and the sends after it still
+    complete; a send that waited would hang. The chore did start: it wrote its pid."""
     marker = tmp_path / "paused"
     child = textwrap.dedent(
         f"""
@@ -237,7 +240,7 @@ def test_no_send_waits_for_a_compaction(store: Store, tmp_path: Path) -> None:
     env = {
         **os.environ,
         "PYTHONPATH": str(REPO),
-        "RMQ_SPARK_FAILPOINT": "store.maintain:pause",
+        "RMQ_SPARK_FAILPOINT": f"{chore}:pause",
         "RMQ_SPARK_FAILPOINT_MARKER": str(marker),
     }
     proc = subprocess.run(
