@@ -104,7 +104,7 @@ from rmq_spark.storage import (
     filesystem,
 )
 from rmq_spark.streamed import LargeVersion, admitting, commit_files, stored_share, write_files
-from rmq_spark.txnlog import app_transactions, clean_log, commit_infos
+from rmq_spark.txnlog import app_transactions, clean_log, commit_infos, follow
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -242,6 +242,18 @@ def _backoff(attempt: int) -> None:
     time.sleep(min(0.2, 0.002 * 2 ** min(attempt, 7)) * random.uniform(0.5, 1.5))
 
 
+@dataclass(frozen=True)
+class _Head:
+    """The CommitLog as a publisher last found it: its latest ``version`` and application
+    transactions ``txns``, when that was found (``time.monotonic()``, before looking), and a
+    snapshot (at or before ``version``) for its metadata."""
+
+    snapshot: DeltaTable
+    version: int
+    txns: Mapping[str, int]
+    found: float
+
+
 class _Unsure(Exception):
     """A commit failed in a way that does not say whether it landed; retry after checking."""
 
@@ -358,6 +370,7 @@ class Store:
         # last brought up to date (time.monotonic()).
         self._tables = threading.local()
         self._refreshed = threading.local()
+        self._heads = threading.local()  # each thread's _Head of the CommitLog
         #: Half messages this process prepared, until it publishes them (a publisher that
         #: finds a whole chunk here does not read ``half`` back).
         self._recent = RecentHalves()
@@ -692,6 +705,7 @@ class Store:
         snapshot: DeltaTable,
         app_ids: Mapping[str, int] | None = None,
         info: Mapping[str, str] | None = None,
+        after: int | None = None,
     ) -> int:
         """One attempt (for :func:`retry_commits`) at committing written data files as an
         append to a table on ``snapshot``; return the committed version.
@@ -700,7 +714,8 @@ class Store:
         the table needs more of a writer than that (then deltalake commits it). Without
         ``app_ids`` the commit may go after versions this process committed since
         ``snapshot`` (an append does not depend on what it read); with them, conflicts are
-        checked from ``snapshot`` on.
+        checked from ``snapshot`` on, or from ``after``: a later version the caller read the
+        log up to (:func:`follow`), with no change of the table since ``snapshot``.
         """
         partitions = TABLES[name][1]
         interval = self._direct_interval(name, snapshot)
@@ -712,7 +727,7 @@ class Store:
             with _refused_if_cleaned(snapshot):
                 commit_files(snapshot, files, partitions[0] if partitions else None, properties)
             return snapshot.version()
-        after = snapshot.version()
+        after = snapshot.version() if after is None else after
         with self._known_lock:
             if not app_ids:
                 after = max(after, self._known.get(name, after))
@@ -1152,7 +1167,7 @@ class Store:
         landed: list[tuple[str, int, int]] = []  # normal messages an unsure attempt did send
         unsure: list[Exception] = []
 
-        def attempt(_: int) -> tuple[PublishResult, bool]:
+        def attempt(n: int) -> tuple[PublishResult, bool]:
             nonlocal unsent
             if unsure and unsent.num_rows:
                 found = self._landed(unsent)
@@ -1160,8 +1175,8 @@ class Store:
                     log.warning("the unsure publish had landed; not sending its messages again")
                     landed.extend(found)
                     unsent = unsent.slice(0, 0)
-            commitlog = self.table("commitlog")
-            cursor = self.published_op_version(commitlog)
+            head = self._commitlog_head(reload=n > 0)
+            cursor = head.txns.get(OP_CURSOR_APP_ID, -1)
             if len(unsure) > _MAX_UNSURE_ATTEMPTS:
                 if not landed:
                     raise StoreError(
@@ -1169,9 +1184,9 @@ class Store:
                         "messages given were not sent. Check the store's filesystem, then retry."
                     ) from unsure[-1]
                 # They were sent; committed transactions left over go with the next publish.
-                return PublishResult(len(landed), cursor, commitlog.version(), list(landed)), True
+                return PublishResult(len(landed), cursor, head.version, list(landed)), True
             if cursor >= target and unsent.num_rows == 0:
-                version = commitlog.version() if landed else None
+                version = head.version if landed else None
                 return PublishResult(len(landed), cursor, version, list(landed)), True
             # ``target`` was read from this thread's op snapshot: no newer one is needed.
             end, batch = self._next_chunk(self.table("op", latest=False), cursor, target)
@@ -1181,23 +1196,18 @@ class Store:
             if last and not streamed:
                 batch = pa.concat_tables([batch, unsent])
             # Catch up before writing, so that a publisher that lost the race writes no files.
-            # The chunk was read for ``cursor``: the newer snapshot may be written on only if
+            # The chunk was read for ``cursor``: the newer version may be written on only if
             # its cursor is the same (else the chunk would be published twice); offsets come
             # from it, and Delta's conflict check guards both against any later commit.
-            read_version = commitlog.version()
-            commitlog.update_incremental()
-            if (
-                commitlog.version() != read_version
-                and self.published_op_version(commitlog) != cursor
-            ):
+            read_version, head = head.version, self._commitlog_head(reload=False)
+            if head.version != read_version and head.txns.get(OP_CURSOR_APP_ID, -1) != cursor:
                 raise CommitFailedError("another publisher moved the op cursor")
+            queues = self._per_queue(_QUEUE_APP_ID_PREFIX, head.txns)
             if streamed:
-                stream, next_offsets, written = self._stream_offsets(
-                    batch, self.next_offsets(commitlog)
-                )
+                stream, next_offsets, written = self._stream_offsets(batch, queues)
                 batch = COMMITLOG_SCHEMA.empty_table()
             else:
-                batch, next_offsets = self._assign_offsets(self.next_offsets(commitlog), batch)
+                batch, next_offsets = self._assign_offsets(queues, batch)
                 written = batch.num_rows
             app_ids = {queue_app_id(t, q): n for (t, q), n in next_offsets.items()}
             if end > cursor:
@@ -1208,7 +1218,12 @@ class Store:
                     uri, stream if streamed else iter([batch]), *_COMMITLOG_FILES, options
                 )
                 version = self._commit_files(
-                    "commitlog", files, commitlog, app_ids, {"rmqtx.operation": "publish"}
+                    "commitlog",
+                    files,
+                    head.snapshot,
+                    app_ids,
+                    {"rmqtx.operation": "publish"},
+                    after=head.version,
                 )
             except (CommitFailedError, SchemaMismatchError, DeltaProtocolError, StoreError):
                 raise  # nothing landed: a lost race (retried) or a bug (raised)
@@ -1231,6 +1246,31 @@ class Store:
             return result, last
 
         return retry_commits("publish", "commitlog", attempt)
+
+    def _commitlog_head(self, *, reload: bool) -> _Head:
+        """The CommitLog's latest version and application transactions, for a publish.
+
+        A publisher commits to the CommitLog in every publish, and its snapshot update would
+        list the CommitLog's whole log (kept 30 days) each time on a local filesystem. So,
+        while the version this thread found last is younger than half of
+        ``UNNEEDED_LOG_SECONDS`` (no entry after it can have been cleaned), the entries after
+        it are read instead (:func:`follow`). A table change among them, ``reload`` (a retry),
+        an older head, or a table that deltalake commits to (it needs the latest snapshot)
+        loads the snapshot.
+        """
+        now = time.monotonic()
+        head: _Head | None = getattr(self._heads, "commitlog", None)
+        if not reload and head is not None and now - head.found < self._unneeded_log_seconds / 2:
+            uri, options = self.table_uri("commitlog"), self.settings.storage_options
+            followed = follow(uri, options, head.version, head.txns)
+            if followed is not None:
+                head = self._heads.commitlog = _Head(head.snapshot, *followed, now)
+                return head
+        snapshot = self.table("commitlog")
+        head = _Head(snapshot, snapshot.version(), self._app_transactions(snapshot), now)
+        direct = self._direct_interval("commitlog", snapshot) is not None
+        self._heads.commitlog = head if direct else None
+        return head
 
     def published_op_version(self, commitlog: DeltaTable | None = None) -> int:
         """The last ``op`` version published into a ``commitlog`` snapshot (default: the
@@ -1255,16 +1295,18 @@ class Store:
         commitlog : DeltaTable, optional
             The snapshot to read; defaults to the latest.
         """
-        return self._per_queue(_QUEUE_APP_ID_PREFIX, commitlog)
+        commitlog = commitlog or self.table("commitlog")
+        return self._per_queue(_QUEUE_APP_ID_PREFIX, self._app_transactions(commitlog))
 
     def earliest_stored(self, commitlog: DeltaTable | None = None) -> dict[tuple[str, int], int]:
         """The earliest offset still stored of every queue retention has trimmed (absent: 0),
         read like :meth:`next_offsets`."""
-        return self._per_queue(_EARLIEST_APP_ID_PREFIX, commitlog)
+        commitlog = commitlog or self.table("commitlog")
+        return self._per_queue(_EARLIEST_APP_ID_PREFIX, self._app_transactions(commitlog))
 
-    def _per_queue(self, prefix: str, commitlog: DeltaTable | None) -> dict[tuple[str, int], int]:
-        """``{(topic, queue_id): version}`` of the application ids ``prefix + topic.queue``."""
-        txns = self._app_transactions(commitlog or self.table("commitlog"))
+    def _per_queue(self, prefix: str, txns: Mapping[str, int]) -> dict[tuple[str, int], int]:
+        """``{(topic, queue_id): version}`` of the application ids ``prefix + topic.queue``
+        among the CommitLog's application transactions ``txns``."""
         versions = {}
         for app_id, version in txns.items():
             if app_id.startswith(prefix):

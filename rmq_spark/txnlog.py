@@ -105,6 +105,39 @@ def app_transactions(
     return txns
 
 
+def follow(
+    uri: str, storage_options: Mapping[str, str], version: int, txns: Mapping[str, int]
+) -> tuple[int, Mapping[str, int]] | None:
+    """The latest version of a table and its application transactions, ``(version, txns)``,
+    from a version the caller knows and its ``txns``: the log entries after it are read one
+    by one until the first that does not exist. No listing: on a local filesystem deltalake
+    lists the whole log to bring a snapshot up to date, and the CommitLog keeps its log for
+    Delta's 30 days (about 100 ms a snapshot update at 3,000 entries).
+
+    Returns None when one of those entries changes the table (``metaData`` or ``protocol``):
+    load a snapshot instead. The caller must know that no entry after ``version`` can have
+    been cleaned since: that ``version`` was the latest a short while ago (entries are kept
+    for at least ``UNNEEDED_LOG_SECONDS``; a commit on the result checks that its base entry
+    still exists and every entry after it).
+    """
+    fs, log_path = filesystem(f"{uri.rstrip('/')}/_delta_log", storage_options)
+    followed: dict[str, int] | None = None
+    while True:
+        try:
+            content = fs.cat_file(f"{log_path}/{version + 1:020d}.json")
+        except FileNotFoundError:
+            return version, txns if followed is None else followed
+        for line in content.splitlines():
+            if b'"metaData"' in line or b'"protocol"' in line or b'"txn"' in line:
+                action = json.loads(line)
+                if "metaData" in action or "protocol" in action:
+                    return None
+                if "txn" in action:
+                    followed = dict(txns) if followed is None else followed
+                    followed[action["txn"]["appId"]] = int(action["txn"]["version"])
+        version += 1
+
+
 class _MissingCommit(LookupError):
     """A commit file of the log could not be read."""
 

@@ -226,12 +226,20 @@ def test_no_send_waits_for_a_compaction_or_a_checkpoint(
     child = textwrap.dedent(
         f"""
         import os
+        import time
         from rmq_spark import LocalTransactionState, Message, Store, TransactionMQProducer
         from tests.unit.test_producer import ScriptedListener
+        COMMIT = LocalTransactionState.COMMIT
         store = Store.open({store.root!r})
         producer = TransactionMQProducer("pg", ScriptedListener(), store=store).start()
-        for i in range(120):
-            producer.send_message_in_transaction(Message("T", b"x"), LocalTransactionState.COMMIT)
+        def send(count):
+            for i in range(count):
+                producer.send_message_in_transaction(Message("T", b"x"), COMMIT)
+        send(120)
+        deadline = time.monotonic() + 60
+        while not os.path.exists({str(marker)!r}) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the chore starts, and pauses for good
+        send(120)
         producer.flush()
         print(store.table("half").version(), flush=True)
         os._exit(0)  # shutdown() would wait for the paused chore
@@ -247,9 +255,9 @@ def test_no_send_waits_for_a_compaction_or_a_checkpoint(
         [sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, proc.stderr
-    assert int(proc.stdout) >= 120
+    assert int(proc.stdout) >= 240
     assert marker.read_text().isdigit()  # the chore started, and never ended
-    assert commitlog(store).num_rows == 120
+    assert commitlog(store).num_rows == 240
 
 
 def test_shutdown_finishes_the_compactions_its_sends_asked_for(store: Store) -> None:

@@ -21,9 +21,10 @@ from deltalake import DeltaTable
 
 from rmq_spark import Decision, LocalTransactionState, Message, Store
 from rmq_spark.config import Settings, StoreSettings
+from rmq_spark.errors import StoreError
 from rmq_spark.schema import TABLES
 from rmq_spark.store import OP_CURSOR_APP_ID, queue_app_id, read_arrow
-from rmq_spark.txnlog import app_transactions
+from rmq_spark.txnlog import app_transactions, follow
 from tests.conftest import commitlog, race
 
 COMMIT, ROLLBACK = LocalTransactionState.COMMIT, LocalTransactionState.ROLLBACK
@@ -188,6 +189,19 @@ def test_the_commitlog_log_follows_its_log_retention(tmp_path: Path) -> None:
     assert commitlog(store).num_rows == 12
 
 
+def test_a_publisher_notices_a_change_of_the_commitlog_made_by_another_writer(
+    store: Store,
+) -> None:
+    """A publisher reads the CommitLog's log on from the version it knows instead of loading
+    a snapshot; a table change among those entries (here a CHECK constraint, which its
+    writer cannot honour) is seen, and the publish is refused, not written around it."""
+    store.send([Message("A", b"before")], "pg")
+    DeltaTable(store.table_uri("commitlog")).alter.add_constraint({"small": "queue_id < 100"})
+    with pytest.raises(StoreError, match="small.*must not be altered"):
+        store.send([Message("A", b"after")], "pg")
+    assert commitlog(store).column("body").to_pylist() == [b"before"]
+
+
 def test_every_table_is_checkpointed(tmp_path: Path) -> None:
     store = open_store(tmp_path / "s")
     for name in TABLES:
@@ -217,6 +231,8 @@ def test_next_offsets_equal_transaction_version_on_random_histories(
         {"delta.checkpointInterval": str(rng.choice([3, 5, 7]))}
     )
     topics = ["A", "B", "C-x", "D_y"]
+    start = store.table("commitlog")
+    known = start.version(), dict(app_transactions(start, uri, {}))
     for _ in range(25):
         messages = [
             Message(rng.choice(topics), b"x", keys=f"k{rng.randrange(9)}")
@@ -228,6 +244,9 @@ def test_next_offsets_equal_transaction_version_on_random_histories(
         if rng.random() < 0.4:  # a fresh snapshot, or the cached one moved on incrementally
             _check_offsets(DeltaTable(uri), uri, topics)
     _check_offsets(store.table("commitlog"), uri, topics)
+    # Reading the log on from a known version (as a publisher does) finds the same.
+    latest = store.table("commitlog")
+    assert follow(uri, {}, *known) == (latest.version(), _deltalake_answers(latest, topics))
     # Old snapshots (the newest checkpoint is past them) read the same as deltalake says,
     # also when the checkpoint before them is gone (the log is listed).
     old = rng.sample(range(1, store.table("commitlog").version()), 6)
