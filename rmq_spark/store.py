@@ -103,7 +103,14 @@ from rmq_spark.storage import (
     deltalake_options,
     filesystem,
 )
-from rmq_spark.streamed import LargeVersion, admitting, commit_files, stored_share, write_files
+from rmq_spark.streamed import (
+    LargeVersion,
+    admitting,
+    commit_files,
+    read_ahead,
+    stored_share,
+    write_files,
+)
 from rmq_spark.txnlog import app_transactions, clean_log, commit_infos, follow
 
 log = logging.getLogger(__name__)
@@ -1214,9 +1221,8 @@ class Store:
                 app_ids[OP_CURSOR_APP_ID] = end
             uri, options = self.table_uri("commitlog"), self.settings.storage_options
             try:
-                files = write_files(
-                    uri, stream if streamed else iter([batch]), *_COMMITLOG_FILES, options
-                )
+                rows = read_ahead(stream) if streamed else iter([batch])
+                files = write_files(uri, rows, *_COMMITLOG_FILES, options)
                 version = self._commit_files(
                     "commitlog",
                     files,
@@ -1635,8 +1641,8 @@ def _as_commitlog(halves: pa.Table, now: datetime) -> pa.Table:
     columns = {
         name: halves.column(name) for name in COMMITLOG_SCHEMA.names if name in HALF_SCHEMA.names
     }
-    columns["queue_offset"] = pa.array([0] * halves.num_rows, pa.int64())
-    columns["store_timestamp"] = pa.array([now] * halves.num_rows, TIMESTAMP)
+    columns["queue_offset"] = pa.repeat(pa.scalar(0, pa.int64()), halves.num_rows)
+    columns["store_timestamp"] = pa.repeat(pa.scalar(now, TIMESTAMP), halves.num_rows)
     return pa.table(
         {name: columns[name] for name in COMMITLOG_SCHEMA.names}, schema=COMMITLOG_SCHEMA
     )

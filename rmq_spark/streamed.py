@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import math
+import queue
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -89,9 +91,52 @@ class LargeVersion:
             )
             for batch in dataset.to_batches(batch_size=BATCH_ROWS):
                 rows = pa.Table.from_batches([batch])
-                rows = rows.filter(self.keep(rows))
+                keep = self.keep(rows)
+                if pc.all(keep).as_py() is not True:  # a sink task's file is one transaction
+                    rows = rows.filter(keep)
                 if rows.num_rows:
                     yield rows
+
+
+def read_ahead(rows: Iterator[pa.Table], depth: int = 2) -> Iterator[pa.Table]:
+    """``rows``, made on a helper thread up to ``depth`` batches ahead of the consumer: a
+    publish of a large version reads and numbers the next batch while the last one is being
+    compressed and written (pyarrow does both without the GIL). An exception of ``rows`` is
+    raised to the consumer; a consumer that stops early stops the helper."""
+    ready: queue.Queue[object] = queue.Queue(maxsize=depth)
+    stopped = threading.Event()
+    end = object()
+
+    def make() -> None:
+        try:
+            for item in rows:
+                if not _hand_over(ready, item, stopped):
+                    return
+            _hand_over(ready, end, stopped)
+        except BaseException as exc:  # raised again by the consumer
+            _hand_over(ready, exc, stopped)
+
+    helper = threading.Thread(target=make, name="rmqtx-read-ahead", daemon=True)
+    helper.start()
+    try:
+        while (item := ready.get()) is not end:
+            if isinstance(item, BaseException):
+                raise item
+            yield item  # type: ignore[misc]
+    finally:
+        stopped.set()
+        helper.join()
+
+
+def _hand_over(ready: queue.Queue[object], item: object, stopped: threading.Event) -> bool:
+    """Put ``item`` for the consumer unless it stopped; whether it was put."""
+    while not stopped.is_set():
+        try:
+            ready.put(item, timeout=0.1)
+            return True
+        except queue.Full:
+            continue
+    return False
 
 
 def admitting(files: pa.Table, ids: Sequence[str], column: str = "transaction_id") -> list[str]:

@@ -11,19 +11,22 @@ import random
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 from deltalake import DeltaTable
 
 from rmq_spark import Decision, LocalTransactionState, Message, Store
 from rmq_spark.config import Settings, StoreSettings
-from rmq_spark.errors import StoreError
+from rmq_spark.errors import CorruptStoreError, StoreError
 from rmq_spark.schema import TABLES
 from rmq_spark.store import OP_CURSOR_APP_ID, queue_app_id, read_arrow
+from rmq_spark.streamed import read_ahead
 from rmq_spark.txnlog import app_transactions, follow
 from tests.conftest import commitlog, race
 
@@ -125,6 +128,30 @@ def test_one_decision_larger_than_the_limits_is_one_commit(tmp_path: Path) -> No
         ["normal"],
     ]
     check_published(store, ["small-0", "small-1", *[f"big-{i}" for i in range(8)], "normal"])
+
+
+def test_a_large_version_is_read_ahead_in_order_and_its_errors_reach_the_writer() -> None:
+    """A publish of a large version reads its next batches on a helper thread while it writes
+    the last one: the writer gets every batch in order, a read error after some batches, and
+    a writer that stops early stops the helper."""
+
+    def batches(count: int, fail: bool = False):
+        for i in range(count):
+            yield pa.table({"n": [i]})
+        if fail:
+            raise CorruptStoreError("half changed under the publisher")
+
+    assert [b["n"][0].as_py() for b in read_ahead(batches(7))] == list(range(7))
+    got = []
+    with pytest.raises(CorruptStoreError, match="changed under"):
+        for b in read_ahead(batches(5, fail=True)):
+            got.append(b["n"][0].as_py())
+    assert got == list(range(5))
+    before = threading.active_count()
+    ahead = read_ahead(batches(1000))
+    next(ahead)
+    ahead.close()  # a writer that failed
+    assert threading.active_count() == before
 
 
 def _racing_publisher(root: str, name: str, barrier, out) -> None:
