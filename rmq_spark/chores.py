@@ -4,7 +4,7 @@ done on one background thread."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 
 
 class Chores:
@@ -17,12 +17,12 @@ class Chores:
     """
 
     def __init__(self, name: str) -> None:
-        self._asked: dict[Hashable, Callable[[], None]] = {}
+        self._asked: dict[str, Callable[[], None]] = {}
         self._busy = False
         self._changed = threading.Condition()
         threading.Thread(target=self._run, name=name, daemon=True).start()
 
-    def ask(self, key: Hashable, work: Callable[[], None]) -> None:
+    def ask(self, key: str, work: Callable[[], None]) -> None:
         """Have ``work()`` run soon; returns at once."""
         with self._changed:
             self._asked[key] = work

@@ -151,6 +151,8 @@ _MAX_UNSURE_ATTEMPTS = 3
 #: Compact a table after every this many commits: deltalake's commit cost grows with the
 #: number of files in the snapshot, and every group commit adds one.
 COMPACT_EVERY_COMMITS = 50
+#: The kinds of chores a commit asks for (see :meth:`Store._soon`).
+_CHORES = ("checkpoint", "maintain")
 _COMPACT_TARGET_BYTES = 16 * 1024 * 1024
 
 
@@ -387,8 +389,9 @@ class Store:
         self._known_lock = threading.Lock()
         #: Per table: (snapshot version, checkpoint interval or None), see _direct_interval.
         self._writers: dict[str, tuple[int, int | None]] = {}
-        #: Background compactions and log cleanups (see :meth:`maintain_in_background`).
-        self._chores: Chores | None = None
+        #: Background checkpoints, and compactions with log cleanups, by kind (see
+        #: :meth:`maintain_in_background`).
+        self._chores: dict[str, Chores] = {}
 
     # ------------------------------------------------------------------ opening
     @classmethod
@@ -745,7 +748,7 @@ class Store:
         with self._known_lock:
             self._known[name] = max(version, self._known.get(name, version))
         if version % interval == 0:
-            self._soon(("checkpoint", name), lambda: self._checkpoint(name, version))
+            self._soon("checkpoint", name, lambda: self._checkpoint(name, version))
         return version
 
     def _checkpoint(self, name: str, version: int) -> None:
@@ -809,30 +812,35 @@ class Store:
     def _after_commit(self, name: str, version: int) -> None:
         """Compact and clean the log every ``COMPACT_EVERY_COMMITS`` commits (:meth:`_soon`)."""
         if version % COMPACT_EVERY_COMMITS == 0:
-            self._soon(("maintain", name), lambda: self._maintain(name))
+            self._soon("maintain", name, lambda: self._maintain(name))
 
-    def _soon(self, key: tuple[str, str], work: Callable[[], None]) -> None:
-        """Run ``work`` (a chore a commit asks for, which never raises) now, on the committing
-        thread, or after :meth:`maintain_in_background` on the background thread."""
-        if self._chores is not None:
-            self._chores.ask(key, work)
+    def _soon(self, kind: str, name: str, work: Callable[[], None]) -> None:
+        """Run ``work``, a chore of a ``kind`` of :data:`_CHORES` on table ``name`` that a
+        commit asks for and that never raises: now, on the committing thread, or after
+        :meth:`maintain_in_background` on the background thread of its kind."""
+        chores = self._chores.get(kind)
+        if chores is not None:
+            chores.ask(name, work)
         else:
             work()
 
     def maintain_in_background(self) -> None:
-        """Write checkpoints, compact and clean tables after their commits on a background
-        thread of this process from now on, so that no commit waits for them (a producer's
+        """Write checkpoints, compact and clean tables after their commits on background
+        threads of this process from now on, so that no commit waits for them (a producer's
         sends: one send in 50 would wait 50 to 100 ms for a compaction, one in 100 some 20 ms
-        for a checkpoint). Idempotent; :meth:`finish_maintenance` waits for what is asked."""
+        for a checkpoint). Checkpoints have a thread of their own: a compaction that takes
+        long must not hold them back, or every snapshot load (the next compaction's too)
+        would replay more of the log. Idempotent; :meth:`finish_maintenance` waits for what
+        is asked."""
         with self._known_lock:
-            if self._chores is None:
-                self._chores = Chores(f"rmqtx-maintain-{self.root}")
+            if not self._chores:
+                self._chores = {kind: Chores(f"rmqtx-{kind}-{self.root}") for kind in _CHORES}
 
     def finish_maintenance(self) -> None:
-        """Wait until the background compactions and log cleanups asked for so far are done
-        (a no-op without :meth:`maintain_in_background`)."""
-        if self._chores is not None:
-            self._chores.wait()
+        """Wait until the background checkpoints, compactions and log cleanups asked for so
+        far are done (a no-op without :meth:`maintain_in_background`)."""
+        for chores in self._chores.values():
+            chores.wait()
 
     def _maintain(self, name: str) -> None:
         """Compact a table and clean its log. Never raises: the commit that asked has landed,

@@ -221,7 +221,8 @@ def test_no_send_waits_for_a_compaction_or_a_checkpoint(
     """Every 50th commit of a table asks for its compaction and log cleanup (50 to 100 ms),
     every 100th for a checkpoint (some 20 ms): a producer does them on a background thread.
     Here that chore never ends (it pauses at a failpoint), and the sends after it still
-    complete; a send that waited would hang. The chore did start: it wrote its pid."""
+    complete; a send that waited would hang. The chore did start: it wrote its pid. A paused
+    compaction does not hold back the checkpoints either (they keep snapshot loads short)."""
     marker = tmp_path / "paused"
     child = textwrap.dedent(
         f"""
@@ -241,6 +242,11 @@ def test_no_send_waits_for_a_compaction_or_a_checkpoint(
             time.sleep(0.05)  # the chore starts, and pauses for good
         send(120)
         producer.flush()
+        log = os.path.join(store.table_uri("half"), "_delta_log")
+        while {chore == "store.maintain"} and time.monotonic() < deadline and not any(
+            n.endswith(".checkpoint.parquet") for n in os.listdir(log)
+        ):
+            time.sleep(0.05)  # a checkpoint is not held back by a paused compaction
         print(store.table("half").version(), flush=True)
         os._exit(0)  # shutdown() would wait for the paused chore
         """
@@ -258,6 +264,8 @@ def test_no_send_waits_for_a_compaction_or_a_checkpoint(
     assert int(proc.stdout) >= 240
     assert marker.read_text().isdigit()  # the chore started, and never ended
     assert commitlog(store).num_rows == 240
+    checkpoints = list((Path(store.table_uri("half")) / "_delta_log").glob("*.checkpoint.parquet"))
+    assert bool(checkpoints) == (chore == "store.maintain")
 
 
 def test_shutdown_finishes_the_compactions_its_sends_asked_for(store: Store) -> None:
