@@ -15,7 +15,8 @@ took the version, its entry is read:
   so does a ``txn`` action for one of the application ids this commit records (Delta's
   ``ConcurrentTransactionException``: first decision wins, offsets stay dense);
 * anything else (appends, compactions, deletes) does not conflict with an append, and the
-  next version is tried.
+  next version is tried. A compaction (``removes``) conflicts besides with a commit that
+  removed one of the files it rewrites.
 
 A conflict raises ``CommitFailedError``: nothing landed, and ``Store``'s retry starts again
 from the latest snapshot. So does an entry gone before it could be read, and a base version
@@ -108,9 +109,10 @@ def commit(
     *,
     app_ids: Mapping[str, int] | None = None,
     info: Mapping[str, str] | None = None,
+    removes: Sequence[Mapping[str, object]] = (),
 ) -> int:
     """Commit ``adds`` as one append to the table at ``uri`` whose latest known version is
-    ``after``; return the version committed.
+    ``after``, or with ``removes`` as a compaction; return the version committed.
 
     Parameters
     ----------
@@ -128,6 +130,10 @@ def commit(
         concurrent commit recording one of them conflicts.
     info : mapping, optional
         Extra ``commitInfo`` fields (deltalake's ``custom_metadata``).
+    removes : sequence of mapping, optional
+        Files (add actions: ``path``, ``size``, ``partition_values``) that ``adds`` rewrite
+        without changing data (a compaction: every action has ``dataChange`` false). A
+        concurrent commit that removed one of them first conflicts.
 
     Raises
     ------
@@ -140,19 +146,21 @@ def commit(
         raise CommitFailedError(f"the log entry of version {after} of {uri} is gone")
     now = int(time.time() * 1000)
     ours = dict(app_ids or {})
+    rewritten = {str(r["path"]) for r in removes}
     lines = [
         {
             "commitInfo": {
                 "timestamp": now,
-                "operation": "WRITE",
-                "operationParameters": {"mode": "Append"},
-                "isBlindAppend": not ours,
+                "operation": "OPTIMIZE" if removes else "WRITE",
+                "operationParameters": {} if removes else {"mode": "Append"},
+                "isBlindAppend": not ours and not removes,
                 "engineInfo": f"rmq-spark/{__version__}",
                 "clientVersion": f"rmq-spark-{__version__}",
                 **(info or {}),
             }
         },
         *({"txn": {"appId": a, "version": v, "lastUpdated": now}} for a, v in ours.items()),
+        *({"remove": _remove(r, now)} for r in removes),
         *({"add": _add(a)} for a in adds),
     ]
     entry = "\n".join(json.dumps(line, separators=(",", ":")) for line in lines).encode()
@@ -160,7 +168,7 @@ def commit(
     with log.staged(entry) as put:
         failpoint("deltacommit.staged")
         while not put(version):
-            _check_no_conflict(log.read(version), ours, uri, version)
+            _check_no_conflict(log.read(version), ours, rewritten, uri, version)
             version += 1
         failpoint("deltacommit.committed")
     return version
@@ -191,7 +199,20 @@ def _add(action: AddAction) -> dict[str, object]:
     }
 
 
-def _check_no_conflict(entry: bytes, ours: Mapping[str, int], uri: str, version: int) -> None:
+def _remove(file: Mapping[str, object], now: int) -> dict[str, object]:
+    return {
+        "path": file["path"],
+        "deletionTimestamp": now,
+        "dataChange": False,
+        "extendedFileMetadata": True,
+        "partitionValues": dict(file.get("partition_values") or {}),  # type: ignore[call-overload]
+        "size": file["size"],
+    }
+
+
+def _check_no_conflict(
+    entry: bytes, ours: Mapping[str, int], rewritten: set[str], uri: str, version: int
+) -> None:
     for line in entry.splitlines():
         if not line.strip():
             continue
@@ -199,6 +220,9 @@ def _check_no_conflict(entry: bytes, ours: Mapping[str, int], uri: str, version:
         changed = next((k for k in _TABLE_CHANGES if k in action), None)
         if changed is not None:
             raise CommitFailedError(f"version {version} of {uri} changed the table ({changed})")
+        removed = action.get("remove")
+        if removed is not None and removed.get("path") in rewritten:
+            raise CommitFailedError(f"version {version} of {uri} removed {removed['path']!r} first")
         txn = action.get("txn")
         if txn is not None and txn.get("appId") in ours:
             raise CommitFailedError(

@@ -192,11 +192,14 @@ def write_files(
     schema: pa.Schema,
     partition: str | None,
     storage_options: Mapping[str, str],
+    *,
+    data_change: bool = True,
 ) -> list[AddAction]:
     """Write ``rows`` (``schema``) as new data files of the Delta table at ``uri``, streaming,
     one file at a time per value of the ``partition`` column; return their add actions, with
     the statistics readers prune by. The files are invisible until a commit adds them; files
-    no commit adds are removed by VACUUM."""
+    no commit adds are removed by VACUUM. ``data_change=False``: the rows are stored already
+    (a compaction), and Delta's streaming readers skip the files."""
     fs = arrow_filesystem(uri, storage_options)
     base = fsspec.core.strip_protocol(uri).rstrip("/")
     file_schema = pa.schema([f for f in schema if f.name != partition])
@@ -211,7 +214,9 @@ def write_files(
                     part = batch.filter(pc.equal(batch[partition], value))
                 current = open_files.get(value)
                 if current is None:
-                    current = open_files[value] = _File(fs, base, file_schema, partition, value)
+                    current = open_files[value] = _File(
+                        fs, base, file_schema, partition, value, data_change
+                    )
                 current.write(part.select(file_schema.names))
                 if current.size >= FILE_BYTES:
                     done.append(open_files.pop(value).close())
@@ -246,7 +251,13 @@ class _File:
     """One data file being written, and the statistics of what it holds."""
 
     def __init__(
-        self, fs: object, base: str, schema: pa.Schema, partition: str | None, value: str | None
+        self,
+        fs: object,
+        base: str,
+        schema: pa.Schema,
+        partition: str | None,
+        value: str | None,
+        data_change: bool,
     ) -> None:
         self.partition = None if partition is None else {partition: value}
         directory = "" if partition is None else f"{partition}={quote(str(value), safe='')}/"
@@ -257,6 +268,7 @@ class _File:
         self.writer = pq.ParquetWriter(self.stream, schema, compression="snappy")
         self.columns = [n for n in schema.names if n in _STATS_COLUMNS]
         self.rows = 0
+        self.data_change = data_change
         self.low: dict[str, object] = {}
         self.high: dict[str, object] = {}
         self.nulls = dict.fromkeys(self.columns, 0)
@@ -293,7 +305,7 @@ class _File:
             size=size,
             partition_values=self.partition or {},
             modification_time=int(time.time() * 1000),
-            data_change=True,
+            data_change=self.data_change,
             stats=json.dumps(stats),
         )
 

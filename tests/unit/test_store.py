@@ -620,3 +620,27 @@ def test_a_log_listing_that_raced_a_commit_is_listed_again(store: Store) -> None
     assert len(listings) == 2
     with pytest.raises(DeltaError):  # any other error is not listed again
         relisting(lambda: DeltaTable(store.table_uri("half"), version=99))
+
+
+def test_a_compaction_changes_no_data_and_keeps_partitions(store: Store) -> None:
+    """The CommitLog is partitioned by topic and streamed by Delta's own source: its
+    compaction rewrites each topic's files apart, and marks every action ``dataChange``
+    false (Delta's streaming source skips them instead of delivering the rows again)."""
+    for i in range(6):
+        store.send([Message("A", f"a{i}"), Message("B", f"b{i}")], "pg")
+    before = commitlog(store)
+    assert store.compact("commitlog") == {"commitlog": 12}
+    assert commitlog(store).equals(before)
+    table = store.table("commitlog")
+    assert sorted(store.data_files("commitlog").column("partition.topic").to_pylist()) == [
+        "A",
+        "B",
+    ]
+    log = Path(store.table_uri("commitlog")) / "_delta_log"
+    changes = []
+    for version in (table.version() - 1, table.version()):  # a commit per topic
+        lines = (log / f"{version:020d}.json").read_text().splitlines()
+        actions = [json.loads(line) for line in lines]
+        changes += [a.get("add") or a.get("remove") for a in actions if "add" in a or "remove" in a]
+    assert len(changes) == 14 and not any(c["dataChange"] for c in changes)
+    assert {c["partitionValues"]["topic"] for c in changes} == {"A", "B"}
