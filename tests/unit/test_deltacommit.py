@@ -22,6 +22,7 @@ from rmq_spark.config import Settings, StoreSettings
 from rmq_spark.deltacommit import appendable, commit
 from rmq_spark.model import new_id
 from rmq_spark.schema import HALF_SCHEMA
+from rmq_spark.store import read_arrow
 from rmq_spark.streamed import write_files
 
 REPO = Path(__file__).resolve().parents[2]
@@ -88,7 +89,17 @@ def test_direct_and_deltalake_writers_racing_lose_and_duplicate_nothing(tmp_path
             store = open_store(root)
             for n in range(20):
                 rows = _half_rows(f"dl-{n}".encode())
-                write_deltalake(store.table_uri("half"), rows, mode="append")
+                # deltalake gives up after its 15 tries against hundreds of direct commits a
+                # second (CommitFailedError: nothing landed); a writer tries again, and a row
+                # that did land after all would show twice below.
+                for attempt in range(50):
+                    try:
+                        write_deltalake(store.table_uri("half"), rows, mode="append")
+                        break
+                    except CommitFailedError:
+                        time.sleep(0.01 * attempt)
+                else:
+                    raise AssertionError(f"deltalake's append of dl-{n} never landed")
                 with lock:
                     sent.append(rows.column("msg_id")[0].as_py())
         except BaseException as exc:  # noqa: BLE001
@@ -145,6 +156,28 @@ def test_an_application_id_recorded_first_refuses_the_later_commit(any_store: St
     table = DeltaTable(uri, storage_options=any_store._storage_options)
     assert table.transaction_version("a") == 1 and table.transaction_version("b") == 1
     assert table.version() == base + 2
+
+
+def test_a_compaction_loses_to_a_commit_that_removed_a_file_it_rewrites(any_store: Store) -> None:
+    """A compaction read its files from a snapshot; meanwhile a DELETE (retention) rewrote one
+    of them without a row. Committing the compaction would bring the deleted row back (and
+    keep the other files' rows twice), so it conflicts; an append meanwhile does not."""
+    uri, options = any_store.table_uri("half"), any_store.settings.storage_options
+    sent = [any_store.prepare([Message("T", f"m{i}".encode())], "pg")[0] for i in range(3)]
+    snapshot = any_store.table("half")
+    files = read_arrow(snapshot.get_add_actions(flatten=True)).to_pydict()
+    removes = [
+        {"path": p, "size": n, "partition_values": {}}
+        for p, n in zip(files["path"], files["size_bytes"], strict=True)
+    ]
+    rewritten = half_files(any_store, b"the rows of the three files")
+    any_store.prepare([Message("T", b"appended meanwhile")], "pg")
+    assert commit(uri, options, snapshot.version(), rewritten, removes=removes[:1]) > 0
+    gone = sent[1].transaction_id
+    DeltaTable(uri, storage_options=any_store._storage_options).delete(f"transaction_id = '{gone}'")
+    with pytest.raises(CommitFailedError, match="removed"):
+        commit(uri, options, snapshot.version(), rewritten, removes=removes[1:])
+    assert any_store.half_messages([gone]).num_rows == 0
 
 
 def test_a_commit_whose_base_entry_was_cleaned_is_refused(store: Store) -> None:
