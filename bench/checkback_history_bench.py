@@ -113,9 +113,9 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     spark = get_spark("rmq-checkback-history-bench")
-    pending = new_ids(args.pending)
+    pending = new_ids(args.pending).to_pylist()
     with tempfile.TemporaryDirectory(prefix="rmq-cb-history-") as tmp:
-        timed_rounds(spark, Path(tmp) / "warm-up", 0, new_ids(1_000))  # JVM warm-up
+        timed_rounds(spark, Path(tmp) / "warm-up", 0, new_ids(1_000).to_pylist())  # JVM warm-up
         first_base, base = timed_rounds(spark, Path(tmp) / "baseline", 0, pending)
         first_big, big = timed_rounds(spark, Path(tmp) / "history", args.history, pending)
     print(f"{'store':>32} {'first round s':>14} {'steady round s':>15}")

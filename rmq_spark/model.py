@@ -14,6 +14,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from rmq_spark.errors import InvalidMessageError
 
 #: RocketMQ's topic rule (``TopicValidator``): letters, digits, ``%``, ``|``, ``_`` and ``-``.
@@ -85,6 +89,9 @@ _STATE_NAMES = {
 }
 
 
+_HEX_DIGITS = np.frombuffer(b"0123456789ABCDEF", np.uint8)
+#: The most ids :func:`new_ids` makes at once (32 bytes each, 32-bit Arrow offsets).
+_MAX_BULK_IDS = (2**31 - 1) // 32
 _id_lock = threading.Lock()
 _id_counter = itertools.count()
 
@@ -101,11 +108,22 @@ def new_id() -> str:
     return f"{time.time_ns() // 1_000_000:012X}{count:04X}{secrets.token_hex(8).upper()}"
 
 
-def new_ids(count: int) -> list[str]:
+def new_ids(count: int) -> pa.StringArray:
     """``count`` unique ids in one call, in order: one :func:`new_id`'s clock and counter, 32
-    random bits shared by the call, and the index (for bulk writes: ~20x cheaper per id)."""
-    prefix = new_id()[:24]
-    return [f"{prefix}{i:08X}" for i in range(count)]
+    random bits shared by the call, and the index in 8 hex digits (for bulk writes: made as
+    one Arrow buffer, without a Python string per id)."""
+    if not 0 <= count <= _MAX_BULK_IDS:
+        raise ValueError(f"new_ids makes 0 to {_MAX_BULK_IDS} ids at once, not {count}")
+    prefix = np.frombuffer(new_id()[:24].encode(), np.uint8)
+    shifts = np.arange(28, -4, -4, dtype=np.uint32)
+    nibbles = (np.arange(count, dtype=np.uint32)[:, None] >> shifts) & 0xF
+    data = np.empty((count, 32), np.uint8)
+    data[:, :24] = prefix
+    data[:, 24:] = _HEX_DIGITS[nibbles]
+    offsets = np.arange(0, 32 * count + 1, 32, dtype=np.int32)
+    return pa.Array.from_buffers(
+        pa.string(), count, [None, pa.py_buffer(offsets), pa.py_buffer(data)]
+    )
 
 
 @dataclass(frozen=True)
@@ -319,3 +337,22 @@ def queue_for(keys: str | None, queue_nums: int) -> int:
         # crc32, not hash(): Python's hash() is salted per process.
         return zlib.crc32(keys.encode("utf-8")) % queue_nums
     return int.from_bytes(os.urandom(2), "big") % queue_nums
+
+
+def queues_for(keys: pa.ChunkedArray | pa.Array | None, count: int, queue_nums: int) -> pa.Array:
+    """:func:`queue_for` of each of ``count`` rows' ``keys`` (None: no row has keys), as an
+    int32 array: one checksum per distinct keys, a random queue for each row without keys."""
+    queues = np.frombuffer(os.urandom(2 * count), ">u2").astype(np.int32) % queue_nums
+    if keys is not None:
+        if isinstance(keys, pa.ChunkedArray):
+            keys = keys.combine_chunks()
+        keys = pc.if_else(pc.equal(keys, ""), pa.scalar(None, keys.type), keys)
+        encoded = pc.dictionary_encode(keys)
+        per_key = np.array(
+            [queue_for(k, queue_nums) for k in encoded.dictionary.to_pylist()], np.int32
+        )
+        has_keys = encoded.indices.is_valid().to_numpy(zero_copy_only=False)
+        index = encoded.indices.fill_null(0).to_numpy(zero_copy_only=False)
+        if len(per_key):
+            queues = np.where(has_keys, per_key[index], queues)
+    return pa.array(queues, pa.int32())

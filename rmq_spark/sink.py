@@ -42,8 +42,10 @@ job, and its writer's commit then fails (the job is retried) instead of publishi
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -77,7 +79,7 @@ from rmq_spark.epochs import (
 )
 from rmq_spark.errors import InvalidMessageError, InvalidOptionError
 from rmq_spark.failpoints import failpoint
-from rmq_spark.model import check_group, check_topic, new_id, new_ids, queue_for
+from rmq_spark.model import check_group, check_topic, new_id, new_ids, queues_for
 from rmq_spark.schema import HALF_SCHEMA, TIMESTAMP
 from rmq_spark.store import Store, normalise_root
 
@@ -302,7 +304,6 @@ def _half_rows(table: pa.Table, options: WriterOptions, txn: str, writer: _Write
                 f"{example!r}: a tag is one non-empty string with no '|' and no leading or "
                 "trailing whitespace (use null for no tag)."
             )
-    key_list = keys.to_pylist() if keys is not None else [None] * n
     now = datetime.now(UTC)
     return pa.table(
         {
@@ -310,7 +311,7 @@ def _half_rows(table: pa.Table, options: WriterOptions, txn: str, writer: _Write
             "msg_id": new_ids(n),
             "producer_group": pa.repeat(pa.scalar(options.producer_group, pa.string()), n),
             "topic": topic,
-            "queue_id": [queue_for(k, options.settings.queue_nums) for k in key_list],
+            "queue_id": queues_for(keys, n, options.settings.queue_nums),
             "keys": keys if keys is not None else pa.nulls(n, pa.string()),
             "tags": tags if tags is not None else pa.nulls(n, pa.string()),
             "body": body,
@@ -371,6 +372,20 @@ def _pairs(staged: Sequence[Staged]) -> list[tuple[str, int]]:
     return [(m.transaction_id, m.generation) for m in staged if m.transaction_id]
 
 
+@contextmanager
+def _all_cores() -> Iterator[None]:
+    """Let pyarrow use every core of this process's machine for a while. Spark starts its
+    Python workers with ``OMP_NUM_THREADS`` = ``spark.task.cpus`` (1), which pyarrow takes
+    for its thread pool: right for a task, but the commit of a job runs on the driver after
+    its tasks, and its publish of the epoch read ``half`` on one thread (1 GB in 1.4 s)."""
+    threads = pa.cpu_count()
+    pa.set_cpu_count(max(threads, os.cpu_count() or 1))
+    try:
+        yield
+    finally:
+        pa.set_cpu_count(threads)
+
+
 class _EpochWriter:
     """What the batch and the streaming writer share: staging in tasks, ending on the driver."""
 
@@ -396,14 +411,15 @@ class _EpochWriter:
             return
         configure_logging("INFO")
         started = time.perf_counter()
-        outcome = finish_epoch(
-            self._store(),
-            staged[0].sink_id,
-            epoch,
-            _pairs(staged),
-            self.options.producer_group,
-            "sink",
-        )
+        with _all_cores():
+            outcome = finish_epoch(
+                self._store(),
+                staged[0].sink_id,
+                epoch,
+                _pairs(staged),
+                self.options.producer_group,
+                "sink",
+            )
         failpoint("sink.published")
         _report(outcome, staged, time.perf_counter() - started)
 

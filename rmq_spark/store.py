@@ -110,6 +110,7 @@ from rmq_spark.streamed import (
     read_ahead,
     stored_share,
     write_files,
+    write_in_parallel,
 )
 from rmq_spark.txnlog import app_transactions, clean_log, commit_infos, follow
 
@@ -1301,8 +1302,10 @@ class Store:
                 app_ids[OP_CURSOR_APP_ID] = end
             uri, options = self.table_uri("commitlog"), self.settings.storage_options
             try:
-                rows = read_ahead(stream) if streamed else iter([batch])
-                files = write_files(uri, rows, *_COMMITLOG_FILES, options)
+                if streamed:
+                    files = write_in_parallel(uri, read_ahead(stream), *_COMMITLOG_FILES, options)
+                else:
+                    files = write_files(uri, iter([batch]), *_COMMITLOG_FILES, options)
                 version = self._commit_files(
                     "commitlog",
                     files,

@@ -1,9 +1,10 @@
 from __future__ import annotations
 
+import pyarrow as pa
 import pytest
 
 from rmq_spark import InvalidMessageError, LocalTransactionState, Message
-from rmq_spark.model import new_id, queue_for, validate_message
+from rmq_spark.model import new_id, new_ids, queue_for, queues_for, validate_message
 
 
 @pytest.mark.parametrize(
@@ -91,6 +92,26 @@ def test_ids_are_unique_and_time_ordered() -> None:
 def test_same_keys_same_queue() -> None:
     assert len({queue_for("order-7", 4) for _ in range(20)}) == 1
     assert {queue_for(None, 4) for _ in range(200)} == {0, 1, 2, 3}
+
+
+def test_bulk_ids_are_one_prefix_and_the_index_in_hex() -> None:
+    ids = new_ids(70_000).to_pylist()
+    assert len(set(ids)) == len(ids) == 70_000
+    assert ids == sorted(ids) and {i[:24] for i in ids} == {ids[0][:24]}
+    assert [i[24:] for i in ids[:2] + ids[-1:]] == ["00000000", "00000001", f"{69_999:08X}"]
+    assert new_ids(5).to_pylist()[0][:12] >= ids[0][:12]  # time-ordered with new_id
+    assert new_ids(0).to_pylist() == []
+
+
+def test_bulk_queues_agree_with_one_message_queues() -> None:
+    keys = [f"order-{i % 50}" for i in range(2_000)]
+    assert queues_for(pa.chunked_array([keys[:7], keys[7:]]), 2_000, 8).to_pylist() == [
+        queue_for(k, 8) for k in keys
+    ]
+    spread = queues_for(pa.array([None, ""] * 200), 400, 4).to_pylist()
+    assert set(spread) == {0, 1, 2, 3}  # rows without keys go to random queues, each its own
+    assert set(queues_for(None, 400, 4).to_pylist()) == {0, 1, 2, 3}
+    assert queues_for(pa.array([], pa.string()), 0, 4).to_pylist() == []
 
 
 def test_keys_from_a_generator_are_kept() -> None:

@@ -15,9 +15,11 @@ import threading
 import time
 from collections import defaultdict
 from pathlib import Path
+from urllib.parse import unquote
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import pytest
 from deltalake import DeltaTable
 
@@ -25,8 +27,9 @@ from rmq_spark import Decision, LocalTransactionState, Message, Store
 from rmq_spark.config import Settings, StoreSettings
 from rmq_spark.errors import CorruptStoreError, StoreError
 from rmq_spark.schema import TABLES
+from rmq_spark.sink import _all_cores
 from rmq_spark.store import OP_CURSOR_APP_ID, queue_app_id, read_arrow
-from rmq_spark.streamed import read_ahead
+from rmq_spark.streamed import read_ahead, write_in_parallel
 from rmq_spark.txnlog import app_transactions, follow
 from tests.conftest import commitlog, race
 
@@ -152,6 +155,51 @@ def test_a_large_version_is_read_ahead_in_order_and_its_errors_reach_the_writer(
     next(ahead)
     ahead.close()  # a writer that failed
     assert threading.active_count() == before
+
+
+def test_a_parallel_write_keeps_every_row_once_and_in_order(tmp_path: Path) -> None:
+    """A publish of a large version writes pieces of consecutive rows on several threads: the
+    files, in the order of their add actions, hold every row once and in order (per topic,
+    the partition), and a failure of the rows or of a writer reaches the caller with no
+    thread left behind."""
+    schema = pa.schema([("topic", pa.string()), ("n", pa.int64()), ("body", pa.binary())])
+
+    def batches(count: int, fail_after: int | None = None):
+        for i in range(count):
+            if i == fail_after:
+                raise CorruptStoreError("half changed under the publisher")
+            n = list(range(i * 100, (i + 1) * 100))
+            topics = ["A" if k % 3 else "B" for k in n]
+            yield pa.table([topics, n, [os.urandom(100)] * 100], schema=schema)
+
+    before = threading.active_count()
+    actions = write_in_parallel(
+        str(tmp_path), batches(60), schema, "topic", {}, writers=3, piece_bytes=50_000
+    )
+    assert len(actions) > 2 * 6  # many pieces, a file per topic each
+    read = defaultdict(list)
+    for action in actions:
+        (topic,) = action.partition_values.values()
+        read[topic] += pq.read_table(tmp_path / unquote(action.path)).column("n").to_pylist()
+    assert read["A"] == [k for k in range(6000) if k % 3] and read["B"] == list(range(0, 6000, 3))
+    with pytest.raises(CorruptStoreError, match="changed under"):
+        write_in_parallel(str(tmp_path), batches(60, 40), schema, "topic", {}, 3, 50_000)
+    bad = pa.schema([("topic", pa.string()), ("n", pa.string()), ("body", pa.binary())])
+    with pytest.raises(ValueError, match="schema does not match"):  # a writer fails
+        write_in_parallel(str(tmp_path), batches(60), bad, "topic", {}, 3, 50_000)
+    assert threading.active_count() == before
+
+
+def test_the_commit_of_an_epoch_reads_with_every_core_and_gives_a_task_its_one_back() -> None:
+    """Spark starts Python workers with OMP_NUM_THREADS=1, which pyarrow takes for its thread
+    pool; a stream's commit (in such a worker, after the tasks) publishes with all cores."""
+    pa.set_cpu_count(1)
+    try:
+        with _all_cores():
+            assert pa.cpu_count() == os.cpu_count()
+        assert pa.cpu_count() == 1
+    finally:
+        pa.set_cpu_count(os.cpu_count())
 
 
 def _racing_publisher(root: str, name: str, barrier, out) -> None:
