@@ -28,7 +28,11 @@ from rmq_spark.store import Store, read_files, with_uris
 #: task): Parquet sizes are compressed, so rows bound the work for compressible bodies.
 TASK_BYTES = 128 * 1024 * 1024
 TASK_ROWS = 128 * 1024
-#: Rows per Arrow batch handed to Spark (Spark's own default for Arrow batches).
+#: Arrow batches handed to Spark hold about this many bytes, and at most ``BATCH_ROWS`` rows
+#: (Spark's own default for Arrow batches): the JVM reads a batch, then copies it into rows,
+#: and a batch that stays in the CPU's cache between the two is copied faster (1 KiB bodies:
+#: 10,000-row batches read at 234k msg/s, 2,000-row ones at 261k, mean of four runs each).
+BATCH_BYTES = 2 * 1024 * 1024
 BATCH_ROWS = 10_000
 #: The CommitLog's data file schema: ``topic`` is the partition column, not in the files.
 FILE_SCHEMA = pa.schema([f for f in COMMITLOG_SCHEMA if f.name != "topic"])
@@ -131,7 +135,8 @@ def read_slice(task: CommitLogSlice) -> Iterator[pa.RecordBatch]:
             for f in COMMITLOG_SCHEMA
         ]
         table = pa.Table.from_arrays(columns, schema=COMMITLOG_SCHEMA)
-        yield from table.to_batches(max_chunksize=BATCH_ROWS)
+        rows_per_batch = BATCH_BYTES * table.num_rows // max(table.nbytes, 1)
+        yield from table.to_batches(max_chunksize=max(1, min(BATCH_ROWS, rows_per_batch)))
 
 
 def _wanted(

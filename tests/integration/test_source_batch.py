@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -157,6 +158,24 @@ def test_many_files_many_tasks_each_queue_in_order(spark, tmp_path) -> None:
     df = read(spark, store, topic="Odd%|Topic")
     assert df.count() == 48
     assert df.rdd.getNumPartitions() == 1  # 6 small files, far under one task's size
+
+
+def test_a_task_hands_spark_batches_of_about_two_mib(store: Store) -> None:
+    """Batches that stay in the CPU's cache between the JVM's Arrow read and its copy into
+    rows: 1 KiB bodies come in batches of about BATCH_BYTES, small ones in BATCH_ROWS."""
+    from rmq_spark.reading import BATCH_BYTES, BATCH_ROWS, plan_slices, read_slice
+
+    publish(store, "Large", [os.urandom(1024) for _ in range(5_000)])
+    publish(store, "Small", [f"s{i}" for i in range(25_000)])
+    for topic, expected in (("Large", 5_000), ("Small", 25_000)):
+        end = latest_offsets(store, [topic])
+        batches = [b for s in plan_slices(store, {}, end) for b in read_slice(s)]
+        assert sum(b.num_rows for b in batches) == expected
+        assert all(b.num_rows <= BATCH_ROWS and b.nbytes <= 1.1 * BATCH_BYTES for b in batches)
+        if topic == "Large":
+            assert len(batches) >= 5_000 * 1024 // BATCH_BYTES
+        else:
+            assert max(b.num_rows for b in batches) == BATCH_ROWS
 
 
 def test_offsets_below_the_earliest_fail_or_read_from_it(spark, store: Store) -> None:
