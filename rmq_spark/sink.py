@@ -42,10 +42,8 @@ job, and its writer's commit then fails (the job is retried) instead of publishi
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -372,20 +370,6 @@ def _pairs(staged: Sequence[Staged]) -> list[tuple[str, int]]:
     return [(m.transaction_id, m.generation) for m in staged if m.transaction_id]
 
 
-@contextmanager
-def _all_cores() -> Iterator[None]:
-    """Let pyarrow use every core of this process's machine for a while. Spark starts its
-    Python workers with ``OMP_NUM_THREADS`` = ``spark.task.cpus`` (1), which pyarrow takes
-    for its thread pool: right for a task, but the commit of a job runs on the driver after
-    its tasks, and its publish of the epoch read ``half`` on one thread (1 GB in 1.4 s)."""
-    threads = pa.cpu_count()
-    pa.set_cpu_count(max(threads, os.cpu_count() or 1))
-    try:
-        yield
-    finally:
-        pa.set_cpu_count(threads)
-
-
 class _EpochWriter:
     """What the batch and the streaming writer share: staging in tasks, ending on the driver."""
 
@@ -411,15 +395,14 @@ class _EpochWriter:
             return
         configure_logging("INFO")
         started = time.perf_counter()
-        with _all_cores():
-            outcome = finish_epoch(
-                self._store(),
-                staged[0].sink_id,
-                epoch,
-                _pairs(staged),
-                self.options.producer_group,
-                "sink",
-            )
+        outcome = finish_epoch(
+            self._store(),
+            staged[0].sink_id,
+            epoch,
+            _pairs(staged),
+            self.options.producer_group,
+            "sink",
+        )
         failpoint("sink.published")
         _report(outcome, staged, time.perf_counter() - started)
 

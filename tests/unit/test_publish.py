@@ -27,7 +27,6 @@ from rmq_spark import Decision, LocalTransactionState, Message, Store
 from rmq_spark.config import Settings, StoreSettings
 from rmq_spark.errors import CorruptStoreError, StoreError
 from rmq_spark.schema import TABLES
-from rmq_spark.sink import _all_cores
 from rmq_spark.store import OP_CURSOR_APP_ID, queue_app_id, read_arrow
 from rmq_spark.streamed import read_ahead, write_in_parallel
 from rmq_spark.txnlog import app_transactions, follow
@@ -188,18 +187,6 @@ def test_a_parallel_write_keeps_every_row_once_and_in_order(tmp_path: Path) -> N
     with pytest.raises(ValueError, match="schema does not match"):  # a writer fails
         write_in_parallel(str(tmp_path), batches(60), bad, "topic", {}, 3, 50_000)
     assert threading.active_count() == before
-
-
-def test_the_commit_of_an_epoch_reads_with_every_core_and_gives_a_task_its_one_back() -> None:
-    """Spark starts Python workers with OMP_NUM_THREADS=1, which pyarrow takes for its thread
-    pool; a stream's commit (in such a worker, after the tasks) publishes with all cores."""
-    pa.set_cpu_count(1)
-    try:
-        with _all_cores():
-            assert pa.cpu_count() == os.cpu_count()
-        assert pa.cpu_count() == 1
-    finally:
-        pa.set_cpu_count(os.cpu_count())
 
 
 def _racing_publisher(root: str, name: str, barrier, out) -> None:
