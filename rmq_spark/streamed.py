@@ -237,7 +237,7 @@ def write_files(
         open_files.clear()
     finally:
         for f in open_files.values():
-            f.writer.close()
+            f.discard()
     return done
 
 
@@ -354,6 +354,15 @@ class _File:
             if low.is_valid:
                 self.low[name] = min(self.low.get(name, low.as_py()), low.as_py())
                 self.high[name] = max(self.high.get(name, high.as_py()), high.as_py())
+
+    def discard(self) -> None:
+        """Close a file no commit will add (a write that failed): it is left for VACUUM, as
+        a crash leaves it. The stream is the caller's to close, not the Parquet writer's; an
+        open S3 stream would finish its upload whenever it was collected."""
+        try:
+            self.writer.close()
+        finally:
+            self.stream.close()
 
     def close(self) -> AddAction:
         self.writer.close()
