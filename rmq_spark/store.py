@@ -626,6 +626,21 @@ class Store:
         check_group(producer_group)
         for message in messages:
             validate_message(message, self.settings.max_body_bytes)
+        return self.prepare_validated(
+            messages, producer_group, transaction_ids=transaction_ids, born_timestamp=born_timestamp
+        )
+
+    def prepare_validated(
+        self,
+        messages: Sequence[Message],
+        producer_group: str,
+        *,
+        transaction_ids: Sequence[str] | None = None,
+        born_timestamp: datetime | None = None,
+    ) -> list[PreparedMessage]:
+        """:meth:`prepare` without its checks, for messages and a group already validated
+        (:func:`validate_message`, :func:`check_group`): a producer checks each message as it
+        is sent, so its group commit, which every sender waits for, does not check it again."""
         fresh_ids = transaction_ids is None
         if transaction_ids is None:
             transaction_ids = [new_id() for _ in messages]

@@ -3,6 +3,7 @@ tables: racing writers of both kinds, conflicts, checkpoints, and processes kill
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from deltalake import DeltaTable, TableFeatures, write_deltalake
 from deltalake.exceptions import CommitFailedError
@@ -22,6 +24,7 @@ from rmq_spark.config import Settings, StoreSettings
 from rmq_spark.deltacommit import appendable, commit
 from rmq_spark.model import new_id
 from rmq_spark.schema import HALF_SCHEMA
+from rmq_spark.storage import filesystem
 from rmq_spark.store import read_arrow
 from rmq_spark.streamed import write_files
 
@@ -125,6 +128,27 @@ def test_direct_and_deltalake_writers_racing_lose_and_duplicate_nothing(tmp_path
     stored = store.read("half", ["msg_id"]).column("msg_id").to_pylist()
     assert sorted(stored) == sorted(sent) and len(sent) == 4 * 30 * 3 + 20
     contiguous(store.table_uri("half"))
+
+
+def test_written_files_are_described_by_their_add_actions(any_store: Store) -> None:
+    """The size an add action gives is the stored file's (readers find the Parquet footer by
+    it), through the output stream's buffer: one file of a single small batch (a producer's)
+    and one of several batches and row groups, on local disk and S3."""
+    fs, _ = filesystem(any_store.root, any_store.settings.storage_options)
+    uri = any_store.table_uri("half")
+    small = _half_rows(b"s")
+    large = [pa.concat_tables([_half_rows(os.urandom(3000), q) for q in range(400)])] * 3
+    for batches in ([small], large):
+        [action] = write_files(
+            uri, iter(batches), HALF_SCHEMA, None, any_store.settings.storage_options
+        )
+        path = f"{uri}/{action.path}"
+        assert action.size == fs.size(path) > 0
+        with fs.open(path, "rb") as stored:
+            data = pq.read_table(stored)
+        assert data.num_rows == sum(b.num_rows for b in batches)
+        assert json.loads(action.stats)["numRecords"] == data.num_rows
+        assert data.column("body").to_pylist() == pa.concat_tables(batches)["body"].to_pylist()
 
 
 def test_a_commit_after_a_table_change_is_refused_and_the_append_retried(any_store: Store) -> None:
