@@ -537,7 +537,7 @@ class TransactionMQProducer:
 
     # -------------------------------------------------------------- batch handlers
     def _prepare_batch(self, messages: list[Message]) -> list[PreparedMessage]:
-        return self.store.prepare_validated(messages, self.producer_group)
+        return self.store.prepare(messages, self.producer_group, validated=True)
 
     def _publish_batch(self, items: list[Decision | Message]) -> list[Any]:
         decisions = [i for i in items if isinstance(i, Decision)]

@@ -603,6 +603,7 @@ class Store:
         *,
         transaction_ids: Sequence[str] | None = None,
         born_timestamp: datetime | None = None,
+        validated: bool = False,
     ) -> list[PreparedMessage]:
         """Write half messages (durable, invisible) in one Delta commit.
 
@@ -617,30 +618,20 @@ class Store:
             transaction per message.
         born_timestamp : datetime, optional
             The producer's clock at send time (defaults to now).
+        validated : bool, default False
+            The messages and the group were checked already (:func:`validate_message`,
+            :func:`check_group`); they are not checked again. A producer checks each message as
+            it is sent, so its group commit, which every sender waits for, skips the checks.
 
         Returns
         -------
         list of PreparedMessage
             In the order of ``messages``, all with the same ``half_version``.
         """
-        check_group(producer_group)
-        for message in messages:
-            validate_message(message, self.settings.max_body_bytes)
-        return self.prepare_validated(
-            messages, producer_group, transaction_ids=transaction_ids, born_timestamp=born_timestamp
-        )
-
-    def prepare_validated(
-        self,
-        messages: Sequence[Message],
-        producer_group: str,
-        *,
-        transaction_ids: Sequence[str] | None = None,
-        born_timestamp: datetime | None = None,
-    ) -> list[PreparedMessage]:
-        """:meth:`prepare` without its checks, for messages and a group already validated
-        (:func:`validate_message`, :func:`check_group`): a producer checks each message as it
-        is sent, so its group commit, which every sender waits for, does not check it again."""
+        if not validated:
+            check_group(producer_group)
+            for message in messages:
+                validate_message(message, self.settings.max_body_bytes)
         fresh_ids = transaction_ids is None
         if transaction_ids is None:
             transaction_ids = [new_id() for _ in messages]
