@@ -50,9 +50,10 @@ PARALLEL_WRITERS = max(1, min(4, os.cpu_count() or 1))
 #: holds in memory at once (a publish reading ``half`` a batch at a time, the source).
 ROW_GROUP_BYTES = 8 * 1024 * 1024
 #: Bytes a data file's output stream gathers before writing: the Parquet writer writes every
-#: page header, page and footer separately (about 60 writes and 35 seeks for a producer's
-#: file of 64 messages); buffered, a small file is one write.
-STREAM_BUFFER_BYTES = 1024 * 1024
+#: page header, page and footer separately (about 60 writes for a producer's file of 64
+#: messages of 256 B); buffered, such a file is one write. Allocated when the file is opened,
+#: so small: a publish keeps a file open per topic.
+STREAM_BUFFER_BYTES = 64 * 1024
 #: Columns whose statistics the written files carry (what readers prune by): ids, routing
 #: columns and timestamps; not bodies, keys or properties.
 _STATS_COLUMNS = frozenset(
