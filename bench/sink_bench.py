@@ -4,9 +4,11 @@ The same rows, cached in memory, are written in the same run with:
 * `df.write.format("delta")` to a fresh table (the baseline);
 * `df.write.format("rmqtx")`: staged as half messages by the tasks, then the epoch is closed,
   committed and published into the CommitLog.
-Prints both times, the ratio, and where the sink's time goes (staging vs commit/publish).
+Prints both times and the ratio. With --repeat N, N pairs of writes alternate which writer
+goes first (the second of a pair pays for the first one's page-cache writeback), and the
+summary gives the medians: on a noisy machine one pair can be off by half.
 
-Usage: python bench/sink_bench.py [--rows 1000000] [--body-bytes 1024] [--s3]
+Usage: python bench/sink_bench.py [--rows 1000000] [--body-bytes 1024] [--repeat 1] [--s3]
 (--s3: the same on an S3 root served by MinIO, in the same run; needs make objectstore)
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import statistics
 import time
 
 from roots import Root, bench_roots, spark_for
@@ -29,8 +32,9 @@ def timed(label: str, action) -> float:
     return seconds
 
 
-def measure(spark, df, root: Root, rows: int) -> tuple[float, float]:
-    """Seconds of the Delta baseline and of the rmqtx sink on one root."""
+def measure(spark, df, root: Root, rows: int, repeat: int) -> tuple[float, float]:
+    """Median seconds of the Delta baseline and of the rmqtx sink on one root, over
+    ``repeat`` pairs of writes (each to a new table or topic)."""
     store = root.store()
     df.limit(1000).write.format("delta").save(f"{root.base}/warm")  # JVM warm-up
 
@@ -39,25 +43,26 @@ def measure(spark, df, root: Root, rows: int) -> tuple[float, float]:
         return root.rmqtx(io, store)
 
     writer(df.limit(1000), "Warm").save()  # starts the Python workers
-    delta_s = timed(
-        "df.write.format('delta')", lambda: df.write.format("delta").save(f"{root.base}/delta")
-    )
-    rmqtx_s = timed(
-        "df.write.format('rmqtx')",
-        lambda: writer(df, "Bench").option("sinkId", "bench").save(),
-    )
-    published = root.rmqtx(spark.read, store).option("topic", "Bench").load().count()
-    assert published == rows, published
-    print(f"  ratio rmqtx / delta: {rmqtx_s / delta_s:.2f}x")
-    print(f"  epoch closed with {len(closed_epoch(store, 'bench', 0) or ())} transaction(s)")
-    print(f"  half table commits: {len(store.table('half').history())}; {published:,} published")
-    return delta_s, rmqtx_s
+    times: dict[str, list[float]] = {"delta": [], "rmqtx": []}
+    for n in range(repeat):
+        writes = {
+            "delta": lambda n=n: df.write.format("delta").save(f"{root.base}/delta-{n}"),
+            "rmqtx": lambda n=n: writer(df, f"Bench{n}").option("sinkId", f"bench-{n}").save(),
+        }
+        for name in sorted(writes, reverse=n % 2 == 1):  # delta first, then rmqtx first...
+            times[name].append(timed(f"df.write.format({name!r}) #{n + 1}", writes[name]))
+        published = root.rmqtx(spark.read, store).option("topic", f"Bench{n}").load().count()
+        assert published == rows, published
+        print(f"  ratio of pair #{n + 1}: {times['rmqtx'][-1] / times['delta'][-1]:.2f}x")
+    print(f"  epoch closed with {len(closed_epoch(store, 'bench-0', 0) or ())} transaction(s)")
+    return statistics.median(times["delta"]), statistics.median(times["rmqtx"])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--body-bytes", type=int, default=1024)
+    parser.add_argument("--repeat", type=int, default=1, help="pairs of writes (medians)")
     parser.add_argument("--s3", action="store_true", help="also on an S3 root served by MinIO")
     args = parser.parse_args()
     logging.getLogger("py4j").setLevel(logging.WARNING)
@@ -75,8 +80,9 @@ def main() -> None:
         results = {}
         for root in roots:
             print(f"on {root.label}:", flush=True)
-            results[root.label] = measure(spark, df, root, args.rows)
-        print(f"{'root':<14} {'delta s':>8} {'rmqtx s':>8} {'ratio':>6}")
+            results[root.label] = measure(spark, df, root, args.rows, args.repeat)
+        medians = f", medians of {args.repeat} pairs" if args.repeat > 1 else ""
+        print(f"{'root':<14} {'delta s':>8} {'rmqtx s':>8} {'ratio':>6}{medians}")
         for label, (delta_s, rmqtx_s) in results.items():
             print(f"{label:<14} {delta_s:8.1f} {rmqtx_s:8.1f} {rmqtx_s / delta_s:5.2f}x")
         spark.stop()
