@@ -8,7 +8,7 @@ Prints both times and the ratio. With --repeat N, N pairs of writes alternate wh
 goes first (the second of a pair pays for the first one's page-cache writeback), and the
 summary gives the medians: on a noisy machine one pair can be off by half.
 
-Usage: python bench/sink_bench.py [--rows 1000000] [--body-bytes 1024] [--repeat 1] [--s3]
+Usage: python bench/sink_bench.py [--rows 1000000] [--body-bytes 1024] [--repeat 3] [--s3]
 (--s3: the same on an S3 root served by MinIO, in the same run; needs make objectstore)
 """
 
@@ -62,7 +62,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--body-bytes", type=int, default=1024)
-    parser.add_argument("--repeat", type=int, default=1, help="pairs of writes (medians)")
+    parser.add_argument("--repeat", type=int, default=3, help="pairs of writes (medians)")
     parser.add_argument("--s3", action="store_true", help="also on an S3 root served by MinIO")
     args = parser.parse_args()
     logging.getLogger("py4j").setLevel(logging.WARNING)
