@@ -6,7 +6,8 @@ The same rows, cached in memory, are written in the same run with:
   committed and published into the CommitLog.
 Prints both times and the ratio. With --repeat N, N pairs of writes alternate which writer
 goes first (the second of a pair pays for the first one's page-cache writeback), and the
-summary gives the medians: on a noisy machine one pair can be off by half.
+summary gives each writer's median time and their ratio: on a noisy machine one pair can be
+off by half.
 
 Usage: python bench/sink_bench.py [--rows 1000000] [--body-bytes 1024] [--repeat 3] [--s3]
 (--s3: the same on an S3 root served by MinIO, in the same run; needs make objectstore)
