@@ -40,7 +40,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
@@ -1309,7 +1309,10 @@ class Store:
             uri, options = self.table_uri("commitlog"), self.settings.storage_options
             try:
                 if streamed:
-                    files = write_in_parallel(uri, read_ahead(stream), *_COMMITLOG_FILES, options)
+                    # Closed here: a write that stops early (a writer failed) stops the reader's
+                    # helper thread now, not when the traceback that holds it is collected.
+                    with closing(read_ahead(stream)) as ahead:
+                        files = write_in_parallel(uri, ahead, *_COMMITLOG_FILES, options)
                 else:
                     files = write_files(uri, iter([batch]), *_COMMITLOG_FILES, options)
                 version = self._commit_files(
