@@ -7,7 +7,9 @@ The same rows, cached in memory, are written in the same run with:
 Prints both times and the ratio. With --repeat N, N pairs of writes alternate which writer
 goes first (the second of a pair pays for the first one's page-cache writeback), and the
 summary gives each writer's median time and their ratio: on a noisy machine one pair can be
-off by half.
+off by half. Each rmqtx write is split at the moment its epoch closed (``epochs``): before,
+Spark's tasks staged the rows; after, the driver's commit copied them into the CommitLog.
+The staging alone, against Delta's write, is what a sink writing every row once would cost.
 
 Usage: python bench/sink_bench.py [--rows 1000000] [--body-bytes 1024] [--repeat 3] [--s3]
 (--s3: the same on an S3 root served by MinIO, in the same run; needs make objectstore)
@@ -33,9 +35,15 @@ def timed(label: str, action) -> float:
     return seconds
 
 
-def measure(spark, df, root: Root, rows: int, repeat: int) -> tuple[float, float]:
-    """Median seconds of the Delta baseline and of the rmqtx sink on one root, over
-    ``repeat`` pairs of writes (each to a new table or topic)."""
+def closed_at(store, sink_id: str) -> float:
+    """When the sink's epoch 0 was closed (its tasks had staged everything), in epoch seconds."""
+    rows = store.query("epochs", f"sink_id = '{sink_id}' AND epoch = 0")
+    return rows.column("closed_timestamp")[0].as_py().timestamp()
+
+
+def measure(spark, df, root: Root, rows: int, repeat: int) -> tuple[float, float, float]:
+    """Median seconds of the Delta baseline, of the rmqtx sink and of its tasks' staging on
+    one root, over ``repeat`` pairs of writes (each to a new table or topic)."""
     store = root.store()
     df.limit(1000).write.format("delta").save(f"{root.base}/warm")  # JVM warm-up
 
@@ -44,19 +52,27 @@ def measure(spark, df, root: Root, rows: int, repeat: int) -> tuple[float, float
         return root.rmqtx(io, store)
 
     writer(df.limit(1000), "Warm").save()  # starts the Python workers
-    times: dict[str, list[float]] = {"delta": [], "rmqtx": []}
+    times: dict[str, list[float]] = {"delta": [], "rmqtx": [], "staging": []}
     for n in range(repeat):
         writes = {
             "delta": lambda n=n: df.write.format("delta").save(f"{root.base}/delta-{n}"),
             "rmqtx": lambda n=n: writer(df, f"Bench{n}").option("sinkId", f"bench-{n}").save(),
         }
+        started = {}
         for name in sorted(writes, reverse=n % 2 == 1):  # delta first, then rmqtx first...
+            started[name] = time.time()
             times[name].append(timed(f"df.write.format({name!r}) #{n + 1}", writes[name]))
+        staging = closed_at(store, f"bench-{n}") - started["rmqtx"]
+        times["staging"].append(staging)
+        print(
+            f"    of which the tasks' staging {staging:.1f} s, the driver's commit and publish "
+            f"{times['rmqtx'][-1] - staging:.1f} s"
+        )
         published = root.rmqtx(spark.read, store).option("topic", f"Bench{n}").load().count()
         assert published == rows, published
         print(f"  ratio of pair #{n + 1}: {times['rmqtx'][-1] / times['delta'][-1]:.2f}x")
     print(f"  epoch closed with {len(closed_epoch(store, 'bench-0', 0) or ())} transaction(s)")
-    return statistics.median(times["delta"]), statistics.median(times["rmqtx"])
+    return tuple(statistics.median(times[k]) for k in ("delta", "rmqtx", "staging"))
 
 
 def main() -> None:
@@ -83,9 +99,15 @@ def main() -> None:
             print(f"on {root.label}:", flush=True)
             results[root.label] = measure(spark, df, root, args.rows, args.repeat)
         medians = f", medians of {args.repeat} pairs" if args.repeat > 1 else ""
-        print(f"{'root':<14} {'delta s':>8} {'rmqtx s':>8} {'ratio':>6}{medians}")
-        for label, (delta_s, rmqtx_s) in results.items():
-            print(f"{label:<14} {delta_s:8.1f} {rmqtx_s:8.1f} {rmqtx_s / delta_s:5.2f}x")
+        print(
+            f"{'root':<14} {'delta s':>8} {'rmqtx s':>8} {'ratio':>6} {'staging s':>9} "
+            f"{'ratio':>6}{medians}"
+        )
+        for label, (delta_s, rmqtx_s, staging_s) in results.items():
+            print(
+                f"{label:<14} {delta_s:8.1f} {rmqtx_s:8.1f} {rmqtx_s / delta_s:5.2f}x "
+                f"{staging_s:9.1f} {staging_s / delta_s:5.2f}x"
+            )
         spark.stop()
 
 
