@@ -129,6 +129,8 @@ PENDING_OP_APP_ID = "rmqtx.pending.op_version"
 #: or the ``log_retention`` if shorter), for the operations under way: a commit's conflict
 #: check reads the commits after its snapshot.
 UNNEEDED_LOG_SECONDS = 10.0
+#: A publish of one large decision (streamed) logs how far it is at INFO this often.
+PROGRESS_SECONDS = 30.0
 _QUEUE_APP_ID_PREFIX = "rmqtx.queue."
 _QUEUE_APP_ID = _QUEUE_APP_ID_PREFIX + "{topic}.{queue_id}"
 _EARLIEST_APP_ID_PREFIX = "rmqtx.earliest."
@@ -1298,7 +1300,7 @@ class Store:
                 raise CommitFailedError("another publisher moved the op cursor")
             queues = self._per_queue(_QUEUE_APP_ID_PREFIX, head.txns)
             if streamed:
-                stream, next_offsets, written = self._stream_offsets(batch, queues)
+                stream, next_offsets, written = self._stream_offsets(batch, queues, end)
                 batch = COMMITLOG_SCHEMA.empty_table()
             else:
                 batch, next_offsets = self._assign_offsets(queues, batch)
@@ -1339,6 +1341,14 @@ class Store:
                     strict=True,
                 )
             )
+            if streamed:
+                log.info(
+                    "published one large decision (op version %d): %s message(s) in commitlog "
+                    "version %d",
+                    end,
+                    f"{written:,}",
+                    version,
+                )
             log.debug("published %d message(s) up to op version %d", written, end)
             result = PublishResult(written + len(landed), max(end, cursor), version, landed + sent)
             return result, last
@@ -1487,14 +1497,15 @@ class Store:
         return end, _as_commitlog(halves, self.clock())
 
     def _stream_offsets(
-        self, version: LargeVersion, next_offsets: Mapping[tuple[str, int], int]
+        self, version: LargeVersion, next_offsets: Mapping[tuple[str, int], int], op_version: int
     ) -> tuple[Iterator[pa.Table], dict[tuple[str, int], int], int]:
-        """The committed messages of one op version too large to hold, as a stream of
+        """The committed messages of ``op_version``, too large to hold, as a stream of
         CommitLog rows with offsets after ``next_offsets``: ``(stream, the next offsets of the
         queues it moves, messages)``.
 
         A first pass reads only the routing columns to count each queue's messages (the commit
-        names its queues' next offsets); the second reads the messages a batch at a time.
+        names its queues' next offsets); the second reads the messages a batch at a time, and
+        logs its progress every :data:`PROGRESS_SECONDS`.
         """
         options = self.settings.storage_options
         routing = read_files(
@@ -1513,10 +1524,24 @@ class Store:
 
         def stream() -> Iterator[pa.Table]:
             running = dict(next_offsets)
+            copied, started = 0, time.monotonic()
+            reported = started
             for rows in version.batches(options):
                 rows, advanced = self._assign_offsets(running, _as_commitlog(rows, now))
                 running.update(advanced)
                 yield rows
+                copied += rows.num_rows
+                if time.monotonic() - reported >= PROGRESS_SECONDS:
+                    reported = time.monotonic()
+                    log.info(
+                        "publishing one large decision (op version %d): %s of %s message(s) "
+                        "copied into commitlog (%d%%, %.0f s)",
+                        op_version,
+                        f"{copied:,}",
+                        f"{routing.num_rows:,}",
+                        100 * copied // max(routing.num_rows, 1),
+                        reported - started,
+                    )
             if {k: running.get(k) for k in moved} != moved:
                 raise CorruptStoreError(
                     "the half messages of one decision differ between two reads of the same "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import subprocess
 import sys
 import textwrap
@@ -132,6 +133,28 @@ def test_one_decision_larger_than_the_limits_is_one_commit(tmp_path: Path) -> No
         ["normal"],
     ]
     check_published(store, ["small-0", "small-1", *[f"big-{i}" for i in range(8)], "normal"])
+
+
+def test_a_large_version_reports_its_progress_and_its_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Publishing one large decision (a sink epoch of a whole job) can take minutes on the
+    driver: it logs how far it is at INFO, every PROGRESS_SECONDS, and when it is done."""
+    monkeypatch.setattr("rmq_spark.store.PROGRESS_SECONDS", 0.0)
+    monkeypatch.setattr("rmq_spark.streamed.BATCH_ROWS", 4)  # batches of 4 rows read from half
+    store = open_store(tmp_path / "s", publish_max_messages=3)
+    store.prepare([Message("A", f"big-{i}") for i in range(10)], "pg", transaction_ids=["b"] * 10)
+    store.end_transactions([Decision("b", "pg", COMMIT)], publish=False)
+    with caplog.at_level("INFO", logger="rmq_spark.store"):
+        store.publish()
+    lines = [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
+    assert [re.sub(r" \(\d+%, \d+ s\)$", "", line) for line in lines] == [
+        "publishing one large decision (op version 1): 4 of 10 message(s) copied into commitlog",
+        "publishing one large decision (op version 1): 8 of 10 message(s) copied into commitlog",
+        "publishing one large decision (op version 1): 10 of 10 message(s) copied into commitlog",
+        "published one large decision (op version 1): 10 message(s) in commitlog version 1",
+    ]
+    check_published(store, [f"big-{i}" for i in range(10)])
 
 
 def test_a_large_version_is_read_ahead_in_order_and_its_errors_reach_the_writer() -> None:
