@@ -6,10 +6,12 @@ The same rows, cached in memory, are written in the same run with:
   committed and published into the CommitLog.
 Prints both times and the ratio. With --repeat N, N pairs of writes alternate which writer
 goes first (the second of a pair pays for the first one's page-cache writeback), and the
-summary gives each writer's median time and their ratio: on a noisy machine one pair can be
-off by half. Each rmqtx write is split at the moment its epoch closed (``epochs``): before,
-Spark's tasks staged the rows; after, the driver's commit copied them into the CommitLog.
-The staging alone, against Delta's write, is what a sink writing every row once would cost.
+summary gives each writer's median time and the median of the pairs' ratios: on a noisy
+machine one pair can be off by half, and the machine's speed drifts within a run, so the two
+writers' median times can come from pairs run at different speeds. Each rmqtx write is split
+at the moment its epoch closed (``epochs``): before, Spark's tasks staged the rows; after,
+the driver's commit copied them into the CommitLog. The staging alone, against Delta's
+write, is what a sink writing every row once would cost.
 
 Usage: python bench/sink_bench.py [--rows 1000000] [--body-bytes 1024] [--repeat 3] [--s3]
 (--s3: the same on an S3 root served by MinIO, in the same run; needs make objectstore)
@@ -41,9 +43,10 @@ def closed_at(store, sink_id: str) -> float:
     return rows.column("closed_timestamp")[0].as_py().timestamp()
 
 
-def measure(spark, df, root: Root, rows: int, repeat: int) -> tuple[float, float, float]:
-    """Median seconds of the Delta baseline, of the rmqtx sink and of its tasks' staging on
-    one root, over ``repeat`` pairs of writes (each to a new table or topic)."""
+def measure(spark, df, root: Root, rows: int, repeat: int) -> dict[str, float]:
+    """Over ``repeat`` pairs of writes on one root (each to a new table or topic): the median
+    seconds of the Delta baseline, of the rmqtx sink and of its tasks' staging, and the
+    median of the pairs' ratios of rmqtx, and of its staging, to Delta."""
     store = root.store()
     df.limit(1000).write.format("delta").save(f"{root.base}/warm")  # JVM warm-up
 
@@ -72,7 +75,12 @@ def measure(spark, df, root: Root, rows: int, repeat: int) -> tuple[float, float
         assert published == rows, published
         print(f"  ratio of pair #{n + 1}: {times['rmqtx'][-1] / times['delta'][-1]:.2f}x")
     print(f"  epoch closed with {len(closed_epoch(store, 'bench-0', 0) or ())} transaction(s)")
-    return tuple(statistics.median(times[k]) for k in ("delta", "rmqtx", "staging"))
+    medians = {k: statistics.median(v) for k, v in times.items()}
+    for k in ("rmqtx", "staging"):
+        medians[f"{k} ratio"] = statistics.median(
+            mine / delta for mine, delta in zip(times[k], times["delta"], strict=True)
+        )
+    return medians
 
 
 def main() -> None:
@@ -103,10 +111,10 @@ def main() -> None:
             f"{'root':<14} {'delta s':>8} {'rmqtx s':>8} {'ratio':>6} {'staging s':>9} "
             f"{'ratio':>6}{medians}"
         )
-        for label, (delta_s, rmqtx_s, staging_s) in results.items():
+        for label, m in results.items():
             print(
-                f"{label:<14} {delta_s:8.1f} {rmqtx_s:8.1f} {rmqtx_s / delta_s:5.2f}x "
-                f"{staging_s:9.1f} {staging_s / delta_s:5.2f}x"
+                f"{label:<14} {m['delta']:8.1f} {m['rmqtx']:8.1f} {m['rmqtx ratio']:5.2f}x "
+                f"{m['staging']:9.1f} {m['staging ratio']:5.2f}x"
             )
         spark.stop()
 
