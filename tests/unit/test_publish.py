@@ -145,6 +145,7 @@ def test_a_large_version_reports_its_progress_and_its_end(
     store = open_store(tmp_path / "s", publish_max_messages=3)
     store.prepare([Message("A", f"big-{i}") for i in range(10)], "pg", transaction_ids=["b"] * 10)
     store.end_transactions([Decision("b", "pg", COMMIT)], publish=False)
+    caplog.clear()  # what the setup logged (the store's creation, when INFO is on already)
     with caplog.at_level("INFO", logger="rmq_spark.store"):
         store.publish()
     lines = [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
