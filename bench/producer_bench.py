@@ -9,12 +9,19 @@ Baselines measured in the same run:
 "first/last tenth" is the send rate in the first and in the last tenth of a run: a producer
 that slows down as its store grows shows it there (run enough messages for that to show).
 
+"CPU per send" splits the process's CPU time by who spent it: the senders' threads, the
+group committers of half messages (prepare) and of decisions (publish), the background
+maintenance (compaction, log cleanup, checkpoints) and the native thread pools of deltalake
+and Arrow. On two cores, sends/s can be at most 2 s / (CPU per send), and the Python threads
+share one interpreter lock.
+
 Usage: python bench/producer_bench.py [--messages 4000] [--body-bytes 256]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import threading
 import time
@@ -44,17 +51,25 @@ class CommitAll(TransactionListener):
 
 
 def run_threads(
-    senders: int, total: int, send: Callable[[int], None], done: list[float] | None = None
+    senders: int,
+    total: int,
+    send: Callable[[int], None],
+    done: list[float] | None = None,
+    cpu: list[float] | None = None,
 ) -> float:
     """Run ``total`` sends split over ``senders`` threads; return elapsed seconds. ``done``
-    gets each send's completion time (``time.perf_counter()``)."""
+    gets each send's completion time (``time.perf_counter()``), ``cpu`` each thread's CPU
+    seconds."""
     per = total // senders  # callers pass a multiple of senders
 
     def worker(n: int) -> None:
+        start = time.thread_time()
         for i in range(per):
             send(n * per + i)
             if done is not None:
                 done.append(time.perf_counter())
+        if cpu is not None:
+            cpu.append(time.thread_time() - start)
 
     pool = [threading.Thread(target=worker, args=(n,)) for n in range(senders)]
     start = time.perf_counter()
@@ -84,6 +99,54 @@ def tenths(done: list[float]) -> tuple[float, float]:
     first = sum(t < start + tenth for t in done) / tenth
     last = sum(t > end - tenth for t in done) / tenth
     return first, last
+
+
+#: Python thread names (prefixes) of the producer's and the store's threads, by role.
+ROLES = {
+    "rmqtx-prepare-": "prepare",
+    "rmqtx-publish-": "publish",
+    "rmqtx-maintain-": "maintenance",
+    "rmqtx-checkpoint-": "maintenance",
+}
+
+
+def thread_cpu() -> dict[int, float]:
+    """CPU seconds of each thread of this process, by native thread id (Linux's /proc; none
+    elsewhere)."""
+    if not os.path.isdir("/proc/self/task"):
+        return {}
+    tick = os.sysconf("SC_CLK_TCK")
+    found = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
+        found[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
+    return found
+
+
+def cpu_split(before: dict[int, float], process: float, senders: float, sends: int) -> str:
+    """Microseconds of CPU per send by role, from :func:`thread_cpu` before and now, the
+    process's and the sender threads' CPU seconds over the same run."""
+    total = f"CPU per send: {1e6 * process / sends:,.0f} us"
+    if not before:
+        return total
+    roles = {
+        t.native_id: role
+        for t in threading.enumerate()
+        for p, role in ROLES.items()
+        if t.name.startswith(p)
+    }
+    spent = {"senders": senders}
+    for tid, seconds in thread_cpu().items():
+        role = roles.get(tid)
+        if role is not None:
+            spent[role] = spent.get(role, 0.0) + seconds - before.get(tid, 0.0)
+    spent["native pools and the rest"] = max(process - sum(spent.values()), 0.0)
+    parts = ", ".join(f"{role} {1e6 * s / sends:,.0f}" for role, s in spent.items())
+    return f"{total} ({parts})"
 
 
 def rows(count: int, body: bytes) -> pa.Table:
@@ -138,7 +201,9 @@ def main() -> None:
             total -= total % senders
             store = Store.open(Path(tmp) / f"store-{senders}")
             done: list[float] = []
+            sender_cpu: list[float] = []
             with TransactionMQProducer("bench", CommitAll(), store=store) as producer:
+                before, process = thread_cpu(), time.process_time()
                 elapsed = run_threads(
                     senders,
                     total,
@@ -146,11 +211,13 @@ def main() -> None:
                         Message("Bench", body, keys=f"k{i}")
                     ),
                     done,
+                    sender_cpu,
                 )
                 # Until every COMMIT is published: end-to-end, not just the sends.
                 flush_start = time.perf_counter()
                 producer.flush()
                 elapsed += time.perf_counter() - flush_start
+                split = cpu_split(before, time.process_time() - process, sum(sender_cpu), total)
             published = store.table("commitlog").to_pyarrow_table().num_rows
             assert published == total, (published, total)
             plain_uri = str(Path(tmp) / f"plain-{senders}")
@@ -165,7 +232,8 @@ def main() -> None:
             print(
                 f"{senders:>7} {tx_rate:>20,.0f} {f'{first:,.0f} / {last:,.0f}':>17} "
                 f"{plain_rate:>23,.0f} "
-                f"{tx_rate / plain_rate:>9.1f}x {tx_rate / bulk_rate:>7.2f}x",
+                f"{tx_rate / plain_rate:>9.1f}x {tx_rate / bulk_rate:>7.2f}x\n"
+                f"{'':>7} {split}",
                 flush=True,
             )
 
