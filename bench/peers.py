@@ -330,7 +330,8 @@ def kafka_spark(messages: int) -> KafkaResult | None:
 
     Runs ``kafka/fetch.sh`` when the jars or the venv are missing under
     ``/tmp/anchors/kafka``, ``broker.sh start``, then ``bench_kafka.py N`` with the anchor's
-    own venv (pyspark 4.2.0, ``local[2]``), and always ``broker.sh stop`` afterwards.
+    own venv (pyspark 4.2.0, ``local[2]``), and always ``broker.sh stop`` afterwards (the
+    broker's messages are removed then).
 
     Parameters
     ----------
@@ -378,6 +379,8 @@ def kafka_spark(messages: int) -> KafkaResult | None:
         )
     finally:
         _run([broker, "stop"], env=env, timeout=120)
+        # The broker keeps the benchmark's messages (a GiB per million) until its next start.
+        shutil.rmtree(KAFKA_HOME / "data" / "kraft-logs", ignore_errors=True)
     sink = [m for m in map(_KAFKA_SINK.match, lines) if m]
     source = [m for m in map(_KAFKA_SOURCE.match, lines) if m]
     if not sink or not source:

@@ -8,6 +8,7 @@ test gets a store root of its own in one bucket.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import time
@@ -23,6 +24,9 @@ SECRET_KEY = "rmqspark-secret"
 BUCKET = "rmqtx"
 REGION = "us-east-1"
 DEFAULT_BINARY = Path(__file__).resolve().parents[1] / ".tools" / "bin" / "minio"
+#: MinIO refuses every write (``XMinioStorageFull``) once a write would leave less than 1% of
+#: its drive free (``diskFillFraction``); a test session writes well under this margin.
+FREE_MARGIN_BYTES = 2 << 30
 
 
 def binary() -> Path:
@@ -70,9 +74,24 @@ class Minio:
             self.process.wait()
 
 
+def check_free_space(data: Path) -> None:
+    """Fail before starting when the drive under ``data`` is too full for MinIO to accept
+    writes: otherwise every object-store test fails later with ``XMinioStorageFull``."""
+    usage = shutil.disk_usage(data)
+    needed = usage.total // 100 + FREE_MARGIN_BYTES
+    if usage.free < needed:
+        raise RuntimeError(
+            f"the drive holding {str(data)!r} has {usage.free / 2**30:.1f} GiB free, and MinIO "
+            f"refuses writes below 1% of it plus what is written ({needed / 2**30:.1f} GiB "
+            "here): free some space (old pytest temporary folders, benchmark stores, clones) "
+            "and run again"
+        )
+
+
 def start(data: Path) -> Minio:
     """Start MinIO on a free loopback port with its data under ``data``; make the bucket."""
     data.mkdir(parents=True, exist_ok=True)
+    check_free_space(data)
     port = free_port()
     log = data.parent / "minio.log"
     env = {

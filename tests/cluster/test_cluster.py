@@ -54,6 +54,10 @@ def test_batch_sink_writes_from_executors(spark_cluster, cluster_store, tmp_path
     # Every row was made in an executor's working directory under a worker's work dir.
     work = [str(w) for w in spark_cluster.work_dirs]
     assert all(any(p["cwd"].startswith(w) for w in work) for p in properties)
+    # The executors used the jars where they are: a copy per executor of every submission
+    # (667 MB of S3A jars) filled the drive over a test session.
+    copied = [str(j) for w in spark_cluster.work_dirs for j in w.glob("app-*/*/*.jar")]
+    assert not copied, copied
 
 
 def test_streaming_source_and_sink_restart_from_checkpoints_on_s3(
