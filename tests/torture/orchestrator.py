@@ -661,7 +661,15 @@ def run(seed: int | None = None, seconds: float = 120.0, root: str | Path | None
     root.mkdir(parents=True, exist_ok=True)
     orchestrator = Orchestrator(Options(seed=seed, chaos_seconds=seconds, root=root, **overrides))
     print(f"rmq-spark torture: seed {seed}, chaos {seconds:.0f} s, run dir {root}", flush=True)
-    result = orchestrator.run_all()
+    conf = os.environ.get("RMQ_SPARK_CONF")
+    try:
+        result = orchestrator.run_all()
+    finally:
+        # The run points this process at its own settings file; the caller gets its own back.
+        if conf is None:
+            os.environ.pop("RMQ_SPARK_CONF", None)
+        else:
+            os.environ["RMQ_SPARK_CONF"] = conf
     report = format_report(result)
     (root / "report.txt").write_text(report)
     (root / "report.json").write_text(json.dumps(jsonable(result), indent=1))

@@ -22,6 +22,9 @@ def test_exactly_once_under_adversity(tmp_path) -> None:
     # A fixed seed in the suite (its decisions replay; timings still vary); any seed on demand.
     seed = int(os.environ.get("TORTURE_SEED", "5"))
     seconds = float(os.environ.get("TORTURE_SECONDS", "100"))
+    conf = os.environ.get("RMQ_SPARK_CONF")
     result, report = run(seed, seconds, tmp_path / "torture", verbose=False)
     print(report)
     assert not result["violations"], "\n" + report
+    # The run's settings file goes with its folder: every later test would read it.
+    assert os.environ.get("RMQ_SPARK_CONF") == conf
