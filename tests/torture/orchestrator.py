@@ -158,7 +158,7 @@ class Orchestrator:
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
         from rmq_spark import Store
-        from rmq_spark.config import load_settings
+        from rmq_spark.config import CONF_ENV, load_settings
 
         for d in (self.logs, self.root / "inputs" / "batches", self.root / "dbs"):
             d.mkdir(parents=True, exist_ok=True)
@@ -198,12 +198,12 @@ level = "INFO"
             "PYTHONPATH": os.pathsep.join(
                 [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
             ),
-            "RMQ_SPARK_CONF": str(self.conf),
+            CONF_ENV: str(self.conf),
             "PYTHONUNBUFFERED": "1",
         }
         self.env.pop("RMQ_SPARK_FAILPOINT", None)
         self.env.setdefault("RMQ_SPARK_JARS", str(REPO / ".jars"))
-        os.environ["RMQ_SPARK_CONF"] = str(self.conf)
+        os.environ[CONF_ENV] = str(self.conf)
         Store.open(self.store, settings=load_settings(self.conf))
         self.run = {
             "seed": o.seed,
@@ -661,15 +661,17 @@ def run(seed: int | None = None, seconds: float = 120.0, root: str | Path | None
     root.mkdir(parents=True, exist_ok=True)
     orchestrator = Orchestrator(Options(seed=seed, chaos_seconds=seconds, root=root, **overrides))
     print(f"rmq-spark torture: seed {seed}, chaos {seconds:.0f} s, run dir {root}", flush=True)
-    conf = os.environ.get("RMQ_SPARK_CONF")
+    from rmq_spark.config import CONF_ENV
+
+    conf = os.environ.get(CONF_ENV)
     try:
         result = orchestrator.run_all()
     finally:
         # The run points this process at its own settings file; the caller gets its own back.
         if conf is None:
-            os.environ.pop("RMQ_SPARK_CONF", None)
+            os.environ.pop(CONF_ENV, None)
         else:
-            os.environ["RMQ_SPARK_CONF"] = conf
+            os.environ[CONF_ENV] = conf
     report = format_report(result)
     (root / "report.txt").write_text(report)
     (root / "report.json").write_text(json.dumps(jsonable(result), indent=1))
