@@ -23,6 +23,16 @@ from the latest snapshot. So does an entry gone before it could be read, and a b
 whose own entry is gone (deltalake's own guard: once the log after a snapshot was cleaned,
 a version written on it could take a place the table has moved past).
 
+A put only if absent is sound only while no entry at or after its version can have been
+deleted. A writer stalled between its check of the base entry and its put (a GC or swap stall,
+a paused VM) can wake after others committed past a checkpoint and the log cleanup deleted the
+entries below it: its put then succeeds in the cleaned hole, below the checkpoint every reader
+starts from. So after the put the commit confirms it is reachable (:meth:`_Log.reachable`: no
+checkpoint at or after it, and the entry before it still there) and otherwise counts as lost:
+``CommitFailedError``, retried at the table's head. The stray entry is unreachable; the log
+cleanup deletes it with the others below the checkpoint. (A retried append adds the same files,
+which Delta reconciles by path; decisions and publishes record application ids, which conflict.)
+
 The commit that reaches the table's ``delta.checkpointInterval`` is followed by the
 checkpoint and the expired-log cleanup, as deltalake's post-commit hook does
 (:func:`checkpoint`). Tables on filesystems other
@@ -33,7 +43,9 @@ either path: :func:`appendable`.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import re
 import time
@@ -50,6 +62,8 @@ from rmq_spark.errors import StoreError
 from rmq_spark.failpoints import failpoint
 from rmq_spark.storage import filesystem, is_s3, scheme
 
+log_ = logging.getLogger(__name__)
+
 #: Writer features an append of Parquet files with statistics satisfies by itself (the
 #: features of writer versions 2 to 4 are checked further by :func:`appendable`).
 _APPEND_FEATURES = frozenset(
@@ -57,6 +71,8 @@ _APPEND_FEATURES = frozenset(
 )
 #: The name of a staged log entry in ``_delta_log`` (hidden: Delta readers skip it).
 STAGED_NAME = re.compile(r"^\.[0-9a-f]{32}\.json\.tmp$")
+#: A classic checkpoint file (one file, or part ``i`` of ``n``) of version ``group(1)``.
+CHECKPOINT_NAME = re.compile(r"^(\d{20})\.checkpoint(?:\.(\d{10})\.(\d{10}))?\.parquet$")
 #: Actions of a concurrent commit that conflict with any append.
 _TABLE_CHANGES = ("metaData", "protocol")
 
@@ -170,7 +186,18 @@ def commit(
         while not put(version):
             _check_no_conflict(log.read(version), ours, rewritten, uri, version)
             version += 1
-        failpoint("deltacommit.committed")
+    if not log.reachable(version):
+        log_.warning(
+            "a commit to %s put version %d where the log had been cleaned (it stalled past a "
+            "checkpoint and the log cleanup); no reader sees it, so it is made again",
+            uri,
+            version,
+        )
+        raise CommitFailedError(
+            f"version {version} of {uri} was put below a newer checkpoint, where the log had "
+            "been cleaned: no reader would see it"
+        )
+    failpoint("deltacommit.committed")
     return version
 
 
@@ -256,6 +283,31 @@ class _Log:
     def staged(self, entry: bytes) -> _Staged:
         return _Staged(self, entry)
 
+    def reachable(self, version: int) -> bool:
+        """Whether a reader can reach the entry just put at ``version``: False when a
+        checkpoint at or after it exists (readers start from the newest checkpoint), which the
+        ``_last_checkpoint`` hint or, when the entry before it is gone, a listing shows. Both
+        reads go out at once."""
+        hint_path = f"{self.path}/_last_checkpoint"
+        before = self.name(version - 1)
+        found = self.fs.cat([hint_path, before] if version else [hint_path], on_error="return")
+        hint = found.get(hint_path)
+        if isinstance(hint, bytes):
+            try:
+                if int(json.loads(hint)["version"]) >= version:
+                    return False
+            except (ValueError, KeyError, TypeError):
+                pass  # an unreadable hint: the listing below decides
+        if version == 0 or isinstance(found.get(before), bytes):
+            return True
+        # The entry before it is gone: the cleanup deletes oldest first and only below a
+        # checkpoint, so one should exist after it (the hint can lag its checkpoint).
+        names = (p.rsplit("/", 1)[-1] for p in self.fs.ls(self.path, detail=False))
+        return not any(
+            (match := CHECKPOINT_NAME.match(name)) and int(match.group(1)) >= version
+            for name in names
+        )
+
 
 class _Staged:
     """An entry ready to be put at a version: on a local filesystem a complete hidden file
@@ -274,14 +326,21 @@ class _Staged:
 
     def __exit__(self, *_: object) -> None:
         if self.temp is not None:
-            os.unlink(self.temp)
+            with contextlib.suppress(FileNotFoundError):  # taken by the cleanup: see put
+                os.unlink(self.temp)
 
     def put(self, version: int) -> bool:
         """Write the entry as ``version``; False when that version is taken."""
         target = self.log.name(version)
         try:
             if self.temp is not None:
-                os.link(self.temp, target)
+                try:
+                    os.link(self.temp, target)
+                except FileNotFoundError:
+                    # Stalled longer than the log retention, the staged entry was taken for
+                    # one a crash left behind: stage it again.
+                    self.__enter__()
+                    os.link(self.temp, target)
             else:
                 self.log.fs.pipe_file(target, self.entry, mode="create")
         except FileExistsError:

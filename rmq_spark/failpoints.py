@@ -5,7 +5,9 @@ when a machine is lost. ``RMQ_SPARK_FAILPOINT=<name>:raise`` instead raises in t
 attempt of a Spark task (Spark then retries it). ``RMQ_SPARK_FAILPOINT=<name>:pause`` makes
 the first process that reaches the point write its pid to ``$RMQ_SPARK_FAILPOINT_MARKER`` and
 sleep until it is killed (a test kills it, or its executor, from outside); later ones go on.
-Unset, a failpoint costs one environment lookup.
+``RMQ_SPARK_FAILPOINT=<name>:stop`` makes the first process that reaches the point write its pid
+there and stop itself with SIGSTOP, as a GC or swap stall or a paused VM would; a test resumes it
+with SIGCONT. Unset, a failpoint costs one environment lookup.
 
 Names: ``sink.staged`` (a task's half messages are durable), ``sink.closed`` (the epoch's
 row is in ``epochs``, nothing decided yet), ``sink.published`` (the epoch is published, Spark
@@ -41,16 +43,20 @@ def failpoint(name: str) -> None:
         context = TaskContext.get()
         if context is not None and context.attemptNumber() == 0:
             raise RuntimeError(f"failpoint {name}: first task attempt fails")
-    if armed == f"{name}:pause":
-        _pause_once()
+    if armed == f"{name}:pause" and _first_here():
+        while True:
+            time.sleep(60)
+    if armed == f"{name}:stop" and _first_here():
+        os.kill(os.getpid(), signal.SIGSTOP)
 
 
-def _pause_once() -> None:
+def _first_here() -> bool:
+    """Whether this process is the first to reach the armed point (it writes its pid to the
+    marker file; later ones find the file there)."""
     try:
         fd = os.open(os.environ[MARKER_ENV], os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     except FileExistsError:
-        return  # another process paused here first
+        return False
     os.write(fd, str(os.getpid()).encode())
     os.close(fd)
-    while True:
-        time.sleep(60)
+    return True

@@ -32,6 +32,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from deltalake import DeltaTable
 
+from rmq_spark.deltacommit import CHECKPOINT_NAME as _CHECKPOINT
 from rmq_spark.deltacommit import STAGED_NAME
 from rmq_spark.errors import CorruptStoreError
 from rmq_spark.storage import filesystem
@@ -39,7 +40,6 @@ from rmq_spark.storage import filesystem
 #: Read the commits since a cached version only when there are at most this many; else start
 #: again from the newest checkpoint (which deltalake writes every 100 commits).
 _MAX_INCREMENTAL_COMMITS = 200
-_CHECKPOINT = re.compile(r"^(\d{20})\.checkpoint(?:\.(\d{10})\.(\d{10}))?\.parquet$")
 #: What :func:`clean_log` may delete: commits, their checksums, and classic checkpoints.
 _LOG_ENTRY = re.compile(r"^(\d{20})\.(?:json|crc|checkpoint(?:\.\d{10}\.\d{10})?\.parquet)$")
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
 import threading
 import time
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pyarrow as pa
@@ -315,3 +316,67 @@ def test_a_process_killed_after_taking_the_checkpoint_version_leaves_a_readable_
     assert bodies.count(b"killed") == 1 and b"after-4" in bodies
     store.end_transactions([Decision(p.transaction_id, "pg", LocalTransactionState.COMMIT)])
     assert store.published_op_version() >= 1
+
+
+def test_a_commit_paused_past_a_checkpoint_and_log_cleanup_is_not_lost(
+    store: Store, tmp_path: Path
+) -> None:
+    """A process stopped (SIGSTOP: a GC or swap stall, a paused VM) between checking its base
+    entry and putting its own, while others commit past a checkpoint and the log cleanup
+    deletes the entries below it: its put-if-absent lands in the cleaned hole, where no reader
+    looks. The commit must see that and go again at the table's head: the prepare that returns
+    is readable, once."""
+    uri = store.table_uri("half")
+    store.table("half").alter.set_table_properties({"delta.checkpointInterval": "10"})
+    marker = tmp_path / "stopped.pid"
+    child = textwrap.dedent(
+        f"""
+        import json
+        from rmq_spark import Message, Store
+        from rmq_spark.config import Settings, StoreSettings
+        store = Store.open({store.root!r}, settings=Settings(store=StoreSettings(queue_nums=2)))
+        (prepared,) = store.prepare([Message("T", b"paused")], "pg")
+        print(json.dumps({{"half_version": prepared.half_version}}))
+        """
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", child],
+        env={
+            **os.environ,
+            "PYTHONPATH": str(REPO),
+            "RMQ_SPARK_FAILPOINT": "deltacommit.staged:stop",
+            "RMQ_SPARK_FAILPOINT_MARKER": str(marker),
+        },
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (marker.exists() and marker.read_text()) or _state(proc.pid) != "T":
+            assert proc.poll() is None, proc.stderr.read().decode()
+            assert time.monotonic() < deadline, "the child never reached its commit"
+            time.sleep(0.05)
+        target = store.table("half").version() + 1  # the version the stopped commit will put
+        for n in range(25):
+            store.prepare([Message("T", f"m{n}")], "pg")
+        later = Store.open(
+            store.root,
+            settings=store.settings,
+            clock=lambda: datetime.now(UTC) + timedelta(minutes=2),
+        )
+        later.clean_log("half")
+        assert not (Path(uri) / "_delta_log" / f"{target:020d}.json").exists()
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err.decode()
+    reported = json.loads(out.decode().strip().splitlines()[-1])["half_version"]
+    fresh = DeltaTable(uri)
+    bodies = fresh.to_pyarrow_table(columns=["body"]).column("body").to_pylist()
+    assert bodies.count(b"paused") == 1
+    assert reported > 20 and reported <= fresh.version()
+
+
+def _state(pid: int) -> str:
+    """A process's state letter (``T``: stopped)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
