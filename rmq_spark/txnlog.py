@@ -184,10 +184,10 @@ def _checkpoint_at_or_before(
             for i in range(1, parts + 1)
         ]
     # A writer checkpointed past this snapshot since it was loaded (or there is no hint). The
-    # checkpoint deltalake wrote last before it (in the commit that completed an interval) is
-    # the likely one; listing the log, which can hold many commits, is the last resort.
-    guess = (version + 1) // interval * interval - 1
-    if guess >= 0 and fs.exists(f"{log_path}/{guess:020d}.checkpoint.parquet"):
+    # checkpoint written last before it is the likely one; listing the log, which can hold
+    # many commits, is the last resort.
+    guess = checkpoint_guess(version, interval)
+    if guess > 0 and fs.exists(f"{log_path}/{guess:020d}.checkpoint.parquet"):
         return guess, [f"{log_path}/{guess:020d}.checkpoint.parquet"]
     complete: dict[int, list[str]] = {}
     parts_seen: dict[tuple[int, int], list[str]] = {}
@@ -207,6 +207,13 @@ def _checkpoint_at_or_before(
         return -1, []
     newest = max(complete)
     return newest, complete[newest]
+
+
+def checkpoint_guess(version: int, interval: int) -> int:
+    """The version of the newest checkpoint at or before ``version`` of a table checkpointed
+    every ``interval`` commits: the commit whose version is a multiple of the interval is
+    checkpointed (deltalake's post-commit hook, and :func:`rmq_spark.deltacommit.checkpoint`)."""
+    return version // interval * interval
 
 
 def _read_checkpoint(fs: fsspec.AbstractFileSystem, files: list[str]) -> dict[str, int]:
