@@ -37,6 +37,7 @@ nothing twice), and so is ``check_runs``.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -241,7 +242,8 @@ def _vacuum(store: Store, settings: RetentionSettings, summary: MaintenanceSumma
     for name in ("commitlog", *_INTERNAL_TABLES):
         table = store.table(name)
         if name == "commitlog":
-            hours = max(0, int(settings.deleted_file_retention // 3600))
+            # deltalake takes whole hours: round up, never below what was asked for.
+            hours = max(0, math.ceil(settings.deleted_file_retention / 3600))
             removed = table.vacuum(
                 retention_hours=hours, dry_run=False, enforce_retention_duration=False
             )

@@ -241,3 +241,17 @@ def test_a_redrive_reading_discard_before_a_run_stages_nothing_twice(
     decide(store, [ids["redriven"]], COMMIT)
     bodies = commitlog(store).column("body").to_pylist()
     assert sorted(bodies) == [b"committed", b"maxed_redriven", b"unpublished"]
+
+
+def test_a_sub_hour_file_retention_is_rounded_up_not_down(store: Store, clock: Clock) -> None:
+    """deltalake's VACUUM takes whole hours: 30 minutes was rounded down to RETAIN 0 HOURS, and
+    the files a read planned a moment before still needed were deleted under it."""
+    for _ in range(6):
+        send(store, "Orders", 20)
+    before = store.table("commitlog").file_uris()
+    clock.now = LATER
+    send(store, "Orders", 5)
+    summary = maintain(store, RetentionSettings(deleted_file_retention=1800))
+    assert summary.messages_expired == 120
+    assert summary.files_vacuumed["commitlog"] == 0
+    assert all(Path(uri).exists() for uri in before)
