@@ -1555,9 +1555,11 @@ class Store:
         first..last, in decision order.
 
         Decision commits name their COMMITs in their ``commitInfo`` (:data:`COMMITS_KEY`), read
-        from the log; the change feed is read only for commits that inserted rows without
-        naming them (decisions of an older rmq-spark, written by MERGE), or for the whole range
-        when its log entries are gone.
+        from the log; the change feed is read only for decisions of an older rmq-spark (written
+        by MERGE, :func:`_legacy_decisions`), or for the whole range when its log entries are
+        gone. Only decisions the store wrote are published: a commit of another Delta writer
+        (a RESTORE re-adding files a compaction replaced, which the change feed reports as
+        inserts; a DELETE; an append) is logged and not applied.
         """
         try:
             infos = commit_infos(self.table_uri("op"), self.settings.storage_options, first, last)
@@ -1568,8 +1570,19 @@ class Store:
             if COMMITS_KEY in info:
                 ids = json.loads(info[COMMITS_KEY])
                 parts.append(pa.table([ids, [version] * len(ids)], schema=_COMMITTED))
-            elif _may_insert(info):
+            elif _legacy_decisions(info):
                 parts.append(_changed_commits(op, version, version))
+            elif _foreign_change(info):
+                log.error(
+                    "op version %d was not written by rmq-spark (%s by %s): its rows are not "
+                    "published. Decisions it removed leave their transactions pending again; "
+                    "undo it with RESTORE TABLE ... TO VERSION AS OF %d (see the README's "
+                    "Guarantees)",
+                    version,
+                    info.get("operation", "an unnamed operation"),
+                    info.get("engineInfo", "an unknown engine"),
+                    version - 1,
+                )
         return pa.concat_tables(parts)
 
     def half_messages(
@@ -1743,14 +1756,56 @@ _COMMITLOG_FILES = (COMMITLOG_SCHEMA, "topic")
 _COMMITTED = pa.schema([("transaction_id", pa.string()), ("_commit_version", pa.int64())])
 
 
-def _may_insert(info: Mapping[str, Any]) -> bool:
-    """Whether an ``op`` commit without :data:`COMMITS_KEY` can have inserted decisions: not a
-    compaction, a table creation or vacuum, nor a MERGE (retention) that inserted nothing."""
-    operation = info.get("operation", "")
-    if operation in ("OPTIMIZE", "CREATE TABLE", "VACUUM START", "VACUUM END"):
-        return False
+#: Operations on ``op`` that change no decision: compactions, the table's creation, vacuums
+#: and changes of its properties or protocol.
+_NO_DATA_CHANGE = frozenset(
+    {
+        "OPTIMIZE",
+        "CREATE TABLE",
+        "VACUUM START",
+        "VACUUM END",
+        "SET TBLPROPERTIES",
+        "UNSET TBLPROPERTIES",
+        "UPGRADE PROTOCOL",
+        "ADD FEATURE",
+        "ADD CONSTRAINT",
+        "DROP CONSTRAINT",
+        "ADD COLUMNS",
+        "CHANGE COLUMN",
+        "REORG",
+        "CHECKPOINT",
+    }
+)
+#: The MERGE condition of decisions written by an older rmq-spark, and of retention's deletes.
+_DECISION_MERGE = "t.transaction_id = s.transaction_id"
+
+
+def _merge_by_transaction(info: Mapping[str, Any]) -> bool:
+    """Whether an ``op`` commit is deltalake's MERGE on ``transaction_id``, as rmq-spark writes
+    them: decisions of an older version, and retention's deletes."""
+    parameters = info.get("operationParameters") or {}
+    return (
+        info.get("operation") == "MERGE"
+        and str(info.get("engineInfo", info.get("clientVersion", ""))).startswith("delta-rs")
+        and parameters.get("mergePredicate") == _DECISION_MERGE
+    )
+
+
+def _legacy_decisions(info: Mapping[str, Any]) -> bool:
+    """Whether an ``op`` commit without :data:`COMMITS_KEY` holds decisions of an older
+    rmq-spark: a MERGE on ``transaction_id`` that inserted rows."""
     metrics = info.get("operationMetrics") or {}
-    return not (operation == "MERGE" and metrics.get("num_target_rows_inserted") == 0)
+    return _merge_by_transaction(info) and metrics.get("num_target_rows_inserted") != 0
+
+
+def _foreign_change(info: Mapping[str, Any]) -> bool:
+    """Whether an ``op`` commit without :data:`COMMITS_KEY` is another writer's change of its
+    rows (not a compaction, vacuum or property change, nor rmq-spark's own retention)."""
+    return not (
+        info.get("operation") in _NO_DATA_CHANGE
+        or "rmqtx.operation" in info
+        or _merge_by_transaction(info)
+    )
 
 
 def _as_commitlog(halves: pa.Table, now: datetime) -> pa.Table:
