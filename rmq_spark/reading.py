@@ -10,6 +10,7 @@ batches (files as the publisher writes them already are; others are sorted).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial, reduce
@@ -20,9 +21,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql.datasource import InputPartition
 
+from rmq_spark.errors import CorruptStoreError, DataLossError
 from rmq_spark.offsets import Offsets, skip_lost
 from rmq_spark.schema import COMMITLOG_SCHEMA
 from rmq_spark.store import Store, read_files, with_uris
+from rmq_spark.txnlog import check_readable
+
+log = logging.getLogger(__name__)
 
 #: One task reads files of at most this many bytes and rows (a larger single file is one
 #: task): Parquet sizes are compressed, so rows bound the work for compressible bodies.
@@ -36,6 +41,8 @@ BATCH_BYTES = 2 * 1024 * 1024
 BATCH_ROWS = 10_000
 #: The CommitLog's data file schema: ``topic`` is the partition column, not in the files.
 FILE_SCHEMA = pa.schema([f for f in COMMITLOG_SCHEMA if f.name != "topic"])
+#: The columns that say where a message is (:func:`_check_stored` reads only these).
+_ROUTING = pa.schema([FILE_SCHEMA.field("queue_id"), FILE_SCHEMA.field("queue_offset")])
 
 
 @dataclass(frozen=True)
@@ -65,7 +72,8 @@ def plan_slices(
     A queue whose ``start`` is below its earliest offset in the snapshot planned from (its
     messages were removed by retention) raises :class:`rmq_spark.errors.DataLossError`, or
     with ``fail_on_data_loss`` false is read from the earliest offset (see
-    :func:`rmq_spark.offsets.skip_lost`).
+    :func:`rmq_spark.offsets.skip_lost`). So do offsets of the ranges that are not stored
+    (:func:`_check_stored`): another Delta writer removed published messages.
     """
     commitlog = store.table("commitlog")
     trimmed = store.earliest_stored(commitlog)
@@ -82,11 +90,13 @@ def plan_slices(
     )
     if not ranges:
         return []
+    check_readable(commitlog, store.table_uri("commitlog"))
     wanted = {(t, q): (s, e) for t, q, s, e in ranges}
     files = with_uris(commitlog, store.table_uri("commitlog")).to_pylist()
     files = [f for f in files if _overlaps(f, wanted)]
-    files.sort(key=lambda f: (f["partition.topic"], f["min.queue_offset"] or 0, f["uri"]))
     options = tuple(sorted(store.settings.storage_options.items()))
+    _check_stored(files, ranges, dict(options), fail_on_data_loss)
+    files.sort(key=lambda f: (f["partition.topic"], f["min.queue_offset"] or 0, f["uri"]))
     slices: list[CommitLogSlice] = []
     batch: list[tuple[str, str]] = []
     size = rows = 0
@@ -100,6 +110,65 @@ def plan_slices(
     if batch:
         slices.append(CommitLogSlice(tuple(batch), ranges, tags, options))
     return slices
+
+
+def _check_stored(
+    files: list[dict], ranges: tuple[tuple[str, int, int, int], ...], options: dict, fail: bool
+) -> None:
+    """Check that every offset of ``ranges`` is stored once in ``files`` (the data files whose
+    statistics admit them), reading only their routing columns.
+
+    The publisher assigns dense offsets and only retention removes messages (a prefix of each
+    queue, with its earliest offset recorded in the same commit). A hole is a message another
+    Delta writer removed: a DELETE, a RESTORE to an earlier version, an overwrite. It raises
+    :class:`DataLossError` naming the missing ranges, or with ``fail`` false is logged as a
+    warning and read past. An offset stored twice (a writer that added rows) is always an error:
+    a consumer would read that message twice.
+    """
+    missing: list[tuple[str, int, int, int]] = []
+    for topic in sorted({t for t, *_ in ranges}):
+        wanted = [(q, first, end) for t, q, first, end in ranges if t == topic]
+        uris = [f["uri"] for f in files if f["partition.topic"] == topic]
+        rows = read_files(uris, _ROUTING, options, partial(_wanted, wanted, None))
+        queues = rows.column("queue_id").to_numpy()
+        offsets = rows.column("queue_offset").to_numpy()
+        order = np.lexsort((offsets, queues))
+        queues, offsets = queues[order], offsets[order]
+        for queue_id, first, end in wanted:
+            lo, hi = np.searchsorted(queues, queue_id), np.searchsorted(queues, queue_id, "right")
+            stored = offsets[lo:hi]
+            if len(stored) == end - first:
+                continue  # all in [first, end): dense unless one is there twice
+            twice = stored[1:][np.diff(stored) == 0]
+            if len(twice):
+                raise CorruptStoreError(
+                    f"the CommitLog stores offset {int(twice[0])} of {topic} queue {queue_id} "
+                    f"{len(stored) - len(np.unique(stored)) + 1} times: another Delta writer added "
+                    "published rows again, and a read would deliver them twice. Undo that "
+                    "commit (RESTORE TABLE ... TO VERSION AS OF the version before it)."
+                )
+            bounds = np.concatenate([[first - 1], stored, [end]])
+            gaps = np.flatnonzero(np.diff(bounds) > 1)
+            missing += [(topic, queue_id, int(bounds[i]) + 1, int(bounds[i + 1])) for i in gaps]
+    if not missing:
+        return
+    lost = sum(end - first for *_, first, end in missing)
+    named = ", ".join(f"{t} queue {q} offsets [{s}, {e})" for t, q, s, e in missing[:10])
+    named += f" and {len(missing) - 10} more range(s)" if len(missing) > 10 else ""
+    if fail:
+        raise DataLossError(
+            f"{lost} published message(s) are missing from the CommitLog: {named}. Another "
+            "Delta writer removed them (a DELETE, RESTORE or overwrite of the store's commitlog "
+            "table; see the README's Guarantees), and they cannot be read. Restore the table "
+            "to a version that has them, or set option failOnDataLoss to false to read on past "
+            "them (with a warning)."
+        )
+    log.warning(
+        "%d published message(s) are missing from the CommitLog (failOnDataLoss is false; "
+        "another Delta writer removed them): %s",
+        lost,
+        named,
+    )
 
 
 def _overlaps(file: Mapping[str, object], wanted: Mapping[tuple[str, int], tuple]) -> bool:

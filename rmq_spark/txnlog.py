@@ -138,6 +138,38 @@ def follow(
         version += 1
 
 
+#: Reader features that change nothing for a reader of the data files as they are.
+_HARMLESS_READER_FEATURES = frozenset({"vacuumProtocolCheck"})
+
+
+def check_readable(table: DeltaTable, uri: str) -> None:
+    """Refuse a table whose reader protocol asks for what rmq-spark's readers do not apply.
+
+    rmq-spark reads the data files an add action names, whole. A table with deletion vectors
+    (a delta-spark DELETE, UPDATE or MERGE once ``delta.enableDeletionVectors`` is set) has
+    rows those files still hold but the table does not, and column mapping renames what the
+    files store: reading them as they are would deliver messages that were deleted.
+
+    Raises
+    ------
+    CorruptStoreError
+        Naming the features and how to bring the table back to what rmq-spark reads.
+    """
+    protocol = table.protocol()
+    features = set(protocol.reader_features or ()) - _HARMLESS_READER_FEATURES
+    if protocol.min_reader_version < 2 or (protocol.min_reader_version == 3 and not features):
+        return
+    named = ", ".join(sorted(features)) or f"reader version {protocol.min_reader_version}"
+    raise CorruptStoreError(
+        f"the table at {uri} needs a reader that applies {named}, which rmq-spark's readers do "
+        "not: another Delta writer changed it (for example delta.enableDeletionVectors and a "
+        "DELETE). Reading its files as they are would deliver deleted rows. Rewrite it without "
+        f"them (REORG TABLE delta.`{uri}` APPLY (PURGE), then ALTER TABLE delta.`{uri}` DROP "
+        "FEATURE deletionVectors), or RESTORE it to a version before the change; messages "
+        "removed are then reported as data loss."
+    )
+
+
 class _MissingCommit(LookupError):
     """A commit file of the log could not be read."""
 

@@ -94,3 +94,21 @@ def test_spark_reads_every_table_as_written(
     assert [(r["transaction_id"], r["decision"]) for r in op] == [
         (prepared[0].transaction_id, "COMMIT")
     ]
+
+
+def test_deletion_vectors_on_the_commitlog_are_refused_not_read_through(
+    spark, tmp_path: Path
+) -> None:
+    """A user enables deletion vectors on the CommitLog and deletes rows with delta-spark: the
+    files still hold the rows, and format("rmqtx") read them (delta-spark 98 rows, rmqtx 100).
+    The read now refuses the table, naming the feature and how to rewrite it."""
+    store = Store.open(tmp_path / "store", settings=Settings(store=StoreSettings(queue_nums=2)))
+    for b in range(5):
+        store.send([Message("T", f"{b}-{i}", keys=str(i)) for i in range(20)], "pg")
+    uri = store.table_uri("commitlog")
+    spark.sql(f"ALTER TABLE delta.`{uri}` SET TBLPROPERTIES ('delta.enableDeletionVectors' = true)")
+    spark.sql(f"DELETE FROM delta.`{uri}` WHERE queue_offset = 3")
+    assert spark.read.format("delta").load(uri).count() == 98  # offset 3 of both queues
+    reader = spark.read.format("rmqtx").option("path", store.root).option("topic", "T")
+    with pytest.raises(Exception, match="deletionVectors"):
+        reader.load().count()

@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import logging
 
+import pyarrow as pa
 import pytest
 from deltalake import DeltaTable
 
 from rmq_spark import Decision, LocalTransactionState, Message, Store
+from rmq_spark.errors import DataLossError
+from rmq_spark.offsets import latest_offsets
+from rmq_spark.reading import plan_slices, read_slice
 from rmq_spark.store import COMPACT_EVERY_COMMITS
 from rmq_spark.txnlog import checkpoint_guess
 from tests.conftest import commitlog
@@ -51,3 +55,41 @@ def test_a_restore_of_op_to_before_a_compaction_publishes_nothing_again(
     ids = commitlog(store).column("transaction_id").to_pylist()
     assert sorted(ids) == sorted([*committed, p.transaction_id])
     assert "RESTORE" in caplog.text and "not written by rmq-spark" in caplog.text
+
+
+def _sent(store: Store, batches: int = 4, per_batch: int = 20) -> None:
+    for b in range(batches):
+        store.send([Message("T", f"b{b}-{i}", keys=str(i)) for i in range(per_batch)], "pg")
+
+
+@pytest.mark.parametrize("foreign", ["delete", "restore"])
+def test_published_rows_removed_by_another_writer_are_reported_as_data_loss(
+    store: Store, foreign: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A user's DELETE on the CommitLog, or a RESTORE to an earlier version, removes published
+    messages while the queues' offsets stay where they were: the read returned ranges with
+    holes and failOnDataLoss never fired. The read plan checks that every offset it is to
+    read is stored, and names the missing ranges."""
+    _sent(store)
+    table = DeltaTable(store.table_uri("commitlog"))
+    if foreign == "delete":
+        table.delete("queue_offset = 3")
+    else:
+        table.restore(table.version() - 2)  # the last two publishes' messages go
+    end = latest_offsets(store, ["T"])
+    with pytest.raises(DataLossError, match=r"T queue \d+ offsets \[\d+, \d+\)"):
+        plan_slices(store, {}, end)
+    with caplog.at_level(logging.WARNING, logger="rmq_spark"):
+        slices = plan_slices(store, {}, end, fail_on_data_loss=False)
+    assert "missing" in caplog.text and slices
+    read = pa.concat_tables(pa.Table.from_batches(list(read_slice(s))) for s in slices)
+    assert read.num_rows == commitlog(store).num_rows < 80
+
+
+def test_a_read_of_a_dense_commitlog_is_planned_as_before(store: Store) -> None:
+    _sent(store)
+    end = latest_offsets(store, ["T"])
+    start = {"T": {q: 1 for q in end["T"]}}
+    slices = plan_slices(store, start, end)
+    read = pa.concat_tables(pa.Table.from_batches(list(read_slice(s))) for s in slices)
+    assert read.num_rows == 80 - len(end["T"])
