@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import urllib.parse
 import uuid
 from collections.abc import Mapping
@@ -225,6 +226,11 @@ def hadoop_settings(options: Mapping[str, str]) -> dict[str, str]:
     return conf
 
 
+#: (root, options) of the S3 roots this process found to honour conditional writes.
+_probed: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
+_probed_lock = threading.Lock()
+
+
 def check_conditional_put(root: str, options: Mapping[str, str]) -> None:
     """Refuse an S3 store that does not honour conditional writes.
 
@@ -234,12 +240,19 @@ def check_conditional_put(root: str, options: Mapping[str, str]) -> None:
     one scratch object twice the same way and expects the second write to be refused. (GCS
     and Azure commit through their own preconditions, which the services always honour.)
 
+    Probed once per process for a root and its options (endpoint included): a store made
+    through one endpoint can later be reached through another (the environment, per-read
+    options or a gateway change it).
+
     Raises
     ------
     StorageConfigError
         When the second write succeeded, saying why the store cannot be used.
     """
     if not is_s3(root):
+        return
+    key = (root, tuple(sorted(_upper(options).items())))
+    if key in _probed:
         return
     fs, path = filesystem(root, options)
     probe = f"{path.rstrip('/')}/_rmqtx_probe_{uuid.uuid4().hex}"
@@ -248,6 +261,8 @@ def check_conditional_put(root: str, options: Mapping[str, str]) -> None:
         fs.pipe_file(probe, b"second", mode="create")
     except OSError as exc:
         if isinstance(exc, FileExistsError) or "condition" in str(exc).lower():
+            with _probed_lock:
+                _probed.add(key)
             return
         raise
     finally:

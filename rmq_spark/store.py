@@ -480,6 +480,12 @@ class Store:
     def _storage_options(self) -> dict[str, str] | None:
         return deltalake_options(self.settings.storage_options)
 
+    def _check_writes(self) -> None:
+        """Before this process first writes to the store through its endpoint: refuse an object
+        store that ignores conditional writes (:func:`check_conditional_put`, probed once per
+        process, root and options; a reader needs no write permission and is not probed)."""
+        check_conditional_put(self.root, self.settings.storage_options)
+
     def _fs(self) -> tuple[fsspec.AbstractFileSystem, str]:
         return filesystem(self.root, self.settings.storage_options)
 
@@ -705,6 +711,7 @@ class Store:
     ) -> int | None:
         """Write ``rows`` as new files of a table and commit them (nothing when there are
         none, unless ``always``), retrying lost races."""
+        self._check_writes()
         schema, partitions, _ = TABLES[name]
         partition = partitions[0] if partitions else None
         uri, options = self.table_uri(name), self.settings.storage_options
@@ -811,6 +818,8 @@ class Store:
         example application transactions recorded with it).
         """
         keys = [on] if isinstance(on, str) else list(on)
+
+        self._check_writes()
 
         def attempt(_: int) -> tuple[dict[str, Any], int]:
             table = self.table(name)
@@ -978,6 +987,7 @@ class Store:
         committing hundreds of times a second it lost every time, and ``half`` grew by a
         file per commit for as long as the sends went on.
         """
+        self._check_writes()
         snapshot = self.table(name)
         if self._direct_interval(name, snapshot) is None:
             return relisting(lambda: snapshot.optimize.compact(target_size=_COMPACT_TARGET_BYTES))
@@ -1143,6 +1153,7 @@ class Store:
         ``CommitFailedError`` (nothing landed) when a commit after ``op``'s version decided one
         of them, or another transaction of the same bucket: the caller reads again and retries.
         """
+        self._check_writes()
         decided_at = self.clock()
         rows = pa.Table.from_pydict(
             {
@@ -1236,6 +1247,7 @@ class Store:
         :meth:`_publish_chunk`); another publisher that published a chunk first makes this one
         go on from where that one stopped.
         """
+        self._check_writes()
         unsent = self._normal_rows(normal)  # ids and timestamps fixed for every attempt
         target = self.table("op").version()
         published, sent = 0, []

@@ -8,6 +8,7 @@ a standalone cluster against one.)
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import http.server
 import json
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import threading
 import urllib.parse
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -147,7 +149,8 @@ class _NoConditionalWrites(http.server.BaseHTTPRequestHandler):
         for key, value in answer.getheaders():
             if key.lower() not in ("content-length", "transfer-encoding", "connection"):
                 self.send_header(key, value)
-        self.send_header("Content-Length", str(len(data)))
+        length = answer.getheader("Content-Length") if self.command == "HEAD" else None
+        self.send_header("Content-Length", length or str(len(data)))
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(data)
@@ -159,23 +162,45 @@ class _NoConditionalWrites(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def test_a_store_ignoring_conditional_writes_is_refused(minio) -> None:
+@contextlib.contextmanager
+def _ignoring_conditional_writes(minio) -> Iterator[dict[str, str]]:
+    """Storage options that reach MinIO through a :class:`_NoConditionalWrites` proxy."""
     handler = type("Proxy", (_NoConditionalWrites,), {"upstream": minio.endpoint})
     proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=proxy.serve_forever, daemon=True).start()
     try:
-        options = {
-            **minio.storage_options,
-            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.server_port}",
-        }
+        yield {**minio.storage_options, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.server_port}"}
+    finally:
+        proxy.shutdown()
+
+
+def test_a_store_ignoring_conditional_writes_is_refused(minio) -> None:
+    with _ignoring_conditional_writes(minio) as options:
         root = minio.root("ignores-if-none-match")
         settings = Settings(store=StoreSettings(path=root, storage_options=options))
         with pytest.raises(StorageConfigError, match="does not honour conditional writes"):
             Store.open(settings=settings)
         fs, path = filesystem(root, minio.storage_options)
         assert not fs.exists(path)  # no store was made, and the probe cleaned up after itself
-    finally:
-        proxy.shutdown()
+
+
+def test_an_existing_store_reached_through_such_an_endpoint_refuses_writes(minio) -> None:
+    """The probe ran only when a store was created: an existing store opened through an
+    endpoint that ignores If-None-Match (the environment, per-read options or a gateway can
+    change it after creation) took sends whose commits could overwrite each other. The first
+    write of a process to a root and endpoint probes it; reads need no write permission."""
+    root = minio.root("existing")
+    Store.open(
+        settings=Settings(store=StoreSettings(path=root, storage_options=minio.storage_options))
+    )
+    with _ignoring_conditional_writes(minio) as options:
+        store = Store.open(
+            settings=Settings(store=StoreSettings(path=root, storage_options=options))
+        )
+        assert store.read("half").num_rows == 0
+        with pytest.raises(StorageConfigError, match="does not honour conditional writes"):
+            store.prepare([Message("T", b"unsafe")], "pg")
+        assert store.read("half").num_rows == 0
 
 
 class _Orders(TransactionListener):
