@@ -3,13 +3,15 @@ read back by Spark (delta-spark)."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 from pyspark.sql import functions as F
 
 from rmq_spark import Decision, LocalTransactionState, Message, Store
-from rmq_spark.config import Settings, StoreSettings
+from rmq_spark.config import RetentionSettings, Settings, StoreSettings
+from rmq_spark.retention import maintain
 from rmq_spark.schema import COMMITLOG_SCHEMA, HALF_SCHEMA, OP_SCHEMA
 from tests.conftest import commitlog
 
@@ -112,3 +114,42 @@ def test_deletion_vectors_on_the_commitlog_are_refused_not_read_through(
     reader = spark.read.format("rmqtx").option("path", store.root).option("topic", "T")
     with pytest.raises(Exception, match="deletionVectors"):
         reader.load().count()
+
+
+def test_delta_s_own_source_on_the_commitlog_reads_on_past_retention(spark, tmp_path: Path) -> None:
+    """The README's Delta-path consumer: with skipChangeCommits, retention's deletes of expired
+    messages do not stop Delta's streaming source (without it: DELTA_SOURCE_IGNORE_DELETE at
+    the first expiry)."""
+    now = [datetime(2026, 1, 1, tzinfo=UTC)]
+    store = Store.open(tmp_path / "store", clock=lambda: now[0])
+    store.send([Message("OrderEvents", f"old-{i}") for i in range(10)], "pg")
+    checkpoint = str(tmp_path / "checkpoint")
+
+    out = str(tmp_path / "out")
+
+    def run() -> list[str]:
+        events = (
+            spark.readStream.format("delta")
+            .option("skipChangeCommits", "true")
+            .load(store.table_uri("commitlog"))
+            .where("topic = 'OrderEvents'")
+        )
+        query = (
+            events.selectExpr("CAST(body AS STRING) AS body")
+            .writeStream.format("delta")
+            .option("checkpointLocation", checkpoint)
+            .trigger(availableNow=True)
+            .start(out)
+        )
+        try:
+            query.awaitTermination(120)
+            assert query.exception() is None
+        finally:
+            query.stop()
+        return sorted(r.body for r in spark.read.format("delta").load(out).collect())
+
+    assert len(run()) == 10
+    now[0] += timedelta(hours=73)
+    store.send([Message("OrderEvents", "new")], "pg")
+    assert maintain(store, RetentionSettings(deleted_file_retention=0)).messages_expired == 10
+    assert run() == sorted(["new", *(f"old-{i}" for i in range(10))])
