@@ -48,6 +48,11 @@ SYSTEM_TOPIC_PREFIXES = ("rmq_sys_", "RMQ_SYS_", "%RETRY%", "%DLQ%")
 
 #: Per-message property: seconds before the first check-back (RocketMQ's name).
 PROPERTY_CHECK_IMMUNITY = "CHECK_IMMUNITY_TIME_IN_SECONDS"
+#: A number of seconds as a property holds it: ASCII digits, an optional decimal part.
+SECONDS = re.compile(r"[0-9]+(\.[0-9]+)?", re.ASCII)
+#: RocketMQ stores a message's keys, tags and properties in one block of at most this many
+#: bytes (its length is a 16-bit signed field).
+MAX_PROPERTY_BYTES = 32767
 #: RocketMQ joins several keys with one space (``MessageConst.KEY_SEPARATOR``).
 KEY_SEPARATOR = " "
 
@@ -274,6 +279,8 @@ def validate_message(message: object, max_body_bytes: int = DEFAULT_MAX_BODY_BYT
         raise InvalidMessageError(
             f"body needs to be bytes or str but got {type(message.body).__name__}."
         )
+    if isinstance(message.body, str):
+        _check_utf8(message.body, "body")
     size = len(message.body_bytes)
     if size == 0:
         raise InvalidMessageError(f"message to topic {message.topic!r} has an empty body.")
@@ -304,13 +311,43 @@ def validate_message(message: object, max_body_bytes: int = DEFAULT_MAX_BODY_BYT
         raise InvalidMessageError(
             f"properties need to be a mapping of str to str but got {message.properties!r}."
         )
+    _check_property_block(message)
     immunity = message.properties.get(PROPERTY_CHECK_IMMUNITY)
-    if immunity is not None and not _is_non_negative_number(immunity):
+    if immunity is not None and not SECONDS.fullmatch(immunity):
         raise InvalidMessageError(
-            f"property {PROPERTY_CHECK_IMMUNITY}={immunity!r} is not a number of seconds; "
-            "use e.g. '30'."
+            f"property {PROPERTY_CHECK_IMMUNITY}={immunity!r} is not a number of seconds "
+            "(ASCII digits, an optional decimal point); use e.g. '30'."
         )
     return message
+
+
+def _check_utf8(text: str, what: str) -> int:
+    """The UTF-8 size of ``text``; an error naming ``what`` when it has no UTF-8 form (a lone
+    surrogate, as ``surrogateescape`` decoding of file names and environment values makes)."""
+    try:
+        return len(text.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise InvalidMessageError(
+            f"{what} {text[:40]!r} cannot be stored as UTF-8 ({exc.reason} at position "
+            f"{exc.start}); decode the text it came from with errors='replace', or send bytes "
+            "in the body instead."
+        ) from exc
+
+
+def _check_property_block(message: Message) -> None:
+    """Keys, tags and properties: storable as UTF-8, and together within RocketMQ's property
+    block (:data:`MAX_PROPERTY_BYTES`)."""
+    size = _check_utf8(message.keys_string or "", "keys") + _check_utf8(message.tags or "", "tags")
+    for name, value in message.properties.items():
+        size += _check_utf8(name, "property name") + _check_utf8(value, f"property {name!r}")
+        if size > MAX_PROPERTY_BYTES:
+            break
+    if size > MAX_PROPERTY_BYTES:
+        raise InvalidMessageError(
+            f"keys, tags and properties of a message to {message.topic!r} take more than "
+            f"{MAX_PROPERTY_BYTES} bytes (RocketMQ's limit for a message's properties); put "
+            "large values in the body."
+        )
 
 
 def _tag_problem(tag: object) -> str:
@@ -322,13 +359,6 @@ def _tag_problem(tag: object) -> str:
     if "|" in tag:
         return "it has a '|'"
     return "it has leading or trailing whitespace"
-
-
-def _is_non_negative_number(text: str) -> bool:
-    try:
-        return float(text) >= 0
-    except ValueError:
-        return False
 
 
 def queue_for(keys: str | None, queue_nums: int) -> int:

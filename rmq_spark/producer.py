@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from rmq_spark.config import Settings, load_settings
-from rmq_spark.errors import ProducerStateError
+from rmq_spark.errors import InvalidOptionError, ProducerStateError
 from rmq_spark.model import (
     LocalTransactionState,
     Message,
@@ -182,7 +182,8 @@ _SLOT_CALLBACKS = threading.Lock()
 class _GroupCommitter(Generic[T, R]):
     """Hands items submitted from many threads to ``handler`` in batches, on one thread.
 
-    ``handler`` gets a list of items and returns one result per item, in order. When the
+    ``handler`` gets a list of items and returns one result per item, in order (an exception
+    as an item's result fails that item's caller alone; one raised fails them all). When the
     last batch had several items (callers are concurrent), the committer waits ``linger``
     seconds after the first item so the callers that are about to submit share the batch;
     a lone caller never waits.
@@ -247,7 +248,10 @@ class _GroupCommitter(Generic[T, R]):
                     slot._settle(None, exc)
                 continue
             for (_, slot), result in zip(batch, results, strict=True):
-                slot._settle(result, None)
+                if isinstance(result, BaseException):  # this item failed, the others did not
+                    slot._settle(None, result)
+                else:
+                    slot._settle(result, None)
 
 
 class TransactionMQProducer:
@@ -288,6 +292,11 @@ class TransactionMQProducer:
         max_batch: int = 1024,
     ) -> None:
         self.producer_group = check_group(producer_group)
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise InvalidOptionError(
+                f"max_batch needs to be an int of at least 1 but got {max_batch!r} "
+                f"({type(max_batch).__name__})."
+            )
         self.listener = listener
         self.store = store or Store.open(path, settings=settings or load_settings())
         self._max_batch = max_batch
@@ -543,7 +552,20 @@ class TransactionMQProducer:
         decisions = [i for i in items if isinstance(i, Decision)]
         normal = [i for i in items if isinstance(i, Message)]
         ended = iter(self.store.end_transactions(decisions, publish=False) if decisions else [])
-        published = self.store.publish([(m, self.producer_group) for m in normal])
+        try:
+            published = self.store.publish([(m, self.producer_group) for m in normal])
+        except Exception as exc:
+            if not decisions:
+                raise
+            # The decisions are recorded: their callers succeeded, and the next publish (of
+            # any process) publishes what they committed. The normal messages were not sent.
+            log.warning(
+                "publishing after %d recorded decision(s) failed (%s); the next publish "
+                "publishes them",
+                len(decisions),
+                exc,
+            )
+            return [next(ended) if isinstance(i, Decision) else exc for i in items]
         sent = iter(
             SendResult(SendStatus.SEND_OK, mid, m.topic, qid, offset)
             for m, (mid, qid, offset) in zip(normal, published.sent, strict=True)

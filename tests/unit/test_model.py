@@ -34,11 +34,36 @@ from rmq_spark.model import new_id, new_ids, queue_for, queues_for, validate_mes
             Message("Orders", b"x", properties={"CHECK_IMMUNITY_TIME_IN_SECONDS": "soon"}),
             "not a number of seconds",
         ),
+        # Python's float() takes these; Spark's cast (and RocketMQ's parse) does not.
+        *(
+            (
+                Message("Orders", b"x", properties={"CHECK_IMMUNITY_TIME_IN_SECONDS": bad}),
+                "not a number of seconds",
+            )
+            for bad in ("1_0", "\uff11\uff10", " 10", "10 ", "1e3", "inf", "nan", "-0", "+5")
+        ),
+        # Lone surrogates (surrogateescape-decoded file names, environment values) cannot be
+        # stored as UTF-8: they failed the whole group commit they were part of.
+        (Message("Orders", b"x", keys="k\udcff"), "keys.*UTF-8"),
+        (Message("Orders", b"x", tags="t\udcff"), "tags.*UTF-8"),
+        (Message("Orders", b"x", properties={"k\udcff": "v"}), "property name.*UTF-8"),
+        (Message("Orders", b"x", properties={"k": "v\ud800"}), "property 'k'.*UTF-8"),
+        (Message("Orders", "body\udcff"), "body.*UTF-8"),
+        # RocketMQ stores keys, tags and properties in one property block of at most 32767 bytes.
+        (Message("Orders", b"x", keys="k" * 40_000), "32767 bytes"),
+        (Message("Orders", b"x", properties={"big": "v" * 20_000_000}), "32767 bytes"),
     ],
 )
 def test_invalid_messages_name_the_problem(message: Message, match: str) -> None:
     with pytest.raises(InvalidMessageError, match=match):
         validate_message(message)
+
+
+@pytest.mark.parametrize("seconds", ["0", "30", "2.5", "3600"])
+def test_immunity_in_plain_seconds_passes(seconds: str) -> None:
+    validate_message(
+        Message("Orders", b"x", properties={"CHECK_IMMUNITY_TIME_IN_SECONDS": seconds})
+    )
 
 
 def test_body_limit_is_configurable() -> None:

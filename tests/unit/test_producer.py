@@ -15,6 +15,7 @@ import pytest
 from rmq_spark import (
     EndTransactionStatus,
     InvalidMessageError,
+    InvalidOptionError,
     LocalTransactionState,
     Message,
     MessageExt,
@@ -288,3 +289,42 @@ def test_shutdown_finishes_the_compactions_its_sends_asked_for(store: Store) -> 
             producer.send_message_in_transaction(Message("T", b"x"), LocalTransactionState.COMMIT)
     # The 50th commit of half asked for a compaction; it is done when shutdown returns.
     assert len(store.data_files("half")) < 20
+
+
+@pytest.mark.parametrize("bad", ["keys", "tags", "property"])
+def test_an_unencodable_message_fails_its_sender_only(store: Store, bad: str) -> None:
+    """A lone surrogate passed validation and failed the group commit it shared: 14 of 15
+    concurrent good senders failed with its error. It is refused as it is sent."""
+    poison = {
+        "keys": {"keys": "k\udcff"},
+        "tags": {"tags": "t\udcff"},
+        "property": {"properties": {"origin": "file-\udcff"}},
+    }[bad]
+    barrier = threading.Barrier(16)
+    results: dict[int, object] = {}
+
+    def sender(n: int) -> None:
+        message = Message("Orders", f"m{n}", **(poison if n == 0 else {}))
+        barrier.wait()
+        try:
+            results[n] = producer.send_message_in_transaction(message, "COMMIT")
+        except Exception as exc:
+            results[n] = exc
+
+    with TransactionMQProducer("orders", ScriptedListener(), store=store) as producer:
+        threads = [threading.Thread(target=sender, args=(n,)) for n in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert isinstance(results[0], InvalidMessageError) and "UTF-8" in str(results[0])
+    assert all(results[n].send_status is SendStatus.SEND_OK for n in range(1, 16))
+    assert commitlog(store).num_rows == 15
+
+
+@pytest.mark.parametrize("max_batch", ["16", None, 0, 1.5, True])
+def test_a_bad_max_batch_is_refused_at_once(store: Store, max_batch: object) -> None:
+    """max_batch="16" was accepted; the committer thread died on the first send and every send
+    and shutdown() then blocked for ever."""
+    with pytest.raises(InvalidOptionError, match="max_batch needs to be an int of at least 1"):
+        TransactionMQProducer("orders", ScriptedListener(), store=store, max_batch=max_batch)
