@@ -211,15 +211,26 @@ class CheckBackJob:
         self.clock = clock
         #: This run's pending transactions (set when its check batch is made).
         self._pending: PendingUpdate | None = None
+        #: This run's misconfigured checkers: ``{group: what is wrong}``.
+        self._broken: dict[str, str] = {}
 
     # ------------------------------------------------------------------ entry points
-    def validate(self) -> None:
-        """Check every checker's configuration; raise CheckerConfigError at the first fault."""
+    def _misconfigured(self) -> dict[str, str]:
+        """``{group: what is wrong}`` for the checkers whose configuration is broken (a module
+        that cannot be imported, a table that cannot be read), each logged as an error."""
+        broken = {}
         for group, checker in self.checkers.items():
             try:
                 checker.validate(self.spark)
-            except CheckerConfigError as exc:
-                raise CheckerConfigError(f"producer group {group!r}: {exc.message}") from exc
+            except Exception as exc:  # a module raising at import is a broken checker too
+                detail = exc.message if isinstance(exc, CheckerConfigError) else repr(exc)
+                broken[group] = f"producer group {group!r}: {detail}"
+                log.error(
+                    "%s; its transactions count as UNKNOWN this round, the other groups are "
+                    "checked as usual",
+                    broken[group],
+                )
+        return broken
 
     def run_once(self) -> CheckBackResult:
         """One check-back round. Always records a ``check_runs`` row, even when it fails."""
@@ -229,7 +240,7 @@ class CheckBackJob:
         oldest: float | None = None
         status, message = "finished", None
         try:
-            self.validate()
+            self._broken = self._misconfigured()
             self.store.publish()  # finish publishes cut off by a crash, before reading state
             self._repair_discards()
             batch = self._check_batch(started)
@@ -240,7 +251,7 @@ class CheckBackJob:
             counts["skipped_for_age"] = reasons[TOO_OLD]
             counts["unrouted"] = reasons[UNROUTED]
             oldest = pc.max(pending.column("age_seconds")).as_py()
-            self._refuse_unrouted(pending)
+            self._report_unrouted(pending)
             answers, ended = self._check_groups(batch, pending, started, counts)
             self._start_clocks(pending, ended)
             batch = batch.join(
@@ -269,8 +280,6 @@ class CheckBackJob:
             started = time.monotonic()
             try:
                 self.run_once()
-            except CheckerConfigError:
-                raise
             except Exception:
                 log.exception("check-back round failed; retrying in %.0f s", interval)
             rounds += 1
@@ -300,9 +309,14 @@ class CheckBackJob:
         now_lit = F.lit(now).cast("timestamp")
         first_seen = F.coalesce(F.col("first_seen"), now_lit)
         age = F.unix_micros(now_lit) - F.unix_micros(first_seen)
-        immunity = F.coalesce(
-            F.col("properties").getItem(PROPERTY_CHECK_IMMUNITY).cast("double"), F.lit(0.0)
-        )
+        # try_cast: one message whose property is not a number (a sink stores any value) must
+        # not fail the round for everyone (ANSI mode's CAST_INVALID_INPUT); it has no immunity,
+        # and neither has a negative, infinite or NaN value (NaN sorts above every number).
+        asked = F.col("properties").getItem(PROPERTY_CHECK_IMMUNITY).try_cast("double")
+        immunity = F.when(
+            (asked >= 0) & (asked < float("inf")) & ~F.isnan(asked),
+            F.least(asked, F.lit(self.settings.max_check_age)),
+        ).otherwise(F.lit(0.0))
         routed = list(self.checkers)
         group_routed = F.col("producer_group").isin(routed) if routed else F.lit(False)
         reason = (
@@ -343,17 +357,19 @@ class CheckBackJob:
         # Spark cannot take an Arrow table without chunks (an empty filter result).
         return self.spark.createDataFrame(table if table.num_rows else table.schema.empty_table())
 
-    def _refuse_unrouted(self, pending: pa.Table) -> None:
-        if self.skip_unrouted:
-            return
+    def _report_unrouted(self, pending: pa.Table) -> None:
+        """Warn about pending transactions of groups with no checker (left pending, counted
+        as unrouted: UNKNOWN for their group, never the end of the round or of the loop);
+        with ``skip_unrouted`` they are expected, and only counted."""
         unrouted = pending.filter(pc.equal(pending.column("reason"), UNROUTED))
-        if unrouted.num_rows:
+        if unrouted.num_rows and not self.skip_unrouted:
             groups = sorted(set(unrouted.column("producer_group").to_pylist()))
-            raise CheckerConfigError(
-                f"{unrouted.num_rows} pending transaction(s) belong to producer group(s) with no "
-                f"checker: {', '.join(groups)}. Add [checkers.<group>] to conf/rmq-spark.toml (or "
-                "pass them to CheckBackJob), or run with skip_unrouted / --skip-unrouted to leave "
-                "them pending."
+            log.warning(
+                "%d pending transaction(s) belong to producer group(s) with no checker: %s; "
+                "they stay pending. Add [checkers.<group>] to conf/rmq-spark.toml (or pass them "
+                "to CheckBackJob), or run with skip_unrouted / --skip-unrouted if that is meant.",
+                unrouted.num_rows,
+                ", ".join(groups),
             )
 
     def _check_groups(
@@ -381,6 +397,7 @@ class CheckBackJob:
         self, group: str, epoch_message: bool, batch: DataFrame, ids: pa.ChunkedArray
     ) -> pa.Table:
         checker = EpochChecker(self.store, self.clock) if epoch_message else self.checkers[group]
+        broken = None if epoch_message else self._broken.get(group)
         log.info(
             "asking the %s checker of %r about %d transaction(s)", checker.kind, group, len(ids)
         )
@@ -390,6 +407,8 @@ class CheckBackJob:
             & (F.col("epoch_message") == epoch_message)
         )
         try:
+            if broken is not None:
+                raise CheckerConfigError(broken)
             answer = checker.check(group_batch).toArrow()
         except Exception as exc:
             log.error(

@@ -16,6 +16,8 @@ from rmq_spark.storage import hadoop_settings, is_s3
 JARS_ENV = "RMQ_SPARK_JARS"
 _LOG4J2_CONF = Path(__file__).with_name("log4j2.properties")
 _REQUIRED_JARS = ("delta-spark_", "delta-storage-")
+#: Settings that hold credentials (kept off the driver's command line).
+_CREDENTIAL_KEYS = (".access.key", ".secret.key", ".session.token")
 
 #: Local-mode defaults: small machines, no UI, few shuffle partitions.
 LOCAL_SPARK_CONF = {
@@ -129,9 +131,15 @@ def get_spark(
         # comes first on PATH.
         os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
         builder = builder.master(master)
+    # Credentials are set once the JVM is up: the builder's settings reach spark-submit as
+    # command-line arguments, which anyone on the host can read (ps).
+    secrets = {k: conf.pop(k) for k in list(conf) if k.endswith(_CREDENTIAL_KEYS)}
     for key, value in conf.items():
         builder = builder.config(key, value)
     spark = builder.getOrCreate()
+    hadoop = spark.sparkContext._jsc.hadoopConfiguration()
+    for key, value in secrets.items():
+        hadoop.set(key.removeprefix("spark.hadoop."), value)
     spark.sparkContext.setLogLevel("WARN")
     register(spark)
     return spark

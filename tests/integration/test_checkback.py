@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,7 +21,6 @@ from rmq_spark.checkers import (
     ANSWER_SCHEMA,
     CallableChecker,
     Checker,
-    CheckerConfigError,
     TableChecker,
 )
 from rmq_spark.config import TransactionSettings
@@ -261,22 +261,44 @@ def test_table_checker_and_listener_checker(spark, store: Store, tmp_path) -> No
 
 
 @pytest.mark.parametrize(
-    ("checkers", "match"),
+    ("broken", "match"),
     [
-        ({"pg": CallableChecker("no_such_module:f")}, "cannot be imported"),
-        ({"pg": CallableChecker("tests.checker_functions:nope")}, "'nope' not found"),
-        ({"pg": CallableChecker("tests.checker_functions")}, "not of the form"),
-        ({"pg": TableChecker("/no/such/table", "id", 1)}, "cannot read Delta table"),
-        ({"other": CallableChecker(BY_TAG)}, "producer group.*with no checker: pg"),
+        (CallableChecker("no_such_module:f"), "cannot be imported"),
+        (CallableChecker("tests.checker_functions:nope"), "'nope' not found"),
+        (CallableChecker("tests.checker_functions"), "not of the form"),
+        (TableChecker("/no/such/table", "id", 1), "cannot read Delta table"),
     ],
 )
-def test_bad_checker_config_is_a_clear_error_at_start(spark, store, checkers, match) -> None:
+def test_a_misconfigured_checker_holds_back_only_its_own_group(
+    spark, store, broken, match, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A checker whose module or table is missing raised CHECKER_CONFIG out of run_once(), and
+    no group was checked. Now its group's transactions count as checker errors (UNKNOWN), named
+    in the log, and every other group is checked as usual."""
+    clock = Clock()
     prepare(store, "COMMIT")
-    with pytest.raises(CheckerConfigError, match=match):
-        job(spark, store, Clock(), checkers).run_once()
-    assert store.table("op").version() == 0
+    (other,) = prepare(store, "COMMIT", group="other")
+    checkers = {"pg": broken, "other": CallableChecker(BY_TAG)}
+    start_clocks(spark, store, clock, checkers)
+    with caplog.at_level("ERROR", logger="rmq_spark"):
+        s = job(spark, store, clock, checkers).run_once().summary
+    assert (s.committed, s.errors, s.unknown) == (1, 1, 1)
+    assert visible_ids(store) == [other]
+    assert re.search(f"producer group 'pg'.*{match}", caplog.text)
     runs = store.table("check_runs").to_pyarrow_table().to_pylist()
-    assert [r["status"] for r in runs] == ["failed"]
+    assert [r["status"] for r in runs] == ["finished", "finished"]
+
+
+def test_a_group_without_a_checker_is_reported_not_fatal(spark, store: Store) -> None:
+    """A pending transaction of a group with no checker made the round (and `rmqtx check
+    --interval`) fail; it is counted as unrouted and left pending, and the others go on."""
+    clock = Clock()
+    (routed,) = prepare(store, "COMMIT")
+    prepare(store, "COMMIT", group="nobody")
+    start_clocks(spark, store, clock)
+    s = job(spark, store, clock).run_once().summary
+    assert (s.committed, s.unrouted) == (1, 1)
+    assert visible_ids(store) == [routed]
 
 
 def test_unrouted_groups_can_be_left_pending(spark, store: Store) -> None:
@@ -288,6 +310,28 @@ def test_unrouted_groups_can_be_left_pending(spark, store: Store) -> None:
     clock.advance(10)
     s = j.run_once().summary
     assert (s.committed, s.unrouted) == (1, 1)
+
+
+@pytest.mark.parametrize("immunity", ["1_0", "abc", "１０", " 10 ", "NaN"])
+def test_a_garbage_immunity_property_stops_nobody(spark, store: Store, immunity: str) -> None:
+    """One half message whose CHECK_IMMUNITY_TIME_IN_SECONDS is not a number (a sink stores
+    any value) failed every round with CAST_INVALID_INPUT under ANSI mode, for every group.
+    It counts as no immunity; the round checks everyone."""
+    clock = Clock()
+    (good,) = prepare(store, "COMMIT")
+    rows = store.half_messages([good]).to_pylist()
+    rows[0] |= {
+        "transaction_id": "garbage-immunity",
+        "msg_id": "garbage-immunity",
+        "producer_group": "other",
+        "properties": [("CHECK_IMMUNITY_TIME_IN_SECONDS", immunity)],
+    }
+    store.append("half", pa.Table.from_pylist(rows, schema=store.half_messages([]).schema))
+    checkers = {"pg": CallableChecker(BY_TAG), "other": CallableChecker(BY_TAG)}
+    start_clocks(spark, store, clock, checkers)
+    s = job(spark, store, clock, checkers).run_once().summary
+    assert s.committed == 2
+    assert sorted(visible_ids(store)) == sorted([good, "garbage-immunity"])
 
 
 def test_summary_is_readable(spark, store: Store) -> None:
