@@ -12,8 +12,10 @@ import contextlib
 import http.client
 import http.server
 import json
+import os
 import subprocess
 import sys
+import textwrap
 import threading
 import urllib.parse
 from collections.abc import Iterator
@@ -221,3 +223,44 @@ def test_a_producer_configured_only_by_the_settings_file_sends_to_s3(
             producer.send_message_in_transaction(Message("Orders", f"o{i}"), arg=state)
         producer.send(Message("Orders", "normal"))
     assert sorted(commitlog(s3_store).column("body").to_pylist()) == [b"normal", b"o0", b"o2"]
+
+
+def test_s3_credentials_stay_off_the_spark_driver_s_command_line(tmp_path: Path) -> None:
+    """get_spark put the secret key and session token into the builder's spark.hadoop.fs.s3a.*
+    settings, which PySpark hands to spark-submit as arguments: anyone on the host could read
+    them with ps. They are set in the Hadoop configuration once the JVM is up."""
+    secret, token = "SECRET-" + "x" * 16, "TOKEN-" + "y" * 16
+    child = textwrap.dedent(
+        """
+        import os, sys
+        from rmq_spark.config import Settings, StoreSettings
+        from rmq_spark.session import get_spark
+        secret, token = os.environ["TEST_SECRET"], os.environ["TEST_TOKEN"]
+        options = {"AWS_ACCESS_KEY_ID": "AK", "AWS_SECRET_ACCESS_KEY": secret,
+                   "AWS_SESSION_TOKEN": token, "AWS_ENDPOINT_URL": "http://127.0.0.1:9"}
+        settings = Settings(store=StoreSettings(path="s3://b/root", storage_options=options))
+        spark = get_spark("secrets", settings=settings)
+        conf = spark.sparkContext._jsc.hadoopConfiguration()
+        print("HADOOP", conf.get("fs.s3a.secret.key") == secret,
+              conf.get("fs.s3a.session.token") == token, flush=True)
+        lines = []
+        for pid in os.listdir("/proc"):
+            try:
+                lines.append(open(f"/proc/{pid}/cmdline", "rb").read())
+            except OSError:
+                pass
+        print("ON_A_COMMAND_LINE", any(secret.encode() in c or token.encode() in c
+                                       for c in lines), flush=True)
+        spark.stop()
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", child],
+        capture_output=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={**os.environ, "TEST_SECRET": secret, "TEST_TOKEN": token},
+    )
+    out = proc.stdout.decode()
+    assert "HADOOP True True" in out, proc.stderr.decode()[-2000:]
+    assert "ON_A_COMMAND_LINE False" in out
