@@ -53,6 +53,8 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 from deltalake import DeltaTable
 from deltalake.exceptions import CommitFailedError
 from deltalake.transaction import AddAction
@@ -186,7 +188,8 @@ def commit(
         while not put(version):
             _check_no_conflict(log.read(version), ours, rewritten, uri, version)
             version += 1
-    if not log.reachable(version):
+        failpoint("deltacommit.committed")
+    if not log.reachable(version, [a.path for a in adds]):
         log_.warning(
             "a commit to %s put version %d where the log had been cleaned (it stalled past a "
             "checkpoint and the log cleanup); no reader sees it, so it is made again",
@@ -197,7 +200,6 @@ def commit(
             f"version {version} of {uri} was put below a newer checkpoint, where the log had "
             "been cleaned: no reader would see it"
         )
-    failpoint("deltacommit.committed")
     return version
 
 
@@ -283,30 +285,57 @@ class _Log:
     def staged(self, entry: bytes) -> _Staged:
         return _Staged(self, entry)
 
-    def reachable(self, version: int) -> bool:
-        """Whether a reader can reach the entry just put at ``version``: False when a
-        checkpoint at or after it exists (readers start from the newest checkpoint), which the
-        ``_last_checkpoint`` hint or, when the entry before it is gone, a listing shows. Both
-        reads go out at once."""
+    def reachable(self, version: int, paths: Sequence[str]) -> bool:
+        """Whether readers reach the entry just put at ``version``, which adds the files
+        ``paths``.
+
+        A checkpoint at or after it (the ``_last_checkpoint`` hint, or when the entry before
+        it is gone a listing, shows one) is where readers start. A put in a cleaned hole came
+        after that checkpoint, which holds the table without these files. A put that landed
+        in order and stalled before this check is in it, its files live or, when compacted
+        away since, as tombstones; made again, they would be added beside the compacted copy
+        of their rows. So the checkpoint decides. The hint and the entry before go out at once.
+        """
         hint_path = f"{self.path}/_last_checkpoint"
         before = self.name(version - 1)
         found = self.fs.cat([hint_path, before] if version else [hint_path], on_error="return")
-        hint = found.get(hint_path)
-        if isinstance(hint, bytes):
-            try:
-                if int(json.loads(hint)["version"]) >= version:
-                    return False
-            except (ValueError, KeyError, TypeError):
-                pass  # an unreadable hint: the listing below decides
-        if version == 0 or isinstance(found.get(before), bytes):
+        try:
+            hint = int(json.loads(found[hint_path])["version"])  # type: ignore[arg-type]
+        except (ValueError, KeyError, TypeError):
+            hint = -1  # none, or unreadable: the entry before decides
+        if hint < version and (version == 0 or isinstance(found.get(before), bytes)):
             return True
-        # The entry before it is gone: the cleanup deletes oldest first and only below a
-        # checkpoint, so one should exist after it (the hint can lag its checkpoint).
-        names = (p.rsplit("/", 1)[-1] for p in self.fs.ls(self.path, detail=False))
-        return not any(
-            (match := CHECKPOINT_NAME.match(name)) and int(match.group(1)) >= version
-            for name in names
-        )
+        # The entry before is gone (the cleanup deletes oldest first, and only below a
+        # checkpoint), or the hint is past this version: the first checkpoint after it.
+        checkpoints: dict[int, list[str]] = {}
+        for path in self.fs.ls(self.path, detail=False):
+            match = CHECKPOINT_NAME.match(path.rsplit("/", 1)[-1])
+            if match is not None and int(match.group(1)) >= version:
+                checkpoints.setdefault(int(match.group(1)), []).append(path)
+        complete = [v for v, files in checkpoints.items() if _complete(files)]
+        if not complete:
+            return True
+        return bool(paths) and not set(paths).isdisjoint(self._files_in(checkpoints[min(complete)]))
+
+    def _files_in(self, checkpoint: list[str]) -> set[str]:
+        """The paths a checkpoint names: its live files and its tombstones."""
+        named: set[str] = set()
+        for path in checkpoint:
+            actions = pq.read_table(path, columns=["add", "remove"], filesystem=self.fs)
+            for column in ("add", "remove"):
+                named.update(
+                    p for p in pc.struct_field(actions.column(column), "path").to_pylist() if p
+                )
+        return named
+
+
+def _complete(files: list[str]) -> bool:
+    """Whether the files of one checkpoint version are a whole checkpoint (one file, or every
+    part ``i`` of ``n``)."""
+    parts = [CHECKPOINT_NAME.match(f.rsplit("/", 1)[-1]).group(3) for f in files]  # type: ignore[union-attr]
+    return parts == [None] or (
+        None not in parts and len(set(parts)) == 1 and len(files) == int(parts[0])
+    )
 
 
 class _Staged:

@@ -52,6 +52,8 @@ class Options:
     finish_timeout: float = 1800.0
     #: Seconds a Spark worker is left alone after its start-up before it may be killed.
     jvm_grace: float = 30.0
+    #: Mean seconds between two acts of another Delta writer or a stall (see meddle); 0: none.
+    meddle_every: float = 8.0
     #: Print the timeline (starts, kills, ...) as it happens.
     verbose: bool = True
 
@@ -103,6 +105,8 @@ class Stats:
     max_check_count: int = 0
     timeline: list = field(default_factory=list)
     warm_up: float = 0.0
+    #: Acts of another Delta writer on the store's tables, and stalls, by kind.
+    meddling: Counter = field(default_factory=Counter)
 
 
 def session_processes(sid: int) -> list[tuple[int, int]]:
@@ -154,6 +158,8 @@ class Orchestrator:
         self.stream_seq = 0
         self.batch_seq = 0
         self.order_id = 0
+        #: Stalled (SIGSTOPped) workers: name -> (their process, when to resume them).
+        self.stalled: dict[str, tuple[subprocess.Popen, float]] = {}
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -449,6 +455,61 @@ level = "INFO"
             self.stats.started["resume"] += 1
         self.note(f"resume x{n}")
 
+    # ------------------------------------------------------------------ other writers
+    def meddle(self) -> None:
+        """Now and then, between the workers' steps, what users and machines do to a store:
+        another Delta writer (deltalake, as delta-spark would) compacts a table (OPTIMIZE),
+        writes a checkpoint at an odd version or vacuums with Delta's retention; or a process
+        that commits is stalled (SIGSTOP: a GC or swap stall, a paused VM) for longer than the
+        log cleanup's horizon (10 s), then resumed."""
+        from deltalake import DeltaTable
+
+        now = self.elapsed()
+        for name, (proc, resume_at) in list(self.stalled.items()):
+            if now >= resume_at or proc.poll() is not None:
+                self.signal_session(proc, signal.SIGCONT)
+                del self.stalled[name]
+                self.note(f"SIGCONT {name}")
+        if not self.o.meddle_every or self.rng.random() >= 0.5 / self.o.meddle_every:
+            return
+        act = self.rng.choice(["optimize", "checkpoint", "vacuum", "stall"])
+        table = self.rng.choice(["half", "op", "commitlog"])
+        if act == "stall":
+            live = [
+                w for w in self.workers
+                if w.kind in ("producer", "compactor") and self.killable(w)
+                and w.name not in self.stalled
+            ]  # fmt: skip
+            if not live:
+                return
+            w = self.rng.choice(live)
+            seconds = self.rng.uniform(12, 25)
+            self.signal_session(w.proc, signal.SIGSTOP)
+            self.stalled[w.name] = (w.proc, now + seconds)
+            self.note(f"SIGSTOP {w.name}#{w.incarnation} for {seconds:.0f} s")
+        else:
+            try:
+                delta = DeltaTable(str(self.store / table))
+                if act == "optimize":
+                    delta.optimize.compact()
+                elif act == "checkpoint":
+                    delta.create_checkpoint()
+                else:
+                    delta.vacuum(dry_run=False)
+            except Exception as exc:  # a foreign writer may lose a race too; that is all
+                self.note(f"foreign {act} of {table} failed: {exc!r}"[:300])
+                return
+            self.note(f"foreign {act} of {table} at version {delta.version()}")
+        self.stats.meddling[act] += 1
+
+    def signal_session(self, proc: subprocess.Popen, signum: int) -> None:
+        """Send ``signum`` to every process group of a worker's session."""
+        for pgid in {pgid for _, pgid in session_processes(proc.pid)} | {proc.pid}:
+            try:
+                os.killpg(pgid, signum)
+            except ProcessLookupError:
+                pass
+
     # ------------------------------------------------------------------ sampling
     def sample(self) -> None:
         """Check counts never go down; queue offsets never go down."""
@@ -561,7 +622,12 @@ level = "INFO"
                     self.kill(self.rng.choices(live, weights)[0])
             if end is not None:
                 self.maybe_resume()
+                self.meddle()
             time.sleep(tick)
+        for name, (proc, _) in self.stalled.items():
+            self.signal_session(proc, signal.SIGCONT)
+            self.note(f"SIGCONT {name} (end of chaos)")
+        self.stalled = {}
         self.note("chaos over: SIGKILL every worker")
         (self.run_dir / "STOP").write_text("stop")
         self.reap(chaos=False)

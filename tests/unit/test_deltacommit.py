@@ -318,6 +318,53 @@ def test_a_process_killed_after_taking_the_checkpoint_version_leaves_a_readable_
     assert store.published_op_version() >= 1
 
 
+def _stopped_prepare(store: Store, tmp_path: Path, failpoint: str) -> subprocess.Popen:
+    """A child process whose prepare of one half message ``b"stalled"`` stops itself (SIGSTOP)
+    at ``failpoint``; returned once it is stopped there. It prints its half version."""
+    marker = tmp_path / "stopped.pid"
+    child = textwrap.dedent(
+        f"""
+        import json
+        from rmq_spark import Message, Store
+        from rmq_spark.config import Settings, StoreSettings
+        store = Store.open({store.root!r}, settings=Settings(store=StoreSettings(queue_nums=2)))
+        (prepared,) = store.prepare([Message("T", b"stalled")], "pg")
+        print(json.dumps({{"half_version": prepared.half_version}}))
+        """
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", child],
+        env={
+            **os.environ,
+            "PYTHONPATH": str(REPO),
+            "RMQ_SPARK_FAILPOINT": f"{failpoint}:stop",
+            "RMQ_SPARK_FAILPOINT_MARKER": str(marker),
+        },
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.monotonic() + 120
+    while not (marker.exists() and marker.read_text()) or _state(proc.pid) != "T":
+        assert proc.poll() is None, proc.stderr.read().decode()
+        assert time.monotonic() < deadline, "the child never reached its commit"
+        time.sleep(0.05)
+    return proc
+
+
+def _resumed(proc: subprocess.Popen) -> int:
+    """Resume a stopped child; the half version its prepare returned."""
+    os.kill(proc.pid, signal.SIGCONT)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err.decode()
+    return json.loads(out.decode().strip().splitlines()[-1])["half_version"]
+
+
+def _cleaned(store: Store) -> None:
+    """The log cleanup of ``half`` run two minutes later (past UNNEEDED_LOG_SECONDS)."""
+    later = datetime.now(UTC) + timedelta(minutes=2)
+    Store.open(store.root, settings=store.settings, clock=lambda: later).clean_log("half")
+
+
 def test_a_commit_paused_past_a_checkpoint_and_log_cleanup_is_not_lost(
     store: Store, tmp_path: Path
 ) -> None:
@@ -328,53 +375,41 @@ def test_a_commit_paused_past_a_checkpoint_and_log_cleanup_is_not_lost(
     is readable, once."""
     uri = store.table_uri("half")
     store.table("half").alter.set_table_properties({"delta.checkpointInterval": "10"})
-    marker = tmp_path / "stopped.pid"
-    child = textwrap.dedent(
-        f"""
-        import json
-        from rmq_spark import Message, Store
-        from rmq_spark.config import Settings, StoreSettings
-        store = Store.open({store.root!r}, settings=Settings(store=StoreSettings(queue_nums=2)))
-        (prepared,) = store.prepare([Message("T", b"paused")], "pg")
-        print(json.dumps({{"half_version": prepared.half_version}}))
-        """
-    )
-    proc = subprocess.Popen(
-        [sys.executable, "-c", child],
-        env={
-            **os.environ,
-            "PYTHONPATH": str(REPO),
-            "RMQ_SPARK_FAILPOINT": "deltacommit.staged:stop",
-            "RMQ_SPARK_FAILPOINT_MARKER": str(marker),
-        },
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
+    proc = _stopped_prepare(store, tmp_path, "deltacommit.staged")
     try:
-        deadline = time.monotonic() + 120
-        while not (marker.exists() and marker.read_text()) or _state(proc.pid) != "T":
-            assert proc.poll() is None, proc.stderr.read().decode()
-            assert time.monotonic() < deadline, "the child never reached its commit"
-            time.sleep(0.05)
         target = store.table("half").version() + 1  # the version the stopped commit will put
         for n in range(25):
             store.prepare([Message("T", f"m{n}")], "pg")
-        later = Store.open(
-            store.root,
-            settings=store.settings,
-            clock=lambda: datetime.now(UTC) + timedelta(minutes=2),
-        )
-        later.clean_log("half")
+        _cleaned(store)
         assert not (Path(uri) / "_delta_log" / f"{target:020d}.json").exists()
     finally:
-        os.kill(proc.pid, signal.SIGCONT)
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err.decode()
-    reported = json.loads(out.decode().strip().splitlines()[-1])["half_version"]
+        reported = _resumed(proc)
     fresh = DeltaTable(uri)
     bodies = fresh.to_pyarrow_table(columns=["body"]).column("body").to_pylist()
-    assert bodies.count(b"paused") == 1
-    assert reported > 20 and reported <= fresh.version()
+    assert bodies.count(b"stalled") == 1
+    assert 20 < reported <= fresh.version()
+
+
+def test_a_commit_paused_after_its_put_is_not_made_twice(store: Store, tmp_path: Path) -> None:
+    """Stopped right after its put landed, while others commit past a checkpoint, a compaction
+    rewrites its file and the log cleanup runs: it finds a checkpoint after its version, as a
+    commit put in a cleaned hole does, but this one is in the table. Made again, its file
+    would be added a second time beside the compacted copy of its rows."""
+    uri = store.table_uri("half")
+    store.table("half").alter.set_table_properties({"delta.checkpointInterval": "10"})
+    proc = _stopped_prepare(store, tmp_path, "deltacommit.committed")
+    try:
+        for n in range(25):
+            store.prepare([Message("T", f"m{n}")], "pg")
+        assert store.compact("half")["half"] > 1
+        for n in range(10):
+            store.prepare([Message("T", f"after-{n}")], "pg")
+        _cleaned(store)
+    finally:
+        reported = _resumed(proc)
+    bodies = DeltaTable(uri).to_pyarrow_table(columns=["body"]).column("body").to_pylist()
+    assert bodies.count(b"stalled") == 1
+    assert reported < 10
 
 
 def _state(pid: int) -> str:
