@@ -6,8 +6,10 @@ Names follow RocketMQ's broker settings in snake_case (``transactionTimeOut`` be
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+import stat
 import tomllib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -16,6 +18,8 @@ from typing import Any
 
 from rmq_spark.errors import InvalidOptionError
 from rmq_spark.model import DEFAULT_MAX_BODY_BYTES
+
+log = logging.getLogger(__name__)
 
 CONF_ENV = "RMQ_SPARK_CONF"
 DEFAULT_CONF_FILE = Path("conf") / "rmq-spark.toml"
@@ -170,6 +174,26 @@ def _section(data: dict[str, Any], cls: type, name: str, parsers: dict[str, Any]
     return replace(cls(), **values)
 
 
+def _check_trusted(found: Path) -> None:
+    """Refuse a settings file found in the working directory that someone else owns or may
+    change (the file or its folder), as git's ``safe.directory`` does: it can load JVM classes
+    (``[spark]``), import checker modules and point the store and its credentials elsewhere."""
+    for item in (found, found.parent):
+        info = item.stat()
+        if info.st_uid != os.getuid() or info.st_mode & stat.S_IWOTH:
+            why = (
+                f"is owned by uid {info.st_uid}, not you (uid {os.getuid()})"
+                if info.st_uid != os.getuid()
+                else "may be changed by any user"
+            )
+            raise InvalidOptionError(
+                f"{str(item)!r} {why}, so the settings file {str(found)!r} found in the working "
+                f"directory {str(Path.cwd())!r} is not read: it can load code and send the "
+                f"store's credentials elsewhere. Name the file you mean with --conf or "
+                f"${CONF_ENV}, or make it yours and not writable by every user."
+            )
+
+
 def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
     """Load settings from a TOML file over the built-in defaults.
 
@@ -177,18 +201,23 @@ def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
     ----------
     path : str or path-like, optional
         The file to read. Defaults to ``$RMQ_SPARK_CONF``, else ``conf/rmq-spark.toml`` in the
-        working directory if it exists, else the built-in defaults.
+        working directory if it exists (and is yours, not writable by every user), else the
+        built-in defaults. The file used is logged at INFO.
 
     Raises
     ------
     InvalidOptionError
-        For an unreadable file, unknown sections or keys, or malformed values.
+        For an unreadable file, unknown sections or keys, or malformed values; and for a
+        ``conf/rmq-spark.toml`` found in the working directory that another user owns or every
+        user may change (the file or its folder): it could load code and redirect credentials.
     """
     chosen = path or os.environ.get(CONF_ENV)
     if chosen is None:
         if not DEFAULT_CONF_FILE.exists():
             return Settings()
+        _check_trusted(DEFAULT_CONF_FILE)
         chosen = DEFAULT_CONF_FILE
+    log.info("settings from %s", Path(chosen).resolve())
     try:
         data = tomllib.loads(Path(chosen).read_text(encoding="utf-8"))
     except (OSError, tomllib.TOMLDecodeError) as exc:

@@ -1,11 +1,12 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from rmq_spark import InvalidOptionError
-from rmq_spark.config import load_settings, parse_duration
+from rmq_spark.config import CONF_ENV, load_settings, parse_duration
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -62,3 +63,40 @@ def test_parse_duration_units() -> None:
     assert parse_duration(6, "x") == 6.0
     with pytest.raises(InvalidOptionError, match="must not be negative"):
         parse_duration(-1, "x")
+
+
+@pytest.mark.parametrize("planted", ["other owner", "world-writable", "writable folder"])
+def test_a_settings_file_planted_in_the_working_directory_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, planted: str
+) -> None:
+    """With no --conf, conf/rmq-spark.toml was read from whatever the working directory was:
+    a file there can load JVM classes ([spark]), import checker modules and send the store and
+    its credentials elsewhere. Like git's safe.directory, one that someone else owns or may
+    change is refused, naming the way to use it on purpose."""
+    conf = tmp_path / "conf" / "rmq-spark.toml"
+    conf.parent.mkdir()
+    conf.write_text('[store]\npath = "/elsewhere"\n')
+    if planted == "other owner":
+        os.chown(conf, os.getuid() + 4242, -1)
+    elif planted == "world-writable":
+        conf.chmod(0o666)
+    else:
+        conf.parent.chmod(0o777)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(CONF_ENV, raising=False)
+    with pytest.raises(InvalidOptionError, match=r"conf/rmq-spark\.toml.*RMQ_SPARK_CONF"):
+        load_settings()
+    assert load_settings(conf).store.path == "/elsewhere"  # named on purpose: read
+
+
+def test_the_settings_file_used_is_named_at_info(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    conf = tmp_path / "conf" / "rmq-spark.toml"
+    conf.parent.mkdir()
+    conf.write_text('[store]\npath = "/mine"\n')
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(CONF_ENV, raising=False)
+    with caplog.at_level("INFO", logger="rmq_spark"):
+        assert load_settings().store.path == "/mine"
+    assert f"settings from {conf}" in caplog.text
