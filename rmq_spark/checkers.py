@@ -93,6 +93,12 @@ def resolve_function(spec: str) -> Callable[[MessageExt], Any]:
             f"checker module {module_name!r} (from {spec!r}) cannot be imported: {exc}. "
             "Install it where Spark's executors run, or fix the name."
         ) from exc
+    except Exception as exc:  # the module's own code failed as it was imported
+        raise CheckerConfigError(
+            f"checker module {module_name!r} (from {spec!r}) raised {type(exc).__name__} as it "
+            f"was imported: {exc}. Fix the module (run 'python -c \"import {module_name}\"' "
+            "to see the traceback)."
+        ) from exc
     target: Any = module
     for part in attr.split("."):
         target = getattr(target, part, None)

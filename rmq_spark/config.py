@@ -22,6 +22,8 @@ from rmq_spark.model import DEFAULT_MAX_BODY_BYTES
 log = logging.getLogger(__name__)
 
 CONF_ENV = "RMQ_SPARK_CONF"
+#: Settings files this process has named at INFO (later loads name them at DEBUG).
+_announced: set[Path] = set()
 DEFAULT_CONF_FILE = Path("conf") / "rmq-spark.toml"
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
@@ -217,7 +219,9 @@ def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
             return Settings()
         _check_trusted(DEFAULT_CONF_FILE)
         chosen = DEFAULT_CONF_FILE
-    log.info("settings from %s", Path(chosen).resolve())
+    resolved = Path(chosen).resolve()
+    log.log(logging.DEBUG if resolved in _announced else logging.INFO, "settings from %s", resolved)
+    _announced.add(resolved)
     try:
         data = tomllib.loads(Path(chosen).read_text(encoding="utf-8"))
     except (OSError, tomllib.TOMLDecodeError) as exc:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Mapping, Sequence
 
 from deltalake import DeltaTable
@@ -23,6 +24,7 @@ log = logging.getLogger(__name__)
 Offsets = dict[str, dict[int, int]]
 
 EARLIEST, LATEST = -2, -1
+_DIGITS = re.compile(r"[0-9]+", re.ASCII)
 OFFSETS_EXAMPLE = '{"OrderEvents": {"0": 42, "1": -2}}'
 
 
@@ -100,7 +102,7 @@ def parse_offsets(text: str, option: str, topics: Sequence[str]) -> str | Offset
         if not isinstance(raw, Mapping):
             raise ValueError("not a JSON object")
         parsed: Offsets = {
-            str(topic): {int(q): int(o) for q, o in dict(queues).items()}
+            str(topic): {_queue_id(q): _offset(o) for q, o in dict(queues).items()}
             for topic, queues in raw.items()
         }
     except (ValueError, TypeError, AttributeError) as exc:
@@ -122,6 +124,22 @@ def parse_offsets(text: str, option: str, topics: Sequence[str]) -> str | Offset
                     "offsets are >= 0, or -2 (earliest) / -1 (latest)."
                 )
     return parsed
+
+
+def _queue_id(key: str) -> int:
+    """A queue id as JSON writes it: a key of ASCII digits (``int()`` takes ``" 1"`` and other
+    scripts' digits)."""
+    if not _DIGITS.fullmatch(key):
+        raise ValueError(f"queue id {key!r} is not a number")
+    return int(key)
+
+
+def _offset(value: object) -> int:
+    """An offset as JSON writes it: an integer a Spark long holds (``int()`` truncated 1.5
+    and took strings)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not -(2**63) <= value < 2**63:
+        raise ValueError(f"offset {value!r} is not a 64-bit integer")
+    return value
 
 
 def resolve(

@@ -534,9 +534,19 @@ class TransactionMQProducer:
             return publish.submit(self._decision(result, state)).result()
 
     def _decision(self, result: TransactionSendResult, state: LocalTransactionState) -> Decision:
-        return Decision(
-            result.transaction_id, self.producer_group, LocalTransactionState(state), "producer"
-        )
+        if not isinstance(result, TransactionSendResult):
+            raise InvalidOptionError(
+                "end_transaction needs the TransactionSendResult that send_message_in_transaction "
+                f"returned but got {type(result).__name__} ({result!r:.80})."
+            )
+        try:
+            state = LocalTransactionState(state)
+        except ValueError as exc:
+            raise InvalidOptionError(
+                f"end_transaction needs a state of COMMIT or ROLLBACK (LocalTransactionState) but "
+                f"got {state!r:.80}."
+            ) from exc
+        return Decision(result.transaction_id, self.producer_group, state, "producer")
 
     def send(self, msg: Message) -> SendResult:
         """Send a normal (non-transactional) message; it is visible when this returns."""

@@ -42,7 +42,9 @@ job, and its writer's commit then fails (the job is retried) instead of publishi
 from __future__ import annotations
 
 import logging
+import re
 import time
+from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -77,7 +79,16 @@ from rmq_spark.epochs import (
 )
 from rmq_spark.errors import InvalidMessageError, InvalidOptionError
 from rmq_spark.failpoints import failpoint
-from rmq_spark.model import check_group, check_topic, new_id, new_ids, queues_for
+from rmq_spark.model import (
+    MAX_PROPERTY_BYTES,
+    PROPERTY_CHECK_IMMUNITY,
+    SECONDS,
+    check_group,
+    check_topic,
+    new_id,
+    new_ids,
+    queues_for,
+)
 from rmq_spark.schema import HALF_SCHEMA, TIMESTAMP
 from rmq_spark.store import Store, normalise_root
 
@@ -161,13 +172,26 @@ class WriterOptions:
                 path=given.get(PATH.lower()) or settings.store.path,
                 producer_group=check_group(group),
                 topic=None if topic is None else check_topic(topic),
-                sink_id=given.get(SINK_ID.lower()),
+                sink_id=_check_sink_id(given.get(SINK_ID.lower())),
                 extra_columns=extra,
                 settings=settings.store.with_storage_options(storage),
                 lease_seconds=lease,
             )
         except InvalidMessageError as exc:
             raise InvalidOptionError(f"write option: {exc.message}") from exc
+
+
+#: What a ``sinkId`` may hold: it names epochs in tables, logs and ``rmqtx status``.
+_SINK_ID = re.compile(r"[A-Za-z0-9._:%|-]{1,255}", re.ASCII)
+
+
+def _check_sink_id(sink_id: str | None) -> str | None:
+    if sink_id is not None and not _SINK_ID.fullmatch(sink_id):
+        raise InvalidOptionError(
+            f"option 'sinkId' {sink_id[:80]!r} is not valid; use 1 to 255 characters of "
+            "letters, digits and . _ : % | - (e.g. 'orders-sink')."
+        )
+    return sink_id
 
 
 def _check_columns(schema: StructType, *, carry_extra: bool) -> tuple[str, ...]:
@@ -261,6 +285,16 @@ def stage(
 
 def _half_rows(table: pa.Table, options: WriterOptions, txn: str, writer: _Writer) -> pa.Table:
     n = table.num_rows
+    for name in table.column_names:
+        if name != "body":  # bytes, or a string column only read as bytes
+            try:
+                table.column(name).validate(full=True)
+            except pa.ArrowInvalid as exc:
+                raise InvalidMessageError(
+                    f"column {name!r} holds text that is not valid UTF-8 ({exc}); decode the "
+                    "bytes it came from (for example with CAST(... AS STRING) of valid UTF-8, "
+                    "or replace bad bytes), or carry them in the body."
+                ) from exc
     body = table.column("body").cast(pa.binary())
     if body.null_count:
         raise InvalidMessageError(f"{body.null_count} row(s) have a null 'body'.")
@@ -343,7 +377,42 @@ def _properties(table: pa.Table, extra: Sequence[str]) -> pa.Array:
         merged = dict(props or ())
         merged.update((c, v[i]) for c, v in carried.items() if v[i] is not None)
         rows.append(list(merged.items()))
+    _check_properties(rows, table)
     return pa.array(rows, kind)
+
+
+def _check_properties(rows: list[list[tuple[str, str | None]]], table: pa.Table) -> None:
+    """The producer API's rules for properties (:func:`rmq_spark.model.validate_message`):
+    no null values, the check immunity in plain seconds (the check-back job would otherwise
+    give it none), and keys, tags and properties within RocketMQ's property block."""
+    nulls = Counter(name for row in rows for name, value in row if value is None)
+    if nulls:
+        name, count = nulls.most_common(1)[0]
+        raise InvalidMessageError(
+            f"{count} row(s) have a null value of property {name!r}; give it a value or leave "
+            "the property out (the producer API refuses null properties too)."
+        )
+    immunity = [v for row in rows for k, v in row if k == PROPERTY_CHECK_IMMUNITY]
+    bad = [v for v in immunity if not SECONDS.fullmatch(v)]
+    if bad:
+        raise InvalidMessageError(
+            f"{len(bad)} row(s) have property {PROPERTY_CHECK_IMMUNITY}={bad[0]!r} is not a "
+            "number of seconds (ASCII digits, an optional decimal point); use e.g. '30'."
+        )
+    fixed = [
+        pc.fill_null(pc.binary_length(table.column(c).cast(pa.binary())), 0).to_pylist()
+        if c in table.column_names
+        else [0] * len(rows)
+        for c in ("keys", "tags")
+    ]
+    for i, row in enumerate(rows):
+        size = fixed[0][i] + fixed[1][i] + sum(len(k.encode()) + len(v.encode()) for k, v in row)
+        if size > MAX_PROPERTY_BYTES:
+            raise InvalidMessageError(
+                f"a row's keys, tags and properties take {size} bytes, more than "
+                f"{MAX_PROPERTY_BYTES} bytes (RocketMQ's limit for a message's properties); put "
+                "large values in the body."
+            )
 
 
 def _report(outcome: EpochOutcome, staged: Sequence[Staged], seconds: float) -> None:

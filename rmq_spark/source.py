@@ -262,7 +262,19 @@ def _boolean(given: Mapping[str, str], option: str, *, default: bool) -> bool:
 
 def _timestamp(given: Mapping[str, str], option: str) -> int | None:
     value = given.get(option.lower())
-    return None if value is None else parse_int(value, option, 0)
+    if value is None:
+        return None
+    millis = parse_int(value, option, 0)
+    if millis > _MAX_MILLIS:
+        raise InvalidOptionError(
+            f"option {option!r} is {millis} ms since the epoch, after the year 9999; give "
+            "milliseconds since 1970-01-01 UTC, e.g. 1767225600000 for 2026-01-01."
+        )
+    return millis
+
+
+#: The last millisecond a timestamp can name (9999-12-31T23:59:59.999 UTC).
+_MAX_MILLIS = 253_402_300_799_999
 
 
 def _option_value(check: Callable[..., str], value: str, *args: str, prefix: str) -> str:

@@ -273,8 +273,18 @@ def format_tail(messages: Sequence[Mapping[str, Any]]) -> str:
 
 
 def _preview(body: str) -> str:
-    flat = body.replace("\n", " ")
+    flat = printable(body.replace("\n", " "))
     return flat if len(flat) <= BODY_PREVIEW else flat[: BODY_PREVIEW - 3] + "..."
+
+
+def printable(text: str) -> str:
+    """``text`` with every character a terminal would act on (control characters, escape
+    sequences, line and paragraph separators) written as its Python escape: stored messages
+    and names are anyone's input, and must neither drive the operator's terminal nor forge
+    rows of a table."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _age(seconds: float | None) -> str:
@@ -294,7 +304,7 @@ def _section(title: str, header: list[str], rows: list[list[Any]]) -> list[str]:
 
 
 def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
-    cells = [header, *[[str(c) for c in r] for r in rows]]
+    cells = [header, *[[printable(str(c)) for c in r] for r in rows]]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))

@@ -73,6 +73,7 @@ from rmq_spark.errors import (
     CorruptStoreError,
     NotAStoreError,
     RmqSparkError,
+    StorageConfigError,
     StoreError,
     StoreVersionError,
 )
@@ -493,7 +494,7 @@ class Store:
         check_conditional_writes(self.settings.storage_options)
         fs, root = self._fs()
         marker = f"{root.rstrip('/')}/{MARKER_FILE}"
-        if fs.exists(marker):
+        if _reached(fs, marker, self.root):
             self._check_marker(fs, marker)
             for name in TABLES_ADDED_LATER:
                 if not fs.exists(f"{root.rstrip('/')}/{name}"):
@@ -1736,6 +1737,22 @@ class Store:
         for message in messages:
             validate_message(message, self.settings.max_body_bytes)
         return self.publish([(m, producer_group) for m in messages])
+
+
+def _reached(fs: fsspec.AbstractFileSystem, marker: str, root: str) -> bool:
+    """Whether the store's marker exists; an object store that cannot be reached (no endpoint
+    there, a refused connection, no DNS name) is a clear configuration error, not a
+    traceback."""
+    try:
+        return fs.exists(marker)
+    except Exception as exc:
+        if not type(exc).__module__.startswith(("botocore", "aiobotocore", "aiohttp")):
+            raise
+        raise StorageConfigError(
+            f"cannot reach the store at {root!r}: {exc}. Check the endpoint "
+            "(AWS_ENDPOINT_URL in [store] storage_options or the environment), the network "
+            "and the credentials."
+        ) from exc
 
 
 def with_uris(table: DeltaTable, base: str) -> pa.Table:

@@ -108,3 +108,22 @@ def test_bad_checker_is_a_clear_error_with_exit_code_2(store: Store, tmp_path: P
     _, err = proc.communicate(timeout=180)
     assert proc.returncode == 2
     assert "checker module 'no_such'" in err and "cannot be imported" in err
+
+
+def test_a_checker_module_that_raises_at_import_is_a_clear_error(
+    store: Store, tmp_path: Path
+) -> None:
+    """A module that raised as it was imported gave a traceback and exit code 1."""
+    (tmp_path / "broken_checker.py").write_text("raise RuntimeError('no database URL set')\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "rmq_spark.cli", "--conf", str(conf_file(tmp_path)), "--path",
+         store.root, "check", "--once", "--checker", "pg=broken_checker:check"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])},
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "raised RuntimeError as it was imported: no database URL set" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -123,6 +123,27 @@ def test_extra_columns_as_properties(spark, store: Store) -> None:
             "1 row\\(s\\) have a body over the limit of 4194304 bytes",
         ),
         ("body string", [("",)], {}, "1 row\\(s\\) have an empty body"),
+        # A newline in a sinkId forged log lines and status rows.
+        ("body string", [("a",)], {"sinkId": "s\nERROR forged"}, "option 'sinkId'"),
+        ("body string", [("a",)], {"sinkId": "x" * 256}, "option 'sinkId'"),
+        (
+            "body string, properties map<string,string>",
+            [("a", {"k": None})],
+            {},
+            "1 row\\(s\\) have a null value of property 'k'",
+        ),
+        (
+            "body string, properties map<string,string>",
+            [("a", {"CHECK_IMMUNITY_TIME_IN_SECONDS": "1_0"})],
+            {},
+            "CHECK_IMMUNITY_TIME_IN_SECONDS='1_0' is not a number of seconds",
+        ),
+        (
+            "body string, properties map<string,string>",
+            [("a", {"big": "v" * 40_000})],
+            {},
+            "more than 32767 bytes",
+        ),
     ],
 )
 def test_bad_input_fails_clearly_and_publishes_nothing(
@@ -289,3 +310,12 @@ def test_epoch_checker_commits_when_the_delta_write_landed(
     assert bodies(store) == ["e1", "e2"]
     assert pending(store) == {never.transaction_id}  # its write never happened: UNKNOWN
     assert closed_epoch(store, "orders-job", 0) == (landed.transaction_id,)
+
+
+def test_text_that_is_not_utf8_fails_clearly_and_publishes_nothing(spark, store: Store) -> None:
+    """A string column of bytes that are not UTF-8 (CAST of binary) failed the task with a bare
+    UnicodeDecodeError; it names the column, and nothing is published."""
+    df = spark.sql("SELECT 'a' AS body, CAST(X'FF' AS STRING) AS keys")
+    with pytest.raises(Exception, match="column 'keys' holds text that is not valid UTF-8"):
+        write(df, store)
+    assert commitlog(store).num_rows == 0

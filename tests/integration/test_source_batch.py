@@ -87,6 +87,9 @@ def test_starting_timestamp(spark, store: Store) -> None:
         ({"topic": "Orders", "startingOffsets": '{"Else": {"0": 1}}'}, "not in option 'topic'"),
         ({"topic": "Orders", "endingOffsets": "earliest"}, "cannot be 'earliest'"),
         ({"topic": "Orders", "startingTimestamp": "yesterday"}, "startingTimestamp needs"),
+        # Past the year 9999: a bare OSError from datetime before.
+        ({"topic": "Orders", "startingTimestamp": "99999999999999999"}, "after the year 9999"),
+        ({"topic": "Orders", "startingOffsets": '{"Orders": {"0": 1.5}}'}, r"Expected e\.g\."),
         ({"topic": "Orders", "tags": "A || "}, "not a subscription expression"),
     ],
 )

@@ -120,3 +120,25 @@ def test_tail_and_errors(store: Store, tmp_path: Path) -> None:
     assert "Orders" in unknown.stderr
     missing = rmqtx(str(tmp_path / "not-a-store"), "status")
     assert missing.returncode == 2 and "no rmq-spark store" in missing.stderr
+
+
+def test_tail_escapes_what_would_drive_the_terminal(store: Store) -> None:
+    """Bodies, keys and tags were printed raw: escape sequences reached the operator's
+    terminal, and a newline in keys forged a row of the table."""
+    store.send(
+        [
+            Message(
+                "Orders",
+                "\x1b]0;owned\x07\x1b[2J body",
+                keys="k\nforged  row",
+                tags="T\x1b[31m",
+                properties={"p": "\x1b[5m"},
+            )
+        ],
+        "shop",
+    )
+    out = rmqtx(store.root, "tail", "Orders")
+    assert out.returncode == 0, out.stderr
+    assert "\x1b" not in out.stdout and "\x07" not in out.stdout
+    assert len(out.stdout.strip().splitlines()) == 3  # header, rule, one row
+    assert "\\x1b]0;owned\\x07" in out.stdout and "k\\nforged" in out.stdout

@@ -328,3 +328,22 @@ def test_a_bad_max_batch_is_refused_at_once(store: Store, max_batch: object) -> 
     and shutdown() then blocked for ever."""
     with pytest.raises(InvalidOptionError, match="max_batch needs to be an int of at least 1"):
         TransactionMQProducer("orders", ScriptedListener(), store=store, max_batch=max_batch)
+
+
+@pytest.mark.parametrize(
+    ("result", "state", "match"),
+    [
+        ("01A20F", "COMMIT", "needs the TransactionSendResult.*got str"),
+        (None, "COMMIT", "needs the TransactionSendResult.*got NoneType"),
+        ("sent", "commit!", "state of COMMIT or ROLLBACK.*'commit!'"),
+        ("sent", 1, "state of COMMIT or ROLLBACK.*1"),
+    ],
+)
+def test_end_transaction_with_wrong_types_is_a_clear_error(
+    store: Store, result: object, state: object, match: str
+) -> None:
+    """Wrong types gave a bare AttributeError from inside the producer."""
+    with TransactionMQProducer("orders", ScriptedListener(), store=store) as producer:
+        sent = producer.send_message_in_transaction(Message("Orders", b"u"), "UNKNOWN")
+        with pytest.raises(InvalidOptionError, match=match):
+            producer.end_transaction(sent if result == "sent" else result, state)

@@ -97,3 +97,14 @@ def test_a_missing_filesystem_package_names_the_extra():
     # gcsfs is not a dependency of the test environment: the error says how to install it.
     with pytest.raises(StorageConfigError, match=r"pip install 'rmq-spark\[gcs\]'"):
         filesystem("gs://bucket/root", {})
+
+
+def test_an_unreachable_object_store_is_a_clear_error() -> None:
+    """No S3 endpoint at the configured address gave a botocore traceback (rmqtx: exit 1)."""
+    from rmq_spark import Store
+    from rmq_spark.config import Settings, StoreSettings
+
+    options = {**MINIO, "AWS_ENDPOINT_URL": "http://127.0.0.1:9"}  # nothing listens on port 9
+    settings = Settings(store=StoreSettings(path="s3://b/root", storage_options=options))
+    with pytest.raises(StorageConfigError, match="cannot reach the store at 's3://b/root'"):
+        Store.open(settings=settings, create=False)
