@@ -77,8 +77,7 @@ def skip_lost(start: Offsets, earliest: Offsets, *, fail: bool) -> Offsets:
     ]
     if not lost:
         return start
-    ranges = ", ".join(f"{t} queue {q} offsets [{s}, {e})" for t, q, s, e in lost[:10])
-    ranges += f" and {len(lost) - 10} more queue(s)" if len(lost) > 10 else ""
+    ranges = describe_ranges(lost)
     if fail:
         raise DataLossError(
             f"messages were removed by retention before this read reached them: {ranges}. "
@@ -90,6 +89,12 @@ def skip_lost(start: Offsets, earliest: Offsets, *, fail: bool) -> Offsets:
     for topic, queue_id, _, first in lost:
         moved[topic][queue_id] = first
     return moved
+
+
+def describe_ranges(ranges: Sequence[tuple[str, int, int, int]]) -> str:
+    """``(topic, queue id, first, end)`` offset ranges as an error names them (ten at most)."""
+    named = ", ".join(f"{t} queue {q} offsets [{s}, {e})" for t, q, s, e in ranges[:10])
+    return named + (f" and {len(ranges) - 10} more range(s)" if len(ranges) > 10 else "")
 
 
 def parse_offsets(text: str, option: str, topics: Sequence[str]) -> str | Offsets:

@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 from pyspark.sql.datasource import InputPartition
 
 from rmq_spark.errors import CorruptStoreError, DataLossError
-from rmq_spark.offsets import Offsets, skip_lost
+from rmq_spark.offsets import Offsets, describe_ranges, skip_lost
 from rmq_spark.schema import COMMITLOG_SCHEMA
 from rmq_spark.store import Store, read_files, with_uris
 from rmq_spark.txnlog import check_readable
@@ -153,8 +153,7 @@ def _check_stored(
     if not missing:
         return
     lost = sum(end - first for *_, first, end in missing)
-    named = ", ".join(f"{t} queue {q} offsets [{s}, {e})" for t, q, s, e in missing[:10])
-    named += f" and {len(missing) - 10} more range(s)" if len(missing) > 10 else ""
+    named = describe_ranges(missing)
     if fail:
         raise DataLossError(
             f"{lost} published message(s) are missing from the CommitLog: {named}. Another "
