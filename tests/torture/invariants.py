@@ -8,7 +8,9 @@ Read with deltalake (no Spark), after quiescence:
 * nothing rolled back, fenced or never written locally is visible; nothing unexpected is;
 * the business table of ``publish_with_delta_write`` holds each input row once and agrees
   with the published messages;
-* nothing is pending; every visible transaction is COMMITted in ``op``;
+* nothing is pending (but the hostile producer's transactions); every visible transaction
+  is COMMITted in ``op``; nothing of the hostile producer is visible, and no check-back round
+  failed;
 * offsets per (topic, queue) are dense from 0 with no repeat; msg ids are unique;
 * every discarded message is re-driven at most once (and then marked), or still listed.
 """
@@ -24,7 +26,14 @@ import pyarrow.parquet as pq
 from deltalake import DeltaTable
 
 from tests.torture import local_db
-from tests.torture.workers import BATCH_TOPIC, DELTA_TOPIC, PRODUCER_TOPIC, STREAM_TOPIC
+from tests.torture.workers import (
+    BATCH_TOPIC,
+    DELTA_TOPIC,
+    HOSTILE_GROUPS,
+    HOSTILE_TOPIC,
+    PRODUCER_TOPIC,
+    STREAM_TOPIC,
+)
 
 REDRIVEN_FROM = "REDRIVEN_FROM_TRANSACTION_ID"
 #: Most details kept per kind of violation.
@@ -275,10 +284,10 @@ def check_invariants(run: dict, root: Path) -> Results:
             )
         )
 
-    # ---- nothing pending; visible means committed
+    # ---- nothing pending (but the hostile groups' UNKNOWNs); visible means committed
     pending = defaultdict(list)
     for h in store.half:
-        if h["transaction_id"] not in store.op:
+        if h["transaction_id"] not in store.op and h["producer_group"] not in HOSTILE_GROUPS:
             pending[h["transaction_id"]].append(h)
     for txn, halves in pending.items():
         results.violations.append(
@@ -398,6 +407,24 @@ def check_invariants(run: dict, root: Path) -> Results:
                     "the same file both committed, so its rows now exist twice",
                 )
             )
+
+    # ---- hostile input: never visible, and it stops no check-back round
+    hostile_visible = [c for c in store.commitlog if c["topic"] == HOSTILE_TOPIC]
+    if hostile_visible:
+        results.violations.append(
+            Violation(
+                "a hostile producer's message is visible",
+                f"{len(hostile_visible)} message(s) of {HOSTILE_TOPIC}, e.g. "
+                f"{hostile_visible[0]['msg_id']}: none of its transactions may commit",
+            )
+        )
+    for r in [r for r in store.check_runs if r["status"] != "finished"][:MAX_DETAILS]:
+        results.violations.append(
+            Violation(
+                "check-back round failed",
+                f"{(r['message'] or '')[:300]}: no group was checked in that round",
+            )
+        )
 
     # ---- what happened, for the report
     facts["decisions"] = dict(

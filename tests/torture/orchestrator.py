@@ -26,7 +26,13 @@ from tests.lifetime import die_with_parent
 from tests.torture import local_db
 from tests.torture.invariants import Violation, check_invariants
 from tests.torture.report import format_report
-from tests.torture.workers import BATCH_TOPIC, DELTA_TOPIC, PRODUCER_TOPIC, STREAM_TOPIC
+from tests.torture.workers import (
+    BATCH_TOPIC,
+    BROKEN_GROUP,
+    DELTA_TOPIC,
+    PRODUCER_TOPIC,
+    STREAM_TOPIC,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
@@ -52,6 +58,8 @@ class Options:
     finish_timeout: float = 1800.0
     #: Seconds a Spark worker is left alone after its start-up before it may be killed.
     jvm_grace: float = 30.0
+    #: Run the careless or hostile producer (tests.torture.workers.hostile) beside the others.
+    hostile: bool = True
     #: Mean seconds between two acts of another Delta writer or a stall (see meddle); 0: none.
     meddle_every: float = 8.0
     #: Print the timeline (starts, kills, ...) as it happens.
@@ -177,6 +185,12 @@ class Orchestrator:
         self.conf = self.root / "rmq-spark.toml"
         checker = 'kind = "callable"\nfunction = "tests.torture.local_db:check_order"\n'
         checkers = "".join(f"\n[checkers.svc-{g}]\n{checker}" for g in range(min(2, o.producers)))
+        if o.hostile:  # its other group has no checker at all
+            missing = self.root / "no-such-table"
+            checkers += (
+                f'\n[checkers.{BROKEN_GROUP}]\nkind = "table"\ntable = "{missing}"\n'
+                'column = "key"\n'
+            )
         self.conf.write_text(
             f"""# written by the torture test (seed {o.seed})
 [store]
@@ -240,6 +254,8 @@ level = "INFO"
             self.workers.append(Worker(f"check-back-{i}", "check-back", jvm=True))
         if o.compactor:
             self.workers.append(Worker("compactor", "compactor", jvm=False))
+        if o.hostile:
+            self.workers.append(Worker("hostile", "hostile", jvm=False))
 
     # ------------------------------------------------------------------ inputs
     def feed_stream(self) -> None:

@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 import traceback
+from datetime import UTC, datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -160,6 +161,102 @@ def producer(run: dict, name: str, incarnation: int) -> None:
                 log("progress", counts)
                 last = time.monotonic()
         log("stopped", counts)
+
+
+#: The careless or hostile producer's topic and groups: one with no checker, one whose
+#: checker's table does not exist (see :func:`hostile`).
+HOSTILE_TOPIC = "TortureHostile"
+UNROUTED_GROUP, BROKEN_GROUP = "hostile-unrouted", "hostile-broken-table"
+HOSTILE_GROUPS = (UNROUTED_GROUP, BROKEN_GROUP)
+IMMUNITY = "CHECK_IMMUNITY_TIME_IN_SECONDS"
+
+
+def _refused_messages() -> list:
+    """Messages validation must refuse: text with no UTF-8 form, an immunity that is not plain
+    seconds, keys and properties past the property block, an empty body."""
+    from rmq_spark import Message
+
+    immunity = IMMUNITY
+    return [
+        Message(HOSTILE_TOPIC, b"x", keys="k\udcff"),
+        Message(HOSTILE_TOPIC, b"x", tags="t\udcff"),
+        Message(HOSTILE_TOPIC, "body\udcff"),
+        Message(HOSTILE_TOPIC, b"x", properties={"origin": "file-\udcff"}),
+        Message(HOSTILE_TOPIC, b"x", properties={immunity: "1_0"}),
+        Message(HOSTILE_TOPIC, b"x", properties={immunity: "\uff11\uff10"}),
+        Message(HOSTILE_TOPIC, b"x", keys="k" * 40_000),
+        Message(HOSTILE_TOPIC, b"x", properties={"big": "v" * 1_000_000}),
+        Message(HOSTILE_TOPIC, b""),
+    ]
+
+
+def hostile(run: dict, name: str, incarnation: int) -> None:
+    """A careless or hostile producer beside the honest ones. Each round it sends messages that
+    validation must refuse (one accepted is a harness error), leaves transactions UNKNOWN in a
+    group with no checker and in one whose checker's table is missing, and stages half rows
+    around validation, as a failed task attempt of an older sink or a hand-written row would:
+    a CHECK_IMMUNITY_TIME_IN_SECONDS that is no number. None of it may stop a check-back round
+    or hold back an honest group, and none of it may ever be visible."""
+    import pyarrow as pa
+
+    from rmq_spark import (
+        InvalidMessageError,
+        LocalTransactionState,
+        Message,
+        TransactionListener,
+        TransactionMQProducer,
+    )
+    from rmq_spark.model import new_id
+    from rmq_spark.schema import HALF_SCHEMA
+
+    check_imports(run)
+    rng = random.Random(f"{run['seed']}/{name}/{incarnation}")
+    refused = _refused_messages()
+
+    class Unknown(TransactionListener):
+        def execute_local_transaction(self, msg, arg):
+            return LocalTransactionState.UNKNOWN
+
+        def check_local_transaction(self, msg):
+            return LocalTransactionState.UNKNOWN
+
+    with (
+        TransactionMQProducer(UNROUTED_GROUP, Unknown(), path=run["root"]) as unrouted,
+        TransactionMQProducer(BROKEN_GROUP, Unknown(), path=run["root"]) as broken,
+    ):
+        store, n = broken.store, 0
+        while not stopped(run):
+            for bad in rng.sample(refused, 3):
+                try:
+                    broken.send_message_in_transaction(bad)
+                except InvalidMessageError:
+                    continue
+                harness_error(
+                    run, f"{name}: a message validation must refuse was sent: {bad!r:.200}"
+                )
+            producer = rng.choice([unrouted, broken])
+            producer.send_message_in_transaction(Message(HOSTILE_TOPIC, f"hostile-{n}"))
+            now = datetime.now(UTC)
+            row = {f.name: None for f in HALF_SCHEMA} | {
+                "transaction_id": new_id(),
+                "msg_id": new_id(),
+                "producer_group": BROKEN_GROUP,
+                "topic": HOSTILE_TOPIC,
+                "queue_id": 0,
+                "body": f"garbage-immunity-{n}".encode(),
+                "properties": [
+                    (
+                        "CHECK_IMMUNITY_TIME_IN_SECONDS",
+                        rng.choice(["abc", "1_0", "NaN", "-5", "inf"]),
+                    )
+                ],
+                "born_timestamp": now,
+                "store_timestamp": now,
+            }
+            store.append("half", pa.Table.from_pylist([row], schema=HALF_SCHEMA))
+            n += 1
+            time.sleep(rng.uniform(1.0, 3.0))
+        log("stopped after", n, "round(s)")
 
 
 # --------------------------------------------------------------------------- Spark writers
@@ -394,16 +491,26 @@ def compactor(run: dict, name: str, incarnation: int) -> None:
 
 # --------------------------------------------------------------------------- finish
 def pending_transactions(store) -> set[str]:
-    half = store.table("half").to_pyarrow_table(columns=["transaction_id"])
+    """Pending transactions of the honest groups (the hostile ones never all end)."""
+    half = store.table("half").to_pyarrow_table(columns=["transaction_id", "producer_group"])
     op = store.table("op").to_pyarrow_table(columns=["transaction_id"])
-    return set(half.column("transaction_id").to_pylist()) - set(
-        op.column("transaction_id").to_pylist()
+    honest = {t for t, g in zip(*half.to_pydict().values(), strict=True) if g not in HOSTILE_GROUPS}
+    return honest - set(op.column("transaction_id").to_pylist())
+
+
+def undriven_discards(store) -> list[str]:
+    """Transactions of honest groups discarded at the check max and not re-driven yet (a
+    hostile group's are left discarded: re-driven, they would only come back)."""
+    discard = store.table("discard").to_pyarrow_table(
+        columns=["transaction_id", "producer_group", "redriven_transaction_id"]
     )
-
-
-def undriven_discards(store) -> int:
-    discard = store.table("discard").to_pyarrow_table(columns=["redriven_transaction_id"])
-    return discard.column("redriven_transaction_id").null_count
+    return sorted(
+        {
+            t
+            for t, g, r in zip(*discard.to_pydict().values(), strict=True)
+            if r is None and g not in HOSTILE_GROUPS
+        }
+    )
 
 
 def finish(run: dict, name: str, incarnation: int) -> None:
@@ -434,7 +541,8 @@ def finish(run: dict, name: str, incarnation: int) -> None:
     quiet = 0
     for round_ in range(run["quiesce_rounds"]):
         try:
-            redriven = redrive(store)
+            # Honest groups' discards, and any a killed resume claimed and did not stage.
+            redriven = redrive(store, undriven_discards(store))
         except Exception as exc:
             log("resume failed:", f"{type(exc).__name__}: {exc}"[:500])
             redriven = ["failed"]
@@ -448,7 +556,7 @@ def finish(run: dict, name: str, incarnation: int) -> None:
         except Exception as exc:
             summary_row = {"error": f"{type(exc).__name__}: {exc}"[:500]}
         pending = pending_transactions(store)
-        undriven = undriven_discards(store)
+        undriven = len(undriven_discards(store))
         print(
             "QUIESCE "
             + json.dumps(
@@ -474,6 +582,7 @@ def finish(run: dict, name: str, incarnation: int) -> None:
 
 KINDS = {
     "producer": producer,
+    "hostile": hostile,
     "writer": writer,
     "compactor": compactor,
     "finish": finish,
