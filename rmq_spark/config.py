@@ -48,6 +48,15 @@ def parse_duration(value: object, name: str) -> float:
     return seconds
 
 
+def parse_uris(value: object, name: str) -> tuple[str, ...]:
+    """Parse a list of table URIs (or URI prefixes)."""
+    if not isinstance(value, list | tuple) or not all(isinstance(v, str) and v for v in value):
+        raise InvalidOptionError(
+            f'{name} needs a list of table URIs such as ["s3://lake/orders"] but got {value!r}.'
+        )
+    return tuple(value)
+
+
 def parse_int(value: object, name: str, minimum: int) -> int:
     """Parse an integer option that must be at least ``minimum``."""
     try:
@@ -99,6 +108,9 @@ class StoreSettings:
     #: Object-store settings in deltalake's vocabulary (``AWS_ENDPOINT_URL``, ``AWS_REGION``,
     #: credentials, ...); rmq_spark.storage translates them for fsspec and Spark's S3A.
     storage_options: dict[str, str] = field(default_factory=dict)
+    #: Business Delta tables off the store's filesystem (URIs or prefixes) that check-back may
+    #: open with ``storage_options`` to learn whether a ``publish_with_delta_write`` landed.
+    delta_tables: tuple[str, ...] = ()
     #: Most messages in one publish commit: a backlog is published in commits of this size.
     publish_max_messages: int = 10_000
     #: Most body bytes in one publish commit (a single decision larger than either limit is
@@ -245,6 +257,7 @@ def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
             "log_retention": parse_duration,
             "path": lambda v, n: str(v),
             "storage_options": lambda v, n: {str(k): str(x) for k, x in dict(v).items()},
+            "delta_tables": parse_uris,
         },
     )
     transaction = _section(

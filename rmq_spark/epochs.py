@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
+from urllib.parse import urlsplit
 
 import pyarrow as pa
 from deltalake import DeltaTable
@@ -43,7 +44,7 @@ from rmq_spark.errors import EpochLostError, StoreError
 from rmq_spark.failpoints import failpoint
 from rmq_spark.model import LocalTransactionState
 from rmq_spark.schema import EPOCHS_SCHEMA
-from rmq_spark.storage import deltalake_options
+from rmq_spark.storage import deltalake_options, scheme
 from rmq_spark.store import Decision, Store, sql_string
 
 log = logging.getLogger(__name__)
@@ -497,6 +498,27 @@ def landed_delta_write(
     return True, None
 
 
+def check_delta_table(store: Store, table_uri: str, sink_id: str) -> None:
+    """Refuse to open, with the store's credentials, a business table that a half row names
+    unless it is on the store's own filesystem (scheme and bucket) or the operator's
+    ``[store] delta_tables`` names it or a prefix of it: half rows can be written around the
+    sink, and would otherwise send check-back, credentials and all, to any table."""
+
+    def filesystem_of(uri: str) -> tuple[str, str]:
+        return scheme(uri), urlsplit(uri).netloc if "://" in uri else ""
+
+    if filesystem_of(table_uri) == filesystem_of(store.root) or any(
+        table_uri.startswith(allowed) for allowed in store.settings.delta_tables
+    ):
+        return
+    raise StoreError(
+        f"sink {sink_id!r} names the Delta table {table_uri!r}, which is not on the store's "
+        f"filesystem ({store.root}) and not in [store] delta_tables; check-back does not open "
+        "it with the store's credentials. If that is your business table, add it (or a prefix "
+        "of it) to delta_tables in the settings file; its transactions stay UNKNOWN until then."
+    )
+
+
 # --------------------------------------------------------------------------- checker
 @dataclass(frozen=True)
 class _Pending:
@@ -580,6 +602,7 @@ class EpochChecker(Checker):
         """Close a Delta-write epoch whose business commit landed, with the transaction that
         commit names (or, for a commit without a name, this one)."""
         assert p.delta_table is not None
+        check_delta_table(self.store, p.delta_table, p.sink_id)
         landed, named = landed_delta_write(
             p.delta_table, p.sink_id, p.epoch, self.store.settings.storage_options
         )

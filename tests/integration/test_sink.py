@@ -319,3 +319,28 @@ def test_text_that_is_not_utf8_fails_clearly_and_publishes_nothing(spark, store:
     with pytest.raises(Exception, match="column 'keys' holds text that is not valid UTF-8"):
         write(df, store)
     assert commitlog(store).num_rows == 0
+
+
+def test_check_back_opens_only_the_delta_tables_the_operator_allows(
+    spark, store: Store, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A half row names the business table of its Delta-write epoch, and check-back opened
+    that URI with the store's credentials: a row written around the sink could send them to
+    any table. Tables off the store's filesystem are opened only when [store] delta_tables
+    names them (or a prefix); otherwise the transaction stays UNKNOWN, with the reason."""
+    options = WriterOptions.parse(
+        {"path": store.root, "topic": "OrderEvents", "producerGroup": "orders"},
+        rows(spark, 1).schema,
+    )
+    batch = [pa.record_batch({"body": ["e1"]})]
+    foreign = "s3://somebody-else/tables/orders"
+    staged = held_stage(store, batch, options, "planted-job", 0, foreign)
+    with caplog.at_level("ERROR", logger="rmq_spark"):
+        result = CheckBackJob(
+            spark, store, {}, TransactionSettings(transaction_timeout=0.0)
+        ).run_once()
+    answers = {r.transaction_id: r for r in result.check_batch.collect()}
+    assert answers[staged.transaction_id].error is not None
+    assert "delta_tables" in answers[staged.transaction_id].error
+    assert foreign in answers[staged.transaction_id].error
+    assert pending(store) == {staged.transaction_id}
