@@ -10,6 +10,7 @@ offsets rest on.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import os
 import threading
@@ -99,6 +100,78 @@ _UNSAFE = {
 }
 
 
+#: Storage options users spell most (deltalake's names): a key close to one of these and not
+#: one of them is a typo, reported instead of ignored (a misspelt credential read as damage).
+_KNOWN = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT",
+    "AWS_ALLOW_HTTP",
+    "AWS_PROFILE",
+    "AWS_VIRTUAL_HOSTED_STYLE_REQUEST",
+    "AWS_S3_ALLOW_UNSAFE_RENAME",
+    "AWS_S3_LOCKING_PROVIDER",
+    "AWS_CONDITIONAL_PUT",
+    "GOOGLE_SERVICE_ACCOUNT",
+    "GOOGLE_SERVICE_ACCOUNT_KEY",
+    "GOOGLE_APPLICATION_CREDENTIALS",
+    "AZURE_STORAGE_ACCOUNT_NAME",
+    "AZURE_STORAGE_ACCOUNT_KEY",
+    "AZURE_STORAGE_SAS_KEY",
+    "AZURE_STORAGE_CLIENT_ID",
+    "AZURE_STORAGE_CLIENT_SECRET",
+    "AZURE_STORAGE_TENANT_ID",
+    "ALLOW_HTTP",
+    "TIMEOUT",
+    "CONNECT_TIMEOUT",
+    # Others object_store and deltalake take, near the ones above: never a typo.
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_ENDPOINT_URL_DYNAMODB",
+    "AWS_METADATA_ENDPOINT",
+    "AWS_STS_ENDPOINT",
+    "AWS_STS_REGIONAL_ENDPOINTS",
+    "AWS_ROLE_ARN",
+    "AWS_ROLE_SESSION_NAME",
+    "AWS_WEB_IDENTITY_TOKEN_FILE",
+    "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+    "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+    "AWS_SSE_KMS_KEY_ID",
+    "AWS_SKIP_SIGNATURE",
+    "AWS_IMDSV1_FALLBACK",
+    "AWS_EC2_METADATA_DISABLED",
+    "AWS_S3_EXPRESS",
+    "AWS_REQUEST_PAYER",
+    "AWS_CHECKSUM_ALGORITHM",
+    "AWS_COPY_IF_NOT_EXISTS",
+    "AWS_SERVER_SIDE_ENCRYPTION",
+    "AWS_SSE_BUCKET_KEY_ENABLED",
+    "AWS_FORCE_CREDENTIAL_LOAD",
+)
+
+
+def check_option_names(options: Mapping[str, str]) -> None:
+    """Refuse a storage option whose name is a near miss of a known one.
+
+    Raises
+    ------
+    StorageConfigError
+        Naming the key and the one it most likely means.
+    """
+    for key in map(str, options):
+        if key.upper() in _KNOWN:
+            continue
+        close = difflib.get_close_matches(key.upper(), _KNOWN, n=1, cutoff=0.85)
+        if close:
+            raise StorageConfigError(
+                f"unknown storage option {key!r}; did you mean {close[0]!r}? Fix its name in "
+                "[store] storage_options (or the storage.<KEY> option)."
+            )
+
+
 def _upper(options: Mapping[str, str]) -> dict[str, str]:
     return {str(k).upper(): str(v) for k, v in options.items()}
 
@@ -116,6 +189,7 @@ def check_conditional_writes(options: Mapping[str, str]) -> None:
     StorageConfigError
         Naming the offending key and what to do instead.
     """
+    check_option_names(options)
     for key, value in _upper(options).items():
         if key in _UNSAFE and value.strip().lower() not in ("", "false", "etag"):
             raise StorageConfigError(

@@ -108,3 +108,24 @@ def test_an_unreachable_object_store_is_a_clear_error() -> None:
     settings = Settings(store=StoreSettings(path="s3://b/root", storage_options=options))
     with pytest.raises(StorageConfigError, match="cannot reach the store at 's3://b/root'"):
         Store.open(settings=settings, create=False)
+
+
+@pytest.mark.parametrize(
+    ("typo", "meant"),
+    [
+        ("AWS_SECRET_ACCES_KEY", "AWS_SECRET_ACCESS_KEY"),
+        ("AWS_ENDPOINT_ULR", "AWS_ENDPOINT_URL"),
+        ("aws_acess_key_id", "AWS_ACCESS_KEY_ID"),
+        ("AWS_REGOIN", "AWS_REGION"),
+    ],
+)
+def test_a_misspelt_storage_option_names_the_one_meant(tmp_path, typo: str, meant: str) -> None:
+    """A typo in a credential's name on an existing S3 store was reported as CORRUPT_STORE
+    ('missing or unreadable'), as if the store were damaged."""
+    from rmq_spark import Store
+    from rmq_spark.config import Settings, StoreSettings
+
+    options = {k: v for k, v in MINIO.items() if k != meant} | {typo: "value"}
+    settings = Settings(store=StoreSettings(path="s3://b/root", storage_options=options))
+    with pytest.raises(StorageConfigError, match=f"'{typo}'.*did you mean '{meant}'"):
+        Store.open(settings=settings, create=False)
