@@ -49,6 +49,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark import TaskContext
@@ -367,6 +368,7 @@ def _properties(table: pa.Table, extra: Sequence[str]) -> pa.Array:
     """Each row's properties: its own, then its extra columns."""
     n, kind = table.num_rows, HALF_SCHEMA.field("properties").type
     if "properties" not in table.column_names and not extra:
+        _check_properties([[]] * n, table)
         return pa.nulls(n, kind)
     user = (
         table.column("properties").to_pylist() if "properties" in table.column_names else [None] * n
@@ -399,20 +401,20 @@ def _check_properties(rows: list[list[tuple[str, str | None]]], table: pa.Table)
             f"{len(bad)} row(s) have property {PROPERTY_CHECK_IMMUNITY}={bad[0]!r} is not a "
             "number of seconds (ASCII digits, an optional decimal point); use e.g. '30'."
         )
-    fixed = [
-        pc.fill_null(pc.binary_length(table.column(c).cast(pa.binary())), 0).to_pylist()
-        if c in table.column_names
-        else [0] * len(rows)
-        for c in ("keys", "tags")
-    ]
-    for i, row in enumerate(rows):
-        size = fixed[0][i] + fixed[1][i] + sum(len(k.encode()) + len(v.encode()) for k, v in row)
-        if size > MAX_PROPERTY_BYTES:
-            raise InvalidMessageError(
-                f"a row's keys, tags and properties take {size} bytes, more than "
-                f"{MAX_PROPERTY_BYTES} bytes (RocketMQ's limit for a message's properties); put "
-                "large values in the body."
-            )
+    sizes = np.zeros(len(rows), np.int64)
+    for column in ("keys", "tags"):
+        if column in table.column_names:
+            length = pc.binary_length(table.column(column).cast(pa.binary()))
+            sizes += pc.fill_null(length, 0).to_numpy().astype(np.int64)
+    if any(rows):
+        sizes += np.array([sum(len(k.encode()) + len(v.encode()) for k, v in r) for r in rows])
+    over = np.flatnonzero(sizes > MAX_PROPERTY_BYTES)
+    if len(over):
+        raise InvalidMessageError(
+            f"{len(over)} row(s) have keys, tags and properties of more than "
+            f"{MAX_PROPERTY_BYTES} bytes together (RocketMQ's limit for a message's properties), "
+            f"e.g. {int(sizes[over[0]])} bytes; put large values in the body."
+        )
 
 
 def _report(outcome: EpochOutcome, staged: Sequence[Staged], seconds: float) -> None:

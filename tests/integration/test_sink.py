@@ -144,6 +144,7 @@ def test_extra_columns_as_properties(spark, store: Store) -> None:
             {},
             "more than 32767 bytes",
         ),
+        ("body string, keys string", [("a", "k" * 40_000)], {}, "more than 32767 bytes"),
     ],
 )
 def test_bad_input_fails_clearly_and_publishes_nothing(

@@ -462,6 +462,44 @@ def run_batches(run: dict, spark, drain: bool, incarnation: int, idle=lambda: No
             raise RuntimeError(f"{kind} {path.stem} failed 5 times")
         progress.add(f"{kind} {path.stem}")
         log(kind, path.stem, f"done in {time.monotonic() - started:.1f} s")
+        if kind == "sink" and not drain:
+            hostile_sink(run, spark, path.stem)
+
+
+#: What a hostile sink's last row carries (SQL), each a row the sink must refuse.
+_HOSTILE_ROWS = {
+    "not UTF-8": "CAST(X'FF' AS STRING) AS keys",
+    "null property": "map('origin', CAST(NULL AS STRING)) AS properties",
+    "immunity": "map('CHECK_IMMUNITY_TIME_IN_SECONDS', '1_0') AS properties",
+    "huge keys": "repeat('k', 40000) AS keys",
+}
+
+
+def hostile_sink(run: dict, spark, tag: str) -> None:
+    """A sink write whose last row the sink must refuse, the good rows in another task: the
+    write must fail loudly, and what the good task staged is rolled back (never visible; the
+    invariants check both, and that nothing of it stays pending)."""
+    kind = random.Random(f"{run['seed']}/hostile-sink/{tag}").choice(sorted(_HOSTILE_ROWS))
+    column = _HOSTILE_ROWS[kind].rsplit(" AS ", 1)[1]
+    good = "CAST(NULL AS STRING)" if column == "keys" else "CAST(NULL AS MAP<STRING, STRING>)"
+    bad = _HOSTILE_ROWS[kind].rsplit(" AS ", 1)[0]
+    rows = spark.sql(
+        f"SELECT CAST(id AS STRING) AS body, CASE WHEN id = 39 THEN {bad} ELSE {good} END "
+        f"AS {column} FROM range(40)"
+    ).repartition(2)
+    try:
+        (
+            rows.write.format("rmqtx")
+            .mode("append")
+            .option("path", run["root"])
+            .option("topic", HOSTILE_TOPIC)
+            .option("producerGroup", "hostile-sink")
+            .save()
+        )
+    except Exception as exc:
+        log("hostile sink", kind, "refused:", str(exc).splitlines()[0][:200])
+        return
+    harness_error(run, f"a sink write with a row of {kind} succeeded")
 
 
 # --------------------------------------------------------------------------- compactor
