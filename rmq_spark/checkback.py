@@ -67,7 +67,7 @@ from rmq_spark.schema import (
     HALF_MESSAGE_SCHEMA,
     HALF_SCHEMA,
 )
-from rmq_spark.store import Decision, EndTransactionStatus, Store
+from rmq_spark.store import DECIDED_BY_RECOVERY, Decision, EndTransactionStatus, Store
 
 log = logging.getLogger(__name__)
 
@@ -380,8 +380,12 @@ class CheckBackJob:
 
         Returns the answers and the transactions that are now decided."""
         due = pending.filter(pc.equal(pending.column("reason"), CHECK))
+        ended = self._recover_removed(due, counts)
+        if ended:
+            gone = pa.array(sorted(ended), pa.string())
+            due = due.filter(pc.invert(pc.is_in(due.column("transaction_id"), value_set=gone)))
+            batch = batch.where(~F.col("transaction_id").isin(gone.to_pylist()))
         answers = [_ANSWERS_ARROW.empty_table()]
-        ended: set[str] = set()
         for group in sorted(set(due.column("producer_group").to_pylist())):
             mine = due.filter(pc.equal(due.column("producer_group"), group))
             # Messages staged by transactional writers go to the built-in epoch checker.
@@ -392,6 +396,41 @@ class CheckBackJob:
                     ended |= self._apply(part, answer, now, counts, budget=not epoch_message)
                     answers.append(answer)
         return pa.concat_tables(answers), ended
+
+    def _recover_removed(self, due: pa.Table, counts: Counter[str]) -> set[str]:
+        """Record again, without asking, the decisions another Delta writer removed from
+        ``op`` (a RESTORE or DELETE) of due transactions, and return those transactions.
+
+        A transaction that is published was committed: a checker's second COMMIT would
+        publish it twice, so its COMMIT is recorded again and never published. One in
+        ``discard`` was rolled back at the check max: a COMMIT now would publish it beside
+        its re-driven copy, so its ROLLBACK is recorded again.
+        """
+        if not due.num_rows:
+            return set()
+        ids = due.column("transaction_id").to_pylist()
+        published = self.store.published(ids)
+        discarded = self.store.discarded(ids) - published
+        if not published and not discarded:
+            return set()
+        rows = due.select(_STATE_COLUMNS).to_pylist()
+        log.error(
+            "%d pending transaction(s) were decided before, e.g. %s: another Delta writer "
+            "removed their decisions from op (a RESTORE or DELETE); recording them again, "
+            "%d already published as COMMIT (not published twice), %d discarded as ROLLBACK "
+            "(see the README's Guarantees)",
+            len(published) + len(discarded),
+            sorted(published | discarded)[0],
+            len(published),
+            len(discarded),
+        )
+        for found, answer, decided_by in (
+            (published, "COMMIT", DECIDED_BY_RECOVERY),
+            (discarded, "ROLLBACK", DECIDED_BY_CHECK_MAX),
+        ):
+            again = [{**r, "answer": answer} for r in rows if r["transaction_id"] in found]
+            counts["already_decided"] += len(self._decide(again, decided_by, counts))
+        return published | discarded
 
     def _ask(
         self, group: str, epoch_message: bool, batch: DataFrame, ids: pa.ChunkedArray

@@ -20,6 +20,10 @@ How it stays exact (it always equals the full anti-join of the versions it cover
 * **No cursors, or a change feed that cannot be read** (a new or upgraded store, change files
   vacuumed, compacted files vacuumed, log cleaned up): the update rebuilds from a full scan and
   logs why.
+* **Another Delta writer changed ``op``** (a RESTORE or DELETE removing decisions, which the
+  feed of inserts does not show): the update rebuilds from a full scan, so the transactions
+  whose decisions went are pending again and check-back records them again (see
+  :meth:`rmq_spark.checkback.CheckBackJob`).
 
 Every update rewrites the table, so every ``COMPACT_EVERY_COMMITS`` versions it vacuums the
 files older versions left behind (past the table's one-hour tombstone retention) and cleans its
@@ -47,11 +51,13 @@ from rmq_spark.store import (
     PENDING_HALF_APP_ID,
     PENDING_OP_APP_ID,
     Store,
+    foreign_change,
     read_arrow,
     read_files,
     retry_commits,
     with_uris,
 )
+from rmq_spark.txnlog import commit_infos
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +129,13 @@ def _attempt(store: Store) -> PendingUpdate:
             op_version,
         )
         rows = _scan(store, half, op)
+    elif foreign := _foreign_versions(store, op_cursor, op_version):
+        log.warning(
+            "pending transactions: op version %d was written by another Delta writer; "
+            "rebuilding from a full scan",
+            foreign[0],
+        )
+        rows = _scan(store, half, op)
     else:
         try:
             rows = _advance(store, current, half, half_cursor, op, op_cursor)
@@ -154,6 +167,19 @@ def _attempt(store: Store) -> PendingUpdate:
     if pending.version() % COMPACT_EVERY_COMMITS == 0:
         _vacuum(store, pending)
     return PendingUpdate(rows, half_version, op_version)
+
+
+def _foreign_versions(store: Store, cursor: int, version: int) -> list[int]:
+    """The versions of ``op`` after ``cursor`` up to ``version`` that another Delta writer
+    made (:func:`rmq_spark.store.foreign_change`); all of them when their log entries are
+    gone (the change feed could not be read either)."""
+    try:
+        infos = commit_infos(
+            store.table_uri("op"), store.settings.storage_options, cursor + 1, version
+        )
+    except LookupError:
+        return list(range(cursor + 1, version + 1))
+    return [v for v, info in infos.items() if foreign_change(info)]
 
 
 def _vacuum(store: Store, pending: DeltaTable) -> None:

@@ -141,6 +141,10 @@ _DECISION_APP_ID = "rmqtx.decision.{bucket}"
 #: (JSON). The publisher reads them from the log: the data files an append added can be
 #: compacted away and vacuumed before a lagging publisher reads them.
 COMMITS_KEY = "rmqtx.commits"
+#: ``op.decided_by`` of a COMMIT recorded again for a transaction that is published but whose
+#: decision another Delta writer removed from ``op`` (a RESTORE or DELETE): check-back records
+#: it instead of asking the checker, and the publisher never publishes it.
+DECIDED_BY_RECOVERY = "check-back:recovered"
 #: Buckets of transaction ids for the decision arbiter: ``op``'s snapshot keeps one
 #: application id per bucket, however many transactions were ever decided.
 DECISION_BUCKETS = 1024
@@ -1171,7 +1175,11 @@ class Store:
         files = write_files(
             self.table_uri("op"), iter([rows]), OP_SCHEMA, None, self.settings.storage_options
         )
-        committed = [d.transaction_id for d in decisions if d.state is LocalTransactionState.COMMIT]
+        committed = [
+            d.transaction_id
+            for d in decisions
+            if d.state is LocalTransactionState.COMMIT and d.decided_by != DECIDED_BY_RECOVERY
+        ]
         return self._commit_files(
             "op",
             files,
@@ -1198,6 +1206,17 @@ class Store:
             COMMIT or ROLLBACK per decided transaction; undecided ones are absent.
         """
         return self._decisions_of(op or self.table("op"), list(transaction_ids))
+
+    def published(self, transaction_ids: Sequence[str]) -> set[str]:
+        """Which of the given transactions have messages in ``commitlog`` (files pruned by id).
+
+        A pending transaction that is published had its decision removed from ``op`` by
+        another Delta writer (a RESTORE or DELETE): see :data:`DECIDED_BY_RECOVERY`.
+        """
+        rows = self._rows_by_id(
+            self.data_files("commitlog"), "commitlog", transaction_ids, ["transaction_id"]
+        )
+        return set(rows.column("transaction_id").to_pylist())
 
     def discarded(self, transaction_ids: Sequence[str]) -> set[str]:
         """Which of the given transactions have rows in ``discard`` (files pruned by id)."""
@@ -1585,12 +1604,13 @@ class Store:
                 parts.append(pa.table([ids, [version] * len(ids)], schema=_COMMITTED))
             elif _legacy_decisions(info):
                 parts.append(_changed_commits(op, version, version))
-            elif _foreign_change(info):
+            elif foreign_change(info):
                 log.error(
                     "op version %d was not written by rmq-spark (%s by %s): its rows are not "
-                    "published. Decisions it removed leave their transactions pending again; "
-                    "undo it with RESTORE TABLE ... TO VERSION AS OF %d (see the README's "
-                    "Guarantees)",
+                    "published. Decisions it removed leave their transactions pending again "
+                    "(check-back records those already published as committed again, and asks "
+                    "about the others); undo it with RESTORE TABLE ... TO VERSION AS OF %d "
+                    "(see the README's Guarantees)",
                     version,
                     info.get("operation", "an unnamed operation"),
                     info.get("engineInfo", "an unknown engine"),
@@ -1611,10 +1631,16 @@ class Store:
         return _conform(self._rows_by_id(files, "half", transaction_ids), HALF_SCHEMA)
 
     def _rows_by_id(
-        self, files: pa.Table, name: str, ids: Sequence[str], column: str = "transaction_id"
+        self,
+        files: pa.Table,
+        name: str,
+        ids: Sequence[str],
+        columns: Sequence[str] | None = None,
+        column: str = "transaction_id",
     ) -> pa.Table:
         """Rows whose ``column`` (an id) is in ``ids``, in the snapshot of table ``name`` whose
-        add actions are ``files`` (:func:`with_uris`), in file order.
+        add actions are ``files`` (:func:`with_uris`), in file order; only ``columns`` (which
+        hold ``column``) if given.
 
         Files whose statistics of ``column`` admit none of the ids are not read (ids are
         time-ordered, so a lookup reads few files). Partition columns are read as nulls.
@@ -1625,6 +1651,7 @@ class Store:
             TABLES[name][0],
             self.settings.storage_options,
             lambda rows: pc.is_in(rows.column(column), value_set=pa.array(wanted, pa.string())),
+            columns,
         )
 
     def data_files(self, name: str) -> pa.Table:
@@ -1772,6 +1799,7 @@ def _changed_commits(op: DeltaTable, first: int, last: int) -> pa.Table:
         pc.and_(
             pc.equal(changes.column("_change_type"), "insert"),
             pc.equal(changes.column("decision"), "COMMIT"),
+            pc.not_equal(changes.column("decided_by"), DECIDED_BY_RECOVERY),
         )
     )
     ordered = changes.sort_by([("_commit_version", "ascending")])
@@ -1827,7 +1855,7 @@ def _legacy_decisions(info: Mapping[str, Any]) -> bool:
     return _merge_by_transaction(info) and metrics.get("num_target_rows_inserted") != 0
 
 
-def _foreign_change(info: Mapping[str, Any]) -> bool:
+def foreign_change(info: Mapping[str, Any]) -> bool:
     """Whether an ``op`` commit without :data:`COMMITS_KEY` is another writer's change of its
     rows (not a compaction, vacuum or property change, nor rmq-spark's own retention)."""
     return not (
@@ -1880,6 +1908,7 @@ def read_files(
     schema: pa.Schema,
     storage_options: Mapping[str, str],
     keep: Callable[[pa.Table], pa.ChunkedArray] | None = None,
+    columns: Sequence[str] | None = None,
 ) -> pa.Table:
     """Read Parquet data files of a table directly with pyarrow (multi-threaded).
 
@@ -1895,7 +1924,11 @@ def read_files(
         Returns a boolean mask of the rows to keep. The rows are copied only when some are
         dropped. (Not a dataset filter: files written by deltalake's MERGE carry view types,
         which pyarrow's statistics pruning cannot compare with plain literals.)
+    columns : sequence of str, optional
+        Read only these columns.
     """
+    if columns is not None:
+        schema = pa.schema([schema.field(c) for c in columns])
     if not uris:
         return schema.empty_table()
     paths = [fsspec.core.strip_protocol(uri) for uri in uris]
@@ -1905,7 +1938,7 @@ def read_files(
         format="parquet",
         filesystem=arrow_filesystem(uris[0], storage_options),
     )
-    rows = dataset.to_table()
+    rows = dataset.to_table(columns=list(columns) if columns is not None else None)
     if keep is None:
         return rows
     mask = keep(rows)

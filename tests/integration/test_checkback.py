@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -15,7 +16,7 @@ import pyarrow as pa
 import pytest
 from deltalake import write_deltalake
 
-from rmq_spark import Message, Store
+from rmq_spark import Decision, LocalTransactionState, Message, Store
 from rmq_spark.checkback import CheckBackJob, redrive
 from rmq_spark.checkers import (
     ANSWER_SCHEMA,
@@ -559,3 +560,42 @@ def test_check_state_of_a_transaction_retention_removed_is_forgotten(spark, stor
     assert store.half_messages([txn]).num_rows == 0 and store.decisions([txn]) == {}
     job(spark, store, clock).run_once()
     assert store.table("check_state").to_pyarrow_table().num_rows == 0
+
+
+def test_decisions_a_restore_of_op_removed_are_recovered_not_published_again(
+    spark, store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A RESTORE (or DELETE) of ``op`` removes transactions' decisions: they were pending
+    again, the checker said COMMIT a second time and the publisher copied published messages
+    into the CommitLog twice, or published one rolled back at the check max beside its
+    re-driven copy (issue 29.4). Check-back records a due transaction's decision again when
+    it is in the CommitLog (COMMIT, not published again) or in ``discard`` (ROLLBACK)."""
+    from deltalake import DeltaTable
+
+    clock = Clock()
+    (maxed,) = prepare(store, "UNKNOWN")
+    start_clocks(spark, store, clock)
+    assert job(spark, store, clock, transaction_check_max=1).run_once().summary.discarded == 1
+    before = DeltaTable(store.table_uri("op")).version() - 1
+    ids = []
+    for tag in ("COMMIT", "COMMIT", "COMMIT"):
+        (tid,) = prepare(store, tag)
+        store.end_transactions([Decision(tid, "pg", LocalTransactionState.COMMIT)])
+        ids.append(tid)
+    DeltaTable(store.table_uri("op")).restore(before)  # every decision goes
+    assert pending(store) == {maxed, *ids}
+    always = {"pg": CallableChecker("tests.checker_functions:always_commit")}
+    start_clocks(spark, store, clock, always)
+    with caplog.at_level(logging.ERROR, logger="rmq_spark"):
+        s = job(spark, store, clock, always).run_once().summary
+    assert (s.checked, s.already_decided, s.committed) == (0, 4, 0)
+    assert pending(store) == set()
+    assert store.decisions([maxed, *ids]) == {
+        maxed: LocalTransactionState.ROLLBACK,
+        **dict.fromkeys(ids, LocalTransactionState.COMMIT),
+    }
+    assert "3 already published as COMMIT" in caplog.text
+    (redriven,) = redrive(store)
+    store.publish()
+    assert sorted(visible_ids(store)) == sorted(ids)
+    assert pending(store) == {redriven}
