@@ -123,6 +123,16 @@ MARKER_FILE = "_rmqtx_store.json"
 STORE_FORMAT = "rmq-spark-store"
 #: Application id under which ``commitlog`` records the last ``op`` version it published.
 OP_CURSOR_APP_ID = "rmqtx.publish.op_version"
+#: Application id under which ``commitlog`` records the commit time (ms, plus the clock skew
+#: allowed) of the newest ``op`` commit of another Delta writer the publisher passed: a
+#: transaction made before it may have had its decision removed (a RESTORE or DELETE) and be
+#: decided again, so its COMMIT is published only if ``commitlog`` does not hold it yet.
+FOREIGN_OP_APP_ID = "rmqtx.publish.foreign_op_millis"
+#: How far a host's clock, which stamps the transaction ids it makes, may run ahead of the
+#: foreign writer's (:data:`FOREIGN_OP_APP_ID`).
+_CLOCK_SKEW_MILLIS = 10 * 60 * 1000
+#: Hex digits of the millisecond clock that begins every id (:func:`rmq_spark.model.new_id`).
+_ID_MILLIS_DIGITS = 12
 #: Application ids under which ``pending`` records the ``half`` and ``op`` versions it covers.
 PENDING_HALF_APP_ID = "rmqtx.pending.half_version"
 PENDING_OP_APP_ID = "rmqtx.pending.op_version"
@@ -1317,7 +1327,10 @@ class Store:
                 version = head.version if landed else None
                 return PublishResult(len(landed), cursor, version, list(landed)), True
             # ``target`` was read from this thread's op snapshot: no newer one is needed.
-            end, batch = self._next_chunk(self.table("op", latest=False), cursor, target)
+            guard = head.txns.get(FOREIGN_OP_APP_ID, 0)
+            end, batch, guard = self._next_chunk(
+                self.table("op", latest=False), cursor, target, guard
+            )
             streamed = isinstance(batch, LargeVersion)
             # A streamed version leaves the normal messages to a commit of their own.
             last = end >= target and not (streamed and unsent.num_rows)
@@ -1340,6 +1353,8 @@ class Store:
             app_ids = {queue_app_id(t, q): n for (t, q), n in next_offsets.items()}
             if end > cursor:
                 app_ids[OP_CURSOR_APP_ID] = end
+            if guard > head.txns.get(FOREIGN_OP_APP_ID, 0):
+                app_ids[FOREIGN_OP_APP_ID] = guard
             uri, options = self.table_uri("commitlog"), self.settings.storage_options
             try:
                 if streamed:
@@ -1472,10 +1487,13 @@ class Store:
             )
         return [(m, *where[m]) for m in ids]
 
-    def _next_chunk(self, op: DeltaTable, cursor: int, target: int) -> tuple[int, pa.Table]:
-        """The next chunk to publish: ``(end, rows)``, the half messages of the transactions
-        committed in ``op`` versions (cursor, end], in decision order, for the largest
-        ``end <= target`` within the publish limits (but at least one version).
+    def _next_chunk(
+        self, op: DeltaTable, cursor: int, target: int, guard: int
+    ) -> tuple[int, pa.Table, int]:
+        """The next chunk to publish: ``(end, rows, guard)``, the half messages of the
+        transactions committed in ``op`` versions (cursor, end], in decision order, for the
+        largest ``end <= target`` within the publish limits (but at least one version), and
+        the :data:`FOREIGN_OP_APP_ID` to record (``guard``, or a newer foreign commit's time).
 
         Memory stays bounded: the change feed is read in growing windows of versions only until
         ``publish_max_messages`` committed transactions are found (each has one message or
@@ -1485,16 +1503,21 @@ class Store:
         decided, found, end, window = [], 0, cursor, 16
         while end < target and found < max_messages:
             stop = min(target, end + window)
-            decided.append(self._commits_in(op, end + 1, stop))
-            found += decided[-1].num_rows
+            commits, foreign = self._commits_in(op, end + 1, stop)
+            decided.append(commits)
+            guard = max(guard, foreign)
+            found += commits.num_rows
             end, window = stop, window * 2
         if not found:
-            return end, COMMITLOG_SCHEMA.empty_table()
+            return end, COMMITLOG_SCHEMA.empty_table(), guard
         decisions = pa.concat_tables(decided)
         versions = decisions.column("_commit_version").to_numpy()
         if found > max_messages:
             end = _cut(versions, max_messages)
             decisions = decisions.filter(pa.array(versions <= end))
+        decisions = self._not_published(decisions, guard)
+        if not decisions.num_rows:
+            return end, COMMITLOG_SCHEMA.empty_table(), guard
         txn_ids = decisions.column("transaction_id")
         halves = self._recent.take(txn_ids.to_pylist())
         if halves is None:
@@ -1512,7 +1535,7 @@ class Store:
                 decisions = decisions.filter(pa.array(keep))
                 txn_ids = decisions.column("transaction_id")
                 if size[keep].sum() > limits[0] or rows[keep].sum() > limits[1]:
-                    return end, LargeVersion(files, txn_ids)
+                    return end, LargeVersion(files, txn_ids), guard
             halves = self.half_messages(txn_ids.to_pylist(), files)
         # Decision order first, then send order: a transaction's rows are stored in one
         # append, in send order, and read back in file order.
@@ -1526,7 +1549,25 @@ class Store:
         if over.any():
             end = _cut(versions, int(np.argmax(over)))
             halves = halves.slice(0, int(np.searchsorted(versions, end, side="right")))
-        return end, _as_commitlog(halves, self.clock())
+        return end, _as_commitlog(halves, self.clock()), guard
+
+    def _not_published(self, decisions: pa.Table, guard: int) -> pa.Table:
+        """``decisions`` (``_COMMITTED`` rows) without the transactions made before ``guard``
+        (:data:`FOREIGN_OP_APP_ID`) that ``commitlog`` already holds: decided again after
+        another Delta writer removed their decisions, they are not published twice."""
+        ids = decisions.column("transaction_id")
+        older = pc.less(pc.utf8_slice_codeunits(ids, 0, _ID_MILLIS_DIGITS), f"{guard:012X}")
+        suspects = pc.filter(ids, older).to_pylist() if guard else []
+        again = self.published(suspects) if suspects else set()
+        if not again:
+            return decisions
+        log.error(
+            "%d transaction(s) decided again after another Delta writer changed op, e.g. %s, "
+            "are in the CommitLog already: not published twice (see the README's Guarantees)",
+            len(again),
+            min(again),
+        )
+        return decisions.filter(pc.invert(pc.is_in(ids, value_set=pa.array(sorted(again)))))
 
     def _stream_offsets(
         self, version: LargeVersion, next_offsets: Mapping[tuple[str, int], int], op_version: int
@@ -1582,9 +1623,10 @@ class Store:
 
         return stream(), moved, routing.num_rows
 
-    def _commits_in(self, op: DeltaTable, first: int, last: int) -> pa.Table:
+    def _commits_in(self, op: DeltaTable, first: int, last: int) -> tuple[pa.Table, int]:
         """``(transaction_id, _commit_version)`` of the COMMITs recorded in ``op`` versions
-        first..last, in decision order.
+        first..last, in decision order, and the commit time (ms) of the newest commit of
+        another Delta writer among them (0 if none).
 
         Decision commits name their COMMITs in their ``commitInfo`` (:data:`COMMITS_KEY`), read
         from the log; the change feed is read only for decisions of an older rmq-spark (written
@@ -1596,8 +1638,8 @@ class Store:
         try:
             infos = commit_infos(self.table_uri("op"), self.settings.storage_options, first, last)
         except LookupError:
-            return _changed_commits(op, first, last)
-        parts = [_COMMITTED.empty_table()]
+            return _changed_commits(op, first, last), 0
+        parts, foreign = [_COMMITTED.empty_table()], 0
         for version, info in infos.items():
             if COMMITS_KEY in info:
                 ids = json.loads(info[COMMITS_KEY])
@@ -1616,7 +1658,9 @@ class Store:
                     info.get("engineInfo", "an unknown engine"),
                     version - 1,
                 )
-        return pa.concat_tables(parts)
+                made = int(info.get("timestamp") or time.time() * 1000)
+                foreign = max(foreign, made + _CLOCK_SKEW_MILLIS)
+        return pa.concat_tables(parts), foreign
 
     def half_messages(
         self, transaction_ids: Sequence[str], files: pa.Table | None = None

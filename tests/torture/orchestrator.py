@@ -475,9 +475,10 @@ level = "INFO"
     def meddle(self) -> None:
         """Now and then, between the workers' steps, what users and machines do to a store:
         another Delta writer (deltalake, as delta-spark would) compacts a table (OPTIMIZE),
-        writes a checkpoint at an odd version or vacuums with Delta's retention; or a process
-        that commits is stalled (SIGSTOP: a GC or swap stall, a paused VM) for longer than the
-        log cleanup's horizon (10 s), then resumed."""
+        writes a checkpoint at an odd version, vacuums with Delta's retention, or RESTOREs
+        ``op`` a few versions back (removing decisions: check-back must record them again,
+        none published twice); or a process that commits is stalled (SIGSTOP: a GC or swap
+        stall, a paused VM) for longer than the log cleanup's horizon (10 s), then resumed."""
         from deltalake import DeltaTable
 
         now = self.elapsed()
@@ -488,8 +489,8 @@ level = "INFO"
                 self.note(f"SIGCONT {name}")
         if not self.o.meddle_every or self.rng.random() >= 0.5 / self.o.meddle_every:
             return
-        act = self.rng.choice(["optimize", "checkpoint", "vacuum", "stall"])
-        table = self.rng.choice(["half", "op", "commitlog"])
+        act = self.rng.choice(["optimize", "checkpoint", "vacuum", "stall", "restore"])
+        table = "op" if act == "restore" else self.rng.choice(["half", "op", "commitlog"])
         if act == "stall":
             live = [
                 w for w in self.workers
@@ -510,6 +511,8 @@ level = "INFO"
                     delta.optimize.compact()
                 elif act == "checkpoint":
                     delta.create_checkpoint()
+                elif act == "restore":
+                    delta.restore(max(0, delta.version() - self.rng.randint(1, 5)))
                 else:
                     delta.vacuum(dry_run=False)
             except Exception as exc:  # a foreign writer may lose a race too; that is all

@@ -57,6 +57,28 @@ def test_a_restore_of_op_to_before_a_compaction_publishes_nothing_again(
     assert "RESTORE" in caplog.text and "not written by rmq-spark" in caplog.text
 
 
+@pytest.mark.parametrize("foreign", ["restore", "delete"])
+def test_a_transaction_decided_again_after_its_decision_was_removed_is_not_published_twice(
+    store: Store, foreign: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A RESTORE or DELETE of op removes decisions of published transactions; a producer that
+    ends one again (a retried end_transaction, a late end after check-back decided) found no
+    decision, and the publisher copied its messages into the CommitLog a second time."""
+    first, second = _commit_each(store, 2)
+    op = DeltaTable(store.table_uri("op"))
+    if foreign == "restore":
+        op.restore(op.version() - 1)
+    else:
+        op.delete(f"transaction_id = '{second}'")
+    with caplog.at_level(logging.ERROR, logger="rmq_spark"):
+        store.end_transactions([Decision(second, "pg", COMMIT)])
+        (p,) = store.prepare([Message("T", b"after")], "pg")
+        store.end_transactions([Decision(p.transaction_id, "pg", COMMIT)])
+    ids = commitlog(store).column("transaction_id").to_pylist()
+    assert sorted(ids) == sorted([first, second, p.transaction_id])
+    assert "not published twice" in caplog.text
+
+
 def _sent(store: Store, batches: int = 4, per_batch: int = 20) -> None:
     for b in range(batches):
         store.send([Message("T", f"b{b}-{i}", keys=str(i)) for i in range(per_batch)], "pg")
