@@ -50,7 +50,7 @@ def test_loop_stops_cleanly_on_sigterm(store: Store, tmp_path: Path) -> None:
         conf_file(tmp_path), store, "check", "--interval", "5s", "--checker", f"pg={FUNCS}:by_tag"
     )
     try:
-        wait_for(lambda: store.table("check_runs").to_pyarrow_table().num_rows >= 2)
+        wait_for(lambda: store.read("check_runs").num_rows >= 2)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=300)
     finally:
@@ -77,13 +77,13 @@ def test_kill_mid_run_leaves_nothing_half_done(spark, store: Store, tmp_path: Pa
     )
     try:
         # Group a is decided before group b's (slow) checker answers: kill the job then.
-        wait_for(lambda: store.table("op").to_pyarrow_table().num_rows == 1)
+        wait_for(lambda: store.read("op").num_rows == 1)
         time.sleep(1)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
     finally:
         proc.kill()
-    op = store.table("op").to_pyarrow_table().to_pylist()
+    op = store.read("op").to_pylist()
     assert [(o["transaction_id"], o["decision"]) for o in op] == [("tx-a", "COMMIT")]
     assert {r["transaction_id"] for r in commitlog(store).to_pylist()} <= {"tx-a"}
     # The next run publishes a (exactly once) and finishes b.

@@ -75,8 +75,8 @@ def visible_ids(store: Store) -> list[str]:
 
 
 def pending(store: Store) -> set[str]:
-    half = set(store.table("half").to_pyarrow_table().column("transaction_id").to_pylist())
-    return half - set(store.table("op").to_pyarrow_table().column("transaction_id").to_pylist())
+    half = set(store.read("half").column("transaction_id").to_pylist())
+    return half - set(store.read("op").column("transaction_id").to_pylist())
 
 
 def test_young_messages_wait_for_the_timeout(spark, store: Store) -> None:
@@ -100,7 +100,7 @@ def test_young_messages_wait_for_the_timeout(spark, store: Store) -> None:
     clock.advance(60)
     again = job(spark, store, clock).run_once().summary
     assert (again.pending_found, again.checked) == (0, 0)
-    assert store.table("check_state").to_pyarrow_table().num_rows == 0
+    assert store.read("check_state").num_rows == 0
 
 
 def test_immunity_delays_the_first_check_without_spending_budget(spark, store: Store) -> None:
@@ -110,7 +110,7 @@ def test_immunity_delays_the_first_check_without_spending_budget(spark, store: S
         summary = job(spark, store, clock).run_once().summary
         assert (summary.not_yet_due, summary.checked) == (1, 0)
         clock.advance(5)
-    state = store.table("check_state").to_pyarrow_table().to_pylist()
+    state = store.read("check_state").to_pylist()
     assert [(s["transaction_id"], s["check_count"]) for s in state] == [(tid, 0)]
     clock.advance(6)
     assert job(spark, store, clock).run_once().summary.checked == 1
@@ -126,11 +126,11 @@ def test_unknown_until_check_max_then_rolled_back_discarded_and_redriven(spark, 
         counts.append((s.checked, s.unknown, s.discarded))
         clock.advance(10)
     assert counts == [(1, 1, 0), (1, 1, 0), (1, 0, 1)]
-    op = store.table("op").to_pyarrow_table().to_pylist()
+    op = store.read("op").to_pylist()
     assert [(o["transaction_id"], o["decision"], o["decided_by"]) for o in op] == [
         (tid, "ROLLBACK", "check-back:check-max")
     ]
-    discard = store.table("discard").to_pyarrow_table().to_pylist()
+    discard = store.read("discard").to_pylist()
     assert [(d["transaction_id"], d["check_count"], d["body"]) for d in discard] == [
         (tid, 3, b"body-UNKNOWN")
     ]
@@ -148,7 +148,7 @@ def test_unknown_until_check_max_then_rolled_back_discarded_and_redriven(spark, 
         clock.advance(10)
         s = job(spark, store, clock).run_once().summary
     assert s.discarded == 1
-    discard = store.table("discard").to_pyarrow_table().to_pylist()
+    discard = store.read("discard").to_pylist()
     assert sorted((d["transaction_id"], d["redriven_transaction_id"]) for d in discard) == sorted(
         [(tid, new_tid), (new_tid, None)]
     )
@@ -165,7 +165,7 @@ def test_checker_that_raises_counts_as_unknown(spark, store: Store) -> None:
     assert (s.checked, s.errors, s.unknown, s.committed) == (2, 1, 1, 1)
     errors = [r["error"] for r in result.check_batch.collect() if r["error"]]
     assert errors and "order database unreachable" in errors[0]
-    state = store.table("check_state").to_pyarrow_table().to_pylist()
+    state = store.read("check_state").to_pylist()
     assert [(r["check_count"], "unreachable" in r["last_error"]) for r in state] == [(1, True)]
 
 
@@ -176,7 +176,7 @@ def test_producer_decision_during_check_wins(spark, store: Store) -> None:
     start_clocks(spark, store, clock, checkers)
     s = job(spark, store, clock, checkers).run_once().summary
     assert (s.checked, s.committed, s.already_decided) == (1, 0, 1)
-    op = store.table("op").to_pyarrow_table().to_pylist()
+    op = store.read("op").to_pylist()
     assert [(o["decision"], o["decided_by"]) for o in op] == [("ROLLBACK", "producer")]
     assert visible_ids(store) == []
 
@@ -202,12 +202,9 @@ def test_two_jobs_at_once_never_double_commit_or_double_count(spark, store: Stor
         t.join()
     assert not errors
     assert sorted(visible_ids(store)) == sorted(commit_ids)
-    counts = {
-        r["transaction_id"]: r["check_count"]
-        for r in store.table("check_state").to_pyarrow_table().to_pylist()
-    }
+    counts = {r["transaction_id"]: r["check_count"] for r in store.read("check_state").to_pylist()}
     assert counts == dict.fromkeys(unknown_ids, 1)
-    runs = store.table("check_runs").to_pyarrow_table().to_pylist()
+    runs = store.read("check_runs").to_pylist()
     assert sum(r["committed"] for r in runs) == 6
     assert sum(r["already_decided"] for r in runs) == sum(r["checked"] for r in runs) - 6 - sum(
         r["unknown"] for r in runs
@@ -286,7 +283,7 @@ def test_a_misconfigured_checker_holds_back_only_its_own_group(
     assert (s.committed, s.errors, s.unknown) == (1, 1, 1)
     assert visible_ids(store) == [other]
     assert re.search(f"producer group 'pg'.*{match}", caplog.text)
-    runs = store.table("check_runs").to_pyarrow_table().to_pylist()
+    runs = store.read("check_runs").to_pylist()
     assert [r["status"] for r in runs] == ["finished", "finished"]
 
 
@@ -384,9 +381,7 @@ def test_an_older_job_keeps_the_check_state_a_newer_job_recorded(spark, store: S
         gated.gate.set()
         older.join()
     assert not errors
-    state = {
-        r["transaction_id"]: r for r in store.table("check_state").to_pyarrow_table().to_pylist()
-    }
+    state = {r["transaction_id"]: r for r in store.read("check_state").to_pylist()}
     assert late in state, "the older job forgot a transaction it never saw"
     assert (state[late]["first_seen"], state[late]["check_count"]) == (first_seen, 0)
 
@@ -402,14 +397,14 @@ def discard_all(spark, store: Store) -> list[dict]:
     )
     start_clocks(spark, store, clock, transaction_check_max=1)
     assert job(spark, store, clock, transaction_check_max=1).run_once().summary.discarded == 3
-    return store.table("discard").to_pyarrow_table().to_pylist()
+    return store.read("discard").to_pylist()
 
 
 def live_transactions(store: Store) -> dict[str, list[str]]:
     """msg_id -> the undecided half transactions holding it."""
-    decided = set(store.table("op").to_pyarrow_table().column("transaction_id").to_pylist())
+    decided = set(store.read("op").column("transaction_id").to_pylist())
     live: dict[str, list[str]] = {}
-    for h in store.table("half").to_pyarrow_table().to_pylist():
+    for h in store.read("half").to_pylist():
         if h["transaction_id"] not in decided:
             live.setdefault(h["msg_id"], []).append(h["transaction_id"])
     return live
@@ -417,7 +412,7 @@ def live_transactions(store: Store) -> dict[str, list[str]]:
 
 def assert_redriven_exactly_once(store: Store, discarded: list[dict]) -> None:
     live = live_transactions(store)
-    marks = {r["msg_id"]: r for r in store.table("discard").to_pyarrow_table().to_pylist()}
+    marks = {r["msg_id"]: r for r in store.read("discard").to_pylist()}
     assert sorted(live) == sorted(d["msg_id"] for d in discarded)
     for d in discarded:
         assert live[d["msg_id"]] == [marks[d["msg_id"]]["redriven_transaction_id"]], d["msg_id"]
@@ -446,7 +441,7 @@ def test_resume_killed_between_claim_and_stage_is_finished_by_the_next(spark, st
         timeout=300,
     )
     assert child.returncode == -signal.SIGKILL
-    marks = store.table("discard").to_pyarrow_table().column("redriven_transaction_id")
+    marks = store.read("discard").column("redriven_transaction_id")
     assert marks.null_count == 0 and live_transactions(store) == {}  # claimed, not staged
     assert len(redrive(store)) == 3
     assert redrive(store) == []
@@ -465,7 +460,7 @@ def test_two_resumes_at_once_redrive_each_message_once(spark, store: Store) -> N
     discarded = discard_all(spark, store)
     results = race(_resume, [(store.root, "a"), (store.root, "b")])
     assert set(results["a"]) | set(results["b"]) == {
-        r["redriven_transaction_id"] for r in store.table("discard").to_pyarrow_table().to_pylist()
+        r["redriven_transaction_id"] for r in store.read("discard").to_pylist()
     }
     assert_redriven_exactly_once(store, discarded)
 
@@ -486,14 +481,14 @@ def test_check_max_rollbacks_cut_off_before_their_discard_are_repaired(spark, st
     first, second = prepare(store, "UNKNOWN", "UNKNOWN")
     cut_off(first)
     job(spark, store, clock).run_once()
-    discarded = store.table("discard").to_pyarrow_table().column("transaction_id").to_pylist()
+    discarded = store.read("discard").column("transaction_id").to_pylist()
     assert discarded == [first]
     cut_off(second)
     job(spark, store, clock).run_once()
-    discarded = store.table("discard").to_pyarrow_table().column("transaction_id").to_pylist()
+    discarded = store.read("discard").column("transaction_id").to_pylist()
     assert sorted(discarded) == sorted([first, second])
     job(spark, store, clock).run_once()
-    assert store.table("discard").to_pyarrow_table().num_rows == 2
+    assert store.read("discard").num_rows == 2
 
 
 def test_rounds_do_not_read_the_decided_history(spark, store: Store) -> None:
@@ -539,7 +534,7 @@ def test_the_check_loop_runs_maintenance(spark, store: Store) -> None:
 
     loop.run_once = one_round
     assert loop.run_forever(60.0, stop) == 1
-    bodies = store.table("commitlog").to_pyarrow_table().column("body").to_pylist()
+    bodies = store.read("commitlog").column("body").to_pylist()
     assert bodies == [b"new"]
 
 
@@ -553,13 +548,13 @@ def test_check_state_of_a_transaction_retention_removed_is_forgotten(spark, stor
     clock = Clock()
     (txn,) = prepare(store, "UNKNOWN")
     start_clocks(spark, store, clock)
-    state = store.table("check_state").to_pyarrow_table()
+    state = store.read("check_state")
     assert state.column("transaction_id").to_pylist() == [txn]
     store.end_transactions([Decision(txn, "pg", LocalTransactionState.ROLLBACK)])
     maintain(store, RetentionSettings(transaction_reserved_time=0))
     assert store.half_messages([txn]).num_rows == 0 and store.decisions([txn]) == {}
     job(spark, store, clock).run_once()
-    assert store.table("check_state").to_pyarrow_table().num_rows == 0
+    assert store.read("check_state").num_rows == 0
 
 
 def test_decisions_a_restore_of_op_removed_are_recovered_not_published_again(

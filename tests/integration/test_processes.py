@@ -103,7 +103,7 @@ def test_many_producers_preparing_at_once_all_succeed(store: Store) -> None:
     procs, threads = 16, 4
     results = race(_preparer, [(store.root, f"p{i}", threads) for i in range(procs)])
     assert {name: errors for name, errors in results.items() if errors} == {}
-    bodies = store.table("half").to_pyarrow_table().column("body").to_pylist()
+    bodies = store.read("half").column("body").to_pylist()
     assert sorted(bodies) == sorted(
         f"p{p}-{i}".encode() for p in range(procs) for i in range(threads)
     )
@@ -147,10 +147,10 @@ def _run_child_until_killed(root: str, step: str) -> str:
 def test_half_message_survives_kill_between_prepare_and_end(store: Store) -> None:
     txn = _run_child_until_killed(store.root, "after-prepare")
     reopened = Store.open(store.root, create=False)
-    half = reopened.table("half").to_pyarrow_table()
+    half = reopened.read("half")
     assert half.column("transaction_id").to_pylist() == [txn]
     assert half.column("body").to_pylist() == [b"payload"]
-    assert reopened.table("op").to_pyarrow_table().num_rows == 0
+    assert reopened.read("op").num_rows == 0
     assert commitlog(reopened).num_rows == 0
     # Whoever decides later (the check-back job) still can, exactly once.
     reopened.end_transactions([Decision(txn, "pg", COMMIT, "check-back")])
@@ -208,5 +208,5 @@ def test_kill_while_writing_leaves_a_consistent_store(store: Store, delay: float
         queues.setdefault(r["queue_id"], []).append(r["queue_offset"])
     for offsets in queues.values():
         assert offsets == list(range(len(offsets)))
-    committed = set(reopened.table("op").to_pyarrow_table().column("transaction_id").to_pylist())
+    committed = set(reopened.read("op").column("transaction_id").to_pylist())
     assert {r["transaction_id"] for r in rows if r["transaction_id"]} == committed

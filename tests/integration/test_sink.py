@@ -39,8 +39,8 @@ def check_back(spark, store: Store) -> None:
 
 
 def pending(store: Store) -> set[str]:
-    half = set(store.table("half").to_pyarrow_table().column("transaction_id").to_pylist())
-    return half - set(store.table("op").to_pyarrow_table().column("transaction_id").to_pylist())
+    half = set(store.read("half").column("transaction_id").to_pylist())
+    return half - set(store.read("op").column("transaction_id").to_pylist())
 
 
 def bodies(store: Store) -> list[str]:
@@ -71,7 +71,7 @@ def test_batch_write_publishes_exactly_the_input(spark, store: Store) -> None:
     ]
     props = {r["body"]: r["properties"] for r in log}
     assert props == {b"a": [("p", "1")], b"b": [], b"c": []}  # no internal properties
-    half = store.table("half").to_pyarrow_table().to_pylist()
+    half = store.read("half").to_pylist()
     (sink_id,) = {h["sink_id"] for h in half}
     assert sink_id.startswith("write-") and {h["epoch"] for h in half} == {0}
     assert {r["producer_group"] for r in log} == {"pipeline"}
@@ -260,7 +260,7 @@ def test_stream_sink_id_defaults_to_the_query_id(spark, store: Store, tmp_path: 
     import json
 
     query_id = json.loads((checkpoint / "metadata").read_text())["id"]
-    (row,) = store.table("half").to_pyarrow_table().to_pylist()
+    (row,) = store.read("half").to_pylist()
     assert row["sink_id"] == query_id
 
 

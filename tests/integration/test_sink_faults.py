@@ -77,8 +77,8 @@ def test_kill_at_each_step_then_restart(spark, store: Store, tmp_path: Path, mod
     expected = sorted(b for batch in BATCHES for b in batch)
     published = sorted(b.decode() for b in commitlog(store).column("body").to_pylist())
     assert published == expected  # each input row once, nothing from the killed attempt
-    half = set(store.table("half").to_pyarrow_table().column("transaction_id").to_pylist())
-    decided = set(store.table("op").to_pyarrow_table().column("transaction_id").to_pylist())
+    half = set(store.read("half").column("transaction_id").to_pylist())
+    decided = set(store.read("op").column("transaction_id").to_pylist())
     assert half <= decided  # nothing left pending
     if mode == "foreach":
         orders = DeltaTable(str(paths["business"])).to_pyarrow_table()

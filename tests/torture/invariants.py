@@ -11,7 +11,9 @@ Read with deltalake (no Spark), after quiescence:
 * nothing is pending (but the hostile producer's transactions); every visible transaction
   is COMMITted in ``op``; nothing of the hostile producer is visible, and no check-back round
   failed;
-* offsets per (topic, queue) are dense from 0 with no repeat; msg ids are unique;
+* offsets per (topic, queue) are dense from 0 with no repeat; msg ids are unique; a message
+  another Delta writer removed (a RESTORE or DELETE of the CommitLog, recorded by the
+  orchestrator) may be missing, but a read of its queue must fail with ``DATA_LOSS``;
 * every discarded message is re-driven at most once (and then marked), or still listed.
 """
 
@@ -23,7 +25,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow.parquet as pq
-from deltalake import DeltaTable
 
 from tests.torture import local_db
 from tests.torture.workers import (
@@ -33,6 +34,7 @@ from tests.torture.workers import (
     HOSTILE_TOPIC,
     PRODUCER_TOPIC,
     STREAM_TOPIC,
+    read_delta,
 )
 
 REDRIVEN_FROM = "REDRIVEN_FROM_TRANSACTION_ID"
@@ -53,7 +55,7 @@ class Results:
 
 
 def _rows(path: Path, columns: list[str] | None = None) -> list[dict]:
-    return DeltaTable(str(path)).to_pyarrow_table(columns=columns).to_pylist()
+    return read_delta(path, columns).to_pylist()
 
 
 def _props(value) -> dict:
@@ -65,10 +67,18 @@ def _props(value) -> dict:
 class _Store:
     """The store's tables as Python rows, indexed for diagnostics."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, removed: Path) -> None:
         self.commitlog = _rows(
             root / "commitlog",
             ["topic", "queue_id", "queue_offset", "msg_id", "transaction_id", "keys"],
+        )
+        # Published messages another Delta writer removed, and not added back by a RESTORE.
+        visible = {c["msg_id"] for c in self.commitlog}
+        recorded = [json.loads(line) for line in removed.read_text().splitlines()] if (
+            removed.exists()
+        ) else []  # fmt: skip
+        self.removed = list(
+            {r["msg_id"]: r for r in recorded if r["msg_id"] not in visible}.values()
         )
         self.half = _rows(
             root / "half",
@@ -151,7 +161,8 @@ def _exactly_once(
     describe=lambda key: "",
 ) -> dict:
     counts = Counter(c["keys"] for c in store.commitlog if c["topic"] == topic)
-    missing = sorted(expected - set(counts))
+    lost = {r["keys"] for r in store.removed if r["topic"] == topic}
+    missing = sorted(expected - set(counts) - lost)
     dups = sorted(k for k, n in counts.items() if n > 1)
     leaked = sorted(k for k in counts if k in forbidden)
     unexpected = sorted(k for k in counts if k not in expected and k not in forbidden)
@@ -169,9 +180,38 @@ def _exactly_once(
         "expected": len(expected),
         "visible": sum(counts.values()),
         "missing": len(missing),
+        "removed by another writer (DATA_LOSS)": len((expected & lost) - set(counts)),
+        "removed, then published again": len(expected & lost & set(counts)),
         "duplicated": len(dups),
         "leaked": len(leaked) + len(unexpected),
     }
+
+
+def _data_loss_reported(results: Results, root: Path, removed: list[dict]) -> int:
+    """Check that a read of each queue another Delta writer removed messages from fails with
+    :class:`DataLossError` naming that queue (the reader plans as a query does, from offset 0
+    to the store's next offset); returns how many queues did."""
+    from rmq_spark import DataLossError, Store
+    from rmq_spark.reading import plan_slices
+
+    store = Store.open(str(root), create=False)
+    next_offsets = store.next_offsets()
+    reported = 0
+    for topic, queue in sorted({(r["topic"], r["queue_id"]) for r in removed}):
+        end = {topic: {queue: next_offsets[(topic, queue)]}}
+        try:
+            plan_slices(store, {topic: {queue: 0}}, end)
+        except DataLossError as exc:
+            reported += f"{topic} queue {queue} offsets [" in str(exc)
+            continue
+        results.violations.append(
+            Violation(
+                "published messages removed without DATA_LOSS",
+                f"{topic}/{queue}: a read of offsets [0, {end[topic][queue]}) planned without "
+                "an error although another Delta writer removed messages of it",
+            )
+        )
+    return reported
 
 
 def _commits(table: Path) -> dict[int, list[dict]]:
@@ -204,7 +244,7 @@ def _operations(table: Path, versions: list[int]) -> list[str]:
 
 def check_invariants(run: dict, root: Path) -> Results:
     results = Results()
-    store = _Store(Path(root))
+    store = _Store(Path(root), Path(run["foreign_removed"]))
     facts = results.facts
 
     # ---- producers: the SQLite databases are the truth
@@ -241,9 +281,7 @@ def check_invariants(run: dict, root: Path) -> Results:
     )
 
     # ---- sinks and publish_with_delta_write: the input files are the truth
-    stream_keys = set(
-        DeltaTable(run["stream_input"]).to_pyarrow_table(columns=["key"]).column("key").to_pylist()
-    )
+    stream_keys = set(read_delta(run["stream_input"], ["key"]).column("key").to_pylist())
     facts["stream sink"] = _exactly_once(
         results, store, STREAM_TOPIC, stream_keys, set(), "stream sink"
     )
@@ -313,9 +351,10 @@ def check_invariants(run: dict, root: Path) -> Results:
                 )
             )
 
-    # ---- offsets dense from 0, no repeat; msg ids unique
+    # ---- offsets dense from 0 but where another writer removed messages, no repeat; msg ids
+    # unique; every removed message makes a read fail loudly
     queues = defaultdict(list)
-    for c in store.commitlog:
+    for c in store.commitlog + store.removed:
         queues[(c["topic"], c["queue_id"])].append(c["queue_offset"])
     for (topic, queue), offsets in sorted(queues.items()):
         offsets.sort()
@@ -332,6 +371,7 @@ def check_invariants(run: dict, root: Path) -> Results:
     for msg_id, n in Counter(c["msg_id"] for c in store.commitlog).items():
         if n > 1:
             results.violations.append(Violation("msg id visible twice", f"msg {msg_id} x{n}"))
+    facts["data loss reported"] = _data_loss_reported(results, root, store.removed)
 
     # ---- discards: re-driven once (and marked) or still listed
     redrives = defaultdict(set)  # (original txn, msg id) -> re-driven txns found in half

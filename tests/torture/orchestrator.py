@@ -32,6 +32,7 @@ from tests.torture.workers import (
     DELTA_TOPIC,
     PRODUCER_TOPIC,
     STREAM_TOPIC,
+    read_delta,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -115,6 +116,8 @@ class Stats:
     warm_up: float = 0.0
     #: Acts of another Delta writer on the store's tables, and stalls, by kind.
     meddling: Counter = field(default_factory=Counter)
+    #: Published messages another Delta writer removed from the CommitLog (RESTORE, DELETE).
+    messages_removed: int = 0
 
 
 def session_processes(sid: int) -> list[tuple[int, int]]:
@@ -239,6 +242,7 @@ level = "INFO"
             "batch_inputs": str(self.root / "inputs" / "batches"),
             "batch_progress": str(self.root / "batch-progress.txt"),
             "business_table": str(self.root / "business"),
+            "foreign_removed": str(self.root / "foreign-removed.jsonl"),
             "slow_task_probability": 0.15,
             "very_slow_task_probability": 0.04,
             "failing_task_probability": 0.12,
@@ -475,10 +479,13 @@ level = "INFO"
     def meddle(self) -> None:
         """Now and then, between the workers' steps, what users and machines do to a store:
         another Delta writer (deltalake, as delta-spark would) compacts a table (OPTIMIZE),
-        writes a checkpoint at an odd version, vacuums with Delta's retention, or RESTOREs
-        ``op`` a few versions back (removing decisions: check-back must record them again,
-        none published twice); or a process that commits is stalled (SIGSTOP: a GC or swap
-        stall, a paused VM) for longer than the log cleanup's horizon (10 s), then resumed."""
+        writes a checkpoint at an odd version, vacuums with Delta's retention, RESTOREs ``op``
+        a few versions back (removing decisions: check-back must record them again, none
+        published twice), RESTOREs the CommitLog or DELETEs a few of its rows (published
+        messages lost: each must make a read fail loudly with DATA_LOSS naming it; the rows
+        removed are recorded for the invariants); or a process that commits is stalled
+        (SIGSTOP: a GC or swap stall, a paused VM) for longer than the log cleanup's horizon
+        (10 s), then resumed."""
         from deltalake import DeltaTable
 
         now = self.elapsed()
@@ -489,8 +496,10 @@ level = "INFO"
                 self.note(f"SIGCONT {name}")
         if not self.o.meddle_every or self.rng.random() >= 0.5 / self.o.meddle_every:
             return
-        act = self.rng.choice(["optimize", "checkpoint", "vacuum", "stall", "restore"])
-        table = "op" if act == "restore" else self.rng.choice(["half", "op", "commitlog"])
+        act = self.rng.choice(["optimize", "checkpoint", "vacuum", "stall", "restore", "delete"])
+        table = {"restore": self.rng.choice(["op", "commitlog"]), "delete": "commitlog"}.get(
+            act, self.rng.choice(["half", "op", "commitlog"])
+        )
         if act == "stall":
             live = [
                 w for w in self.workers
@@ -513,13 +522,51 @@ level = "INFO"
                     delta.create_checkpoint()
                 elif act == "restore":
                     delta.restore(max(0, delta.version() - self.rng.randint(1, 5)))
+                elif act == "delete":
+                    delta.delete(self.some_published(delta))
                 else:
                     delta.vacuum(dry_run=False)
             except Exception as exc:  # a foreign writer may lose a race too; that is all
                 self.note(f"foreign {act} of {table} failed: {exc!r}"[:300])
                 return
-            self.note(f"foreign {act} of {table} at version {delta.version()}")
-        self.stats.meddling[act] += 1
+            removed = self.record_removed(delta) if table == "commitlog" else 0
+            self.note(
+                f"foreign {act} of {table} at version {delta.version()}"
+                + (f": {removed} published message(s) removed" if removed else "")
+            )
+        self.stats.meddling[f"{act} {table}" if act == "restore" else act] += 1
+
+    def some_published(self, commitlog) -> str:
+        """A DELETE predicate for one to three published messages of one queue."""
+        from rmq_spark.store import queue_app_id
+
+        queues = [
+            (topic, q, next_offset)
+            for topic in TOPICS
+            for q in range(4)
+            if (next_offset := commitlog.transaction_version(queue_app_id(topic, q)))
+        ]
+        if not queues:
+            return "false"
+        topic, q, next_offset = self.rng.choice(queues)
+        first = self.rng.randrange(next_offset)
+        return (
+            f"topic = '{topic}' AND queue_id = {q} AND queue_offset >= {first} "
+            f"AND queue_offset < {first + self.rng.randint(1, 3)}"
+        )
+
+    def record_removed(self, commitlog) -> int:
+        """Record the published messages a foreign commit of the CommitLog removed (its rows
+        before and not after), for the invariants: they may be missing, loudly."""
+        version = commitlog.version()
+        columns = ["topic", "queue_id", "queue_offset", "msg_id", "keys"]
+        after = set(read_delta(commitlog.table_uri, ["msg_id"], version).column(0).to_pylist())
+        before = read_delta(commitlog.table_uri, columns, version - 1).to_pylist()
+        removed = [row for row in before if row["msg_id"] not in after]
+        with open(self.run["foreign_removed"], "a") as out:
+            out.writelines(json.dumps(row) + "\n" for row in removed)
+        self.stats.messages_removed += len(removed)
+        return len(removed)
 
     def signal_session(self, proc: subprocess.Popen, signum: int) -> None:
         """Send ``signum`` to every process group of a worker's session."""
@@ -537,19 +584,14 @@ level = "INFO"
         from rmq_spark.store import queue_app_id
 
         try:
-            state = DeltaTable(str(self.store / "check_state")).to_pyarrow_table(
-                columns=["transaction_id", "check_count", "first_seen"]
+            state = read_delta(
+                self.store / "check_state", ["transaction_id", "check_count", "first_seen"]
             )
             # Read after check_state: a transaction decided before that read is in op. Only
             # pending ones count (a decided one's row may be forgotten and, by a job with an
             # older snapshot, started again; that spends nobody's budget).
             decided, staged = (
-                set(
-                    DeltaTable(str(self.store / name))
-                    .to_pyarrow_table(columns=["transaction_id"])
-                    .column(0)
-                    .to_pylist()
-                )
+                set(read_delta(self.store / name, ["transaction_id"]).column(0).to_pylist())
                 for name in ("op", "half")
             )
             commitlog = DeltaTable(str(self.store / "commitlog"))

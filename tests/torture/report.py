@@ -30,7 +30,8 @@ def format_report(result: dict) -> str:
         f"self-kills at failpoints {_counter(s.failpoint_kills)}",
         f"exits:       {_counter(s.exits)}",
         f"resumes:     {s.resumes} (of which {s.resumes_concurrent} pairs at once)",
-        f"meddling:    {_counter(s.meddling)} (another Delta writer; stall = SIGSTOP/SIGCONT)",
+        f"meddling:    {_counter(s.meddling)} (another Delta writer; stall = SIGSTOP/SIGCONT); "
+        f"{s.messages_removed} published message(s) removed",
         f"inputs:      {s.stream_files} stream files, {s.batch_inputs} batch + delta inputs",
         f"sampling:    {s.samples} samples of check_state / queue offsets; "
         f"highest check_count seen {s.max_check_count}",

@@ -42,6 +42,20 @@ DELTA_TOPIC, DELTA_GROUP, DELTA_APP = "TortureDelta", "pipeline-delta", "torture
 PRODUCER_TOPIC = "TortureOrders"
 
 
+def read_delta(path: str | Path, columns: list[str] | None = None, version: int | None = None):
+    """A Delta table (some columns; the latest version or ``version``) as pyarrow, read
+    through DataFusion as the store reads: deltalake's ``to_pyarrow_table`` leaves Arrow
+    threads releasing its Python filesystem, which aborts the interpreter at exit now and then
+    (SIGABRT, "terminate called")."""
+    from deltalake import DeltaTable, QueryBuilder
+
+    from rmq_spark.store import read_arrow
+
+    chosen = ", ".join(f'"{c}"' for c in columns) if columns else "*"
+    query = QueryBuilder().register("t", DeltaTable(str(path), version=version))
+    return read_arrow(query.execute(f"SELECT {chosen} FROM t"))
+
+
 def log(*parts: object) -> None:
     print(time.strftime("%H:%M:%S"), *parts, flush=True)
 
@@ -530,8 +544,8 @@ def compactor(run: dict, name: str, incarnation: int) -> None:
 # --------------------------------------------------------------------------- finish
 def pending_transactions(store) -> set[str]:
     """Pending transactions of the honest groups (the hostile ones never all end)."""
-    half = store.table("half").to_pyarrow_table(columns=["transaction_id", "producer_group"])
-    op = store.table("op").to_pyarrow_table(columns=["transaction_id"])
+    half = store.read("half", ["transaction_id", "producer_group"])
+    op = store.read("op", ["transaction_id"])
     honest = {t for t, g in zip(*half.to_pydict().values(), strict=True) if g not in HOSTILE_GROUPS}
     return honest - set(op.column("transaction_id").to_pylist())
 
@@ -539,9 +553,7 @@ def pending_transactions(store) -> set[str]:
 def undriven_discards(store) -> list[str]:
     """Transactions of honest groups discarded at the check max and not re-driven yet (a
     hostile group's are left discarded: re-driven, they would only come back)."""
-    discard = store.table("discard").to_pyarrow_table(
-        columns=["transaction_id", "producer_group", "redriven_transaction_id"]
-    )
+    discard = store.read("discard", ["transaction_id", "producer_group", "redriven_transaction_id"])
     return sorted(
         {
             t

@@ -31,7 +31,7 @@ def test_resume_redrives_discarded_messages(store: Store, capsys) -> None:
     old = discard(store)
     assert main(["--path", store.root, "resume"]) == EXIT_OK
     assert "re-drove 1 discarded message(s)" in capsys.readouterr().out
-    half = store.table("half").to_pyarrow_table().to_pylist()
+    half = store.read("half").to_pylist()
     redriven = [h for h in half if h["transaction_id"] != old]
     assert len(redriven) == 1
     assert dict(redriven[0]["properties"]) == {"REDRIVEN_FROM_TRANSACTION_ID": old}
@@ -50,7 +50,7 @@ def test_maintain_expires_what_retention_no_longer_keeps(tmp_path, capsys) -> No
     assert main(["--conf", str(conf), "--path", old.root, "maintain"]) == EXIT_OK
     out = capsys.readouterr().out
     assert "messages expired" in out and " 1   1 queue(s) moved up" in out
-    assert old.table("commitlog").to_pyarrow_table().column("body").to_pylist() == [b"new"]
+    assert old.read("commitlog").column("body").to_pylist() == [b"new"]
 
 
 def test_resume_unknown_transaction_is_a_clear_error(store: Store, capsys) -> None:

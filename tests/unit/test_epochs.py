@@ -44,7 +44,7 @@ def test_two_processes_closing_the_same_epochs(store: Store) -> None:
         )
         assert d_winners == c_winners == closed_epoch(store, "racing-sink", epoch)
         assert d_mine != c_mine  # exactly one of them won
-    rows = store.table("epochs").to_pyarrow_table()
+    rows = store.read("epochs")
     assert rows.num_rows == EPOCHS  # one row per epoch, never two
 
 
@@ -86,7 +86,7 @@ def test_finish_epoch_commits_the_list_and_rolls_back_the_rest(store: Store) -> 
     replay = finish_epoch(store, "s", 0, [(second, 0)], "pipeline", "sink")
     assert not replay.first and replay.committed == (first,) and replay.rolled_back == (second,)
     assert commitlog(store).column("body").to_pylist() == [b"a"]
-    decisions = store.table("op").to_pyarrow_table().to_pylist()
+    decisions = store.read("op").to_pylist()
     assert {d["transaction_id"]: d["decision"] for d in decisions} == {
         first: LocalTransactionState.COMMIT.value,
         second: LocalTransactionState.ROLLBACK.value,
@@ -103,7 +103,7 @@ def test_a_writer_whose_epoch_was_abandoned_fails_loudly(store: Store) -> None:
     with pytest.raises(EpochLostError, match="abandoned by the check-back job"):
         finish_epoch(store, "s", 7, [(txn, 0)], "pipeline", "sink")
     assert commitlog(store).num_rows == 0  # nothing published...
-    op = store.table("op").to_pyarrow_table().to_pylist()
+    op = store.read("op").to_pylist()
     assert [(d["transaction_id"], d["decision"]) for d in op] == [(txn, "ROLLBACK")]
     # ...and the retry reopens the epoch in the next generation and publishes everything.
     retry = hold(store, "s", 7, "query-1", lease_seconds=5)

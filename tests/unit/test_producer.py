@@ -47,8 +47,8 @@ class ScriptedListener(TransactionListener):
 
 
 def pending_ids(store: Store) -> set[str]:
-    half = set(store.table("half").to_pyarrow_table().column("transaction_id").to_pylist())
-    return half - set(store.table("op").to_pyarrow_table().column("transaction_id").to_pylist())
+    half = set(store.read("half").column("transaction_id").to_pylist())
+    return half - set(store.read("op").column("transaction_id").to_pylist())
 
 
 def test_lifecycle_commit_rollback_unknown(store: Store) -> None:
@@ -209,7 +209,7 @@ def test_shutdown_while_many_threads_send_never_hangs_nor_fails_accepted_sends(
     # returned result, every local transaction that ran has its result, and shutdown
     # recorded (and published) every COMMIT before returning.
     assert results
-    half = set(store.table("half").to_pyarrow_table().column("transaction_id").to_pylist())
+    half = set(store.read("half").column("transaction_id").to_pylist())
     assert half == {r.transaction_id for r in results} == listener.executed
     assert set(commitlog(store).column("msg_id").to_pylist()) == {r.msg_id for r in results}
     assert not pending_ids(store)

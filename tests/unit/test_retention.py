@@ -122,7 +122,7 @@ def history(store: Store) -> dict[str, str]:
 
 
 def remaining(store: Store, table: str) -> set[str]:
-    return set(store.table(table).to_pyarrow_table().column("transaction_id").to_pylist())
+    return set(store.read(table).column("transaction_id").to_pylist())
 
 
 def test_only_decided_published_transactions_leave(store: Store, clock: Clock) -> None:
@@ -234,7 +234,7 @@ def test_a_redrive_reading_discard_before_a_run_stages_nothing_twice(
     from rmq_spark.checkback import _claimed_unstaged, _stage_redriven
 
     ids = history(store)
-    stale = store.table("discard").to_pyarrow_table()  # what a running re-drive has read
+    stale = store.read("discard")  # what a running re-drive has read
     clock.now = LATER
     maintain(store, RetentionSettings(file_reserved_time=10 * 86400))
     assert _stage_redriven(store, _claimed_unstaged(store, stale)) == set()

@@ -268,7 +268,7 @@ def test_tables_added_later_are_created_in_an_older_store(store: Store) -> None:
 
     shutil.rmtree(Path(store.root) / "epochs")
     reopened = Store.open(store.root, create=False)
-    assert reopened.table("epochs").to_pyarrow_table().num_rows == 0
+    assert reopened.read("epochs").num_rows == 0
 
 
 def test_columns_added_later_are_added_to_an_older_store(store: Store) -> None:
@@ -319,7 +319,7 @@ def test_columns_added_later_are_added_to_an_older_store(store: Store) -> None:
     old = read_epoch(reopened, "s", 0)
     assert (old.state, old.transaction_ids) == (CLOSED, ("t",))
     assert hold(reopened, "s", 1, "w", lease_seconds=60).generation == 0  # new rows work
-    assert Store.open(store.root, create=False).table("epochs").to_pyarrow_table().num_rows == 2
+    assert Store.open(store.root, create=False).read("epochs").num_rows == 2
 
 
 def test_missing_table_is_refused(store: Store) -> None:
@@ -334,7 +334,7 @@ def test_file_uri_root(tmp_path: Path) -> None:
     uri = (tmp_path / "s").as_uri()
     store = Store.open(uri)
     store.send([Message("Orders", b"x")], "pg")
-    assert Store.open(uri).table("commitlog").to_pyarrow_table().num_rows == 1
+    assert Store.open(uri).read("commitlog").num_rows == 1
 
 
 def test_compaction_changes_no_data_and_publishing_goes_on(store: Store) -> None:
@@ -417,7 +417,7 @@ def test_two_compactions_at_once_never_duplicate_rows(tmp_path: Path) -> None:
             store.prepare([Message("Orders", f"m{i}".encode())], "pg")
         results = race(_compactor, [(store.root, n) for n in ("a", "b")])
         assert sum(r.get("half", 0) for r in results.values()) >= 30  # one of them compacted
-        half = store.table("half").to_pyarrow_table()
+        half = store.read("half")
         assert half.num_rows == 30 and len(set(half.column("msg_id").to_pylist())) == 30
 
 
