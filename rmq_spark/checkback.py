@@ -58,7 +58,6 @@ from rmq_spark.errors import InvalidOptionError
 from rmq_spark.failpoints import failpoint
 from rmq_spark.model import PROPERTY_CHECK_IMMUNITY, LocalTransactionState, new_id
 from rmq_spark.pending import PendingUpdate, inserted_since, update_pending
-from rmq_spark.report import read_table
 from rmq_spark.retention import maintain
 from rmq_spark.schema import (
     CHECK_RUNS_SCHEMA,
@@ -302,8 +301,10 @@ class CheckBackJob:
     def _check_batch(self, now: datetime) -> DataFrame:
         """Pending transactions, classified, frozen for the rest of the run."""
         self._pending = update_pending(self.store)
-        state = read_table(self.spark, self.store, "check_state").select(
-            "transaction_id", "first_seen", "check_count"
+        # Read whole now, not by Spark's Delta source: its snapshot reads the checkpoint when
+        # the query runs, by when another job's log cleanup may have removed it.
+        state = self._to_spark(
+            self.store.read("check_state", ["transaction_id", "first_seen", "check_count"])
         )
         pending = self._to_spark(self._pending.rows)
         now_lit = F.lit(now).cast("timestamp")

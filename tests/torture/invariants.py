@@ -223,13 +223,20 @@ def _commits(table: Path) -> dict[int, list[dict]]:
 
 
 def _files_removed_twice(table: Path) -> list[tuple[str, list[int]]]:
-    """Data files that two commits both removed (e.g. two compactions that both committed)."""
-    removed = defaultdict(list)
-    for version, actions in _commits(table).items():
+    """Data files that two commits both removed with no commit adding them back in between
+    (e.g. two compactions that both committed; a RESTORE that re-adds a file makes its next
+    removal a new one)."""
+    removed, twice = {}, {}
+    for version, actions in sorted(_commits(table).items()):
         for action in actions:
-            if "remove" in action:
-                removed[action["remove"]["path"]].append(version)
-    return [(p, v) for p, v in removed.items() if len(v) > 1]
+            if "add" in action:
+                removed.pop(action["add"]["path"], None)
+            elif "remove" in action:
+                path = action["remove"]["path"]
+                if path in removed:
+                    twice.setdefault(path, [removed[path]]).append(version)
+                removed[path] = version
+    return list(twice.items())
 
 
 def _operations(table: Path, versions: list[int]) -> list[str]:
