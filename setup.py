@@ -40,10 +40,10 @@ setup(
             "s3fs>=2024.6",
         ],
         "notebooks": ["jupyterlab>=4", "matplotlib>=3.8"],
-        # Object-storage store roots (fsspec filesystems); see rmq_spark/storage.py.
+        # Object-storage store roots (fsspec filesystems); see rmq_spark/delta/storage.py.
         "s3": ["s3fs>=2024.6"],
         "gcs": ["gcsfs>=2024.6"],
         "adls": ["adlfs>=2024.4"],
     },
-    entry_points={"console_scripts": ["rmqtx=rmq_spark.cli:main"]},
+    entry_points={"console_scripts": ["rmqtx=rmq_spark.ops.cli:main"]},
 )

@@ -29,11 +29,11 @@ from decided import append_decisions, mark_published
 from deltalake import write_deltalake
 
 from rmq_spark import Decision, LocalTransactionState, Message, MessageExt, Store, get_spark
-from rmq_spark.checkback import CheckBackJob
-from rmq_spark.checkers import CallableChecker
-from rmq_spark.config import TransactionSettings
-from rmq_spark.model import new_ids
-from rmq_spark.schema import HALF_SCHEMA, WRITER_COLUMNS
+from rmq_spark.checkback.checkers import CallableChecker
+from rmq_spark.checkback.job import CheckBackJob
+from rmq_spark.model.config import TransactionSettings
+from rmq_spark.model.messages import new_ids
+from rmq_spark.model.schema import HALF_SCHEMA, WRITER_COLUMNS
 
 CHUNK = 250_000
 STEADY_ROUNDS = 2

@@ -36,7 +36,7 @@ from rmq_spark import (
     TransactionMQProducer,
     get_spark,
 )
-from rmq_spark.config import StoreSettings, parse_duration
+from rmq_spark.model.config import StoreSettings, parse_duration
 
 BODY = b"x" * 256
 

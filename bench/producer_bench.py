@@ -39,7 +39,7 @@ from rmq_spark import (
     TransactionListener,
     TransactionMQProducer,
 )
-from rmq_spark.schema import HALF_SCHEMA, WRITER_COLUMNS
+from rmq_spark.model.schema import HALF_SCHEMA, WRITER_COLUMNS
 
 
 class CommitAll(TransactionListener):

@@ -36,9 +36,9 @@ from rmq_spark import (
     TransactionListener,
     TransactionMQProducer,
 )
-from rmq_spark.model import new_id
-from rmq_spark.schema import COMMITLOG_SCHEMA, TIMESTAMP
-from rmq_spark.store import queue_app_id
+from rmq_spark.model.messages import new_id
+from rmq_spark.model.schema import COMMITLOG_SCHEMA, TIMESTAMP
+from rmq_spark.store.facade import queue_app_id
 
 QUEUES = 4
 EPOCH_MESSAGES = 1000

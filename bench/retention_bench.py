@@ -21,8 +21,8 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from rmq_spark import Decision, LocalTransactionState, Message, Store
-from rmq_spark.config import RetentionSettings
-from rmq_spark.retention import maintain
+from rmq_spark.model.config import RetentionSettings
+from rmq_spark.store.retention import maintain
 
 TOPICS = [f"T{t:02d}" for t in range(10)]
 

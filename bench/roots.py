@@ -13,7 +13,7 @@ from pathlib import Path
 from pyspark.sql import SparkSession
 
 from rmq_spark import Store, get_spark
-from rmq_spark.config import Settings, StoreSettings
+from rmq_spark.model.config import Settings, StoreSettings
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests import minio  # noqa: E402  (the test tier's MinIO launcher)

@@ -27,11 +27,11 @@ from deltalake import CommitProperties, Transaction, write_deltalake
 from roots import Root, bench_roots, spark_for
 
 from rmq_spark import Store
-from rmq_spark.offsets import latest_offsets
-from rmq_spark.reading import plan_slices, read_slice
-from rmq_spark.schema import COMMITLOG_SCHEMA
-from rmq_spark.storage import deltalake_options
-from rmq_spark.store import queue_app_id
+from rmq_spark.delta.storage import deltalake_options
+from rmq_spark.model.schema import COMMITLOG_SCHEMA
+from rmq_spark.spark.offsets import latest_offsets
+from rmq_spark.spark.reading import plan_slices, read_slice
+from rmq_spark.store.facade import queue_app_id
 
 QUEUES = 4
 CHUNK = 100_000

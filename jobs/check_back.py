@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from rmq_spark.cli import main
+from rmq_spark.ops.cli import main
 
 if __name__ == "__main__":
     options = sys.argv[1:]

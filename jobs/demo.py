@@ -16,11 +16,10 @@ from pathlib import Path
 from pyspark.sql import functions as F
 
 from rmq_spark import Store, get_spark, load_settings
-from rmq_spark.checkback import CheckBackJob
-from rmq_spark.checkers import CallableChecker
-from rmq_spark.config import configure_logging
-from rmq_spark.demo import PRODUCER_GROUP, OrderService, make_orders, place_orders
-from rmq_spark.report import read_table, state_counts, transaction_states
+from rmq_spark.checkback import CallableChecker, CheckBackJob
+from rmq_spark.model.config import configure_logging
+from rmq_spark.ops.demo import PRODUCER_GROUP, OrderService, make_orders, place_orders
+from rmq_spark.ops.report import read_table, state_counts, transaction_states
 
 
 def main() -> None:

@@ -10,8 +10,8 @@ The public API at a glance:
 """
 
 from rmq_spark._version import __version__
-from rmq_spark.config import Settings, load_settings
-from rmq_spark.errors import (
+from rmq_spark.model.config import Settings, load_settings
+from rmq_spark.model.errors import (
     CorruptStoreError,
     DataLossError,
     EpochLostError,
@@ -24,7 +24,7 @@ from rmq_spark.errors import (
     StoreError,
     StoreVersionError,
 )
-from rmq_spark.model import LocalTransactionState, Message, MessageExt
+from rmq_spark.model.messages import LocalTransactionState, Message, MessageExt
 from rmq_spark.producer import (
     SendResult,
     SendStatus,
@@ -32,10 +32,10 @@ from rmq_spark.producer import (
     TransactionMQProducer,
     TransactionSendResult,
 )
-from rmq_spark.session import get_spark
-from rmq_spark.sink import publish_with_delta_write
-from rmq_spark.source import register
-from rmq_spark.store import (
+from rmq_spark.spark.session import get_spark
+from rmq_spark.spark.sink import publish_with_delta_write
+from rmq_spark.spark.source import register
+from rmq_spark.store.facade import (
     Decision,
     EndTransactionResult,
     EndTransactionStatus,

@@ -31,16 +31,16 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from rmq_spark.config import Settings, load_settings
-from rmq_spark.errors import InvalidOptionError, ProducerStateError
-from rmq_spark.model import (
+from rmq_spark.model.config import Settings, load_settings
+from rmq_spark.model.errors import InvalidOptionError, ProducerStateError
+from rmq_spark.model.messages import (
     LocalTransactionState,
     Message,
     MessageExt,
     check_group,
     validate_message,
 )
-from rmq_spark.store import Decision, EndTransactionResult, PreparedMessage, Store
+from rmq_spark.store.facade import Decision, EndTransactionResult, PreparedMessage, Store
 
 log = logging.getLogger(__name__)
 
@@ -270,7 +270,7 @@ class TransactionMQProducer:
         Store root to open (created on first use).
     settings : Settings, optional
         Settings used when opening ``path`` (default: the settings file, found as
-        :func:`rmq_spark.config.load_settings` finds it, so its storage options apply).
+        :func:`rmq_spark.model.config.load_settings` finds it, so its storage options apply).
     max_batch : int, default 1024
         Most messages group-committed in one Delta commit.
 

@@ -11,7 +11,7 @@ import pyarrow as pa
 import pytest
 
 from rmq_spark import Store
-from rmq_spark.config import Settings, StoreSettings
+from rmq_spark.model.config import Settings, StoreSettings
 
 
 @pytest.fixture
@@ -59,7 +59,7 @@ def any_store(request: pytest.FixtureRequest) -> Store:
 @pytest.fixture(scope="session")
 def spark() -> Iterator[object]:
     """The session's one local[2] SparkSession, with Delta Lake."""
-    from rmq_spark.session import get_spark
+    from rmq_spark.spark.session import get_spark
 
     session = get_spark("rmq-spark-tests")
     yield session

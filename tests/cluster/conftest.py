@@ -23,8 +23,8 @@ import pyspark
 import pytest
 
 from rmq_spark import Store
-from rmq_spark.config import Settings, StoreSettings
-from rmq_spark.session import delta_jars, s3_jars
+from rmq_spark.model.config import Settings, StoreSettings
+from rmq_spark.spark.session import delta_jars, s3_jars
 from tests.lifetime import die_with_parent
 from tests.minio import free_port
 

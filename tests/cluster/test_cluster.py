@@ -18,8 +18,8 @@ import pyarrow.compute as pc
 import pytest
 
 from rmq_spark import Message, Store
-from rmq_spark.failpoints import ENV as FAILPOINT
-from rmq_spark.failpoints import MARKER_ENV
+from rmq_spark.model.failpoints import ENV as FAILPOINT
+from rmq_spark.model.failpoints import MARKER_ENV
 from tests.cluster.conftest import REPO, finish, submit
 from tests.conftest import commitlog, settings_file
 
@@ -150,7 +150,7 @@ def test_kill_9_of_the_driver_mid_epoch(spark_cluster, cluster_store, tmp_path: 
     # Check-back resolves what the dead driver's epoch left, here started as `rmqtx check
     # --master spark://...` (no spark-submit: get_spark hands the cluster its jars).
     check = subprocess.run(
-        [sys.executable, "-m", "rmq_spark.cli", "--conf", str(conf), "check", "--once"]
+        [sys.executable, "-m", "rmq_spark.ops.cli", "--conf", str(conf), "check", "--once"]
         + ["--master", spark_cluster.master],
         cwd=tmp_path,
         capture_output=True,

@@ -11,9 +11,9 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from rmq_spark import Message, Store
-from rmq_spark.checkback import CheckBackJob
-from rmq_spark.checkers import CallableChecker
-from rmq_spark.config import TransactionSettings
+from rmq_spark.checkback.checkers import CallableChecker
+from rmq_spark.checkback.job import CheckBackJob
+from rmq_spark.model.config import TransactionSettings
 from tests.conftest import commitlog
 
 REPO = Path(__file__).resolve().parents[2]
@@ -22,7 +22,16 @@ FUNCS = "tests.checker_functions"
 
 def rmqtx(conf: Path, store: Store, *args: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "rmq_spark.cli", "--conf", str(conf), "--path", store.root, *args],
+        [
+            sys.executable,
+            "-m",
+            "rmq_spark.ops.cli",
+            "--conf",
+            str(conf),
+            "--path",
+            store.root,
+            *args,
+        ],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -116,7 +125,7 @@ def test_a_checker_module_that_raises_at_import_is_a_clear_error(
     """A module that raised as it was imported gave a traceback and exit code 1."""
     (tmp_path / "broken_checker.py").write_text("raise RuntimeError('no database URL set')\n")
     proc = subprocess.run(
-        [sys.executable, "-m", "rmq_spark.cli", "--conf", str(conf_file(tmp_path)), "--path",
+        [sys.executable, "-m", "rmq_spark.ops.cli", "--conf", str(conf_file(tmp_path)), "--path",
          store.root, "check", "--once", "--checker", "pg=broken_checker:check"],
         cwd=REPO,
         capture_output=True,

@@ -17,15 +17,15 @@ import pytest
 from deltalake import write_deltalake
 
 from rmq_spark import Decision, LocalTransactionState, Message, Store
-from rmq_spark.checkback import CheckBackJob, redrive
-from rmq_spark.checkers import (
+from rmq_spark.checkback.checkers import (
     ANSWER_SCHEMA,
     CallableChecker,
     Checker,
     TableChecker,
 )
-from rmq_spark.config import TransactionSettings
-from rmq_spark.demo import OrderService
+from rmq_spark.checkback.job import CheckBackJob, redrive
+from rmq_spark.model.config import TransactionSettings
+from rmq_spark.ops.demo import OrderService
 from tests.conftest import commitlog, race
 
 BY_TAG = "tests.checker_functions:by_tag"
@@ -426,7 +426,7 @@ def assert_redriven_exactly_once(store: Store, discarded: list[dict]) -> None:
 
 
 REDRIVE = (
-    "from rmq_spark import Store; from rmq_spark.checkback import redrive; "
+    "from rmq_spark import Store; from rmq_spark.checkback.job import redrive; "
     "import sys; redrive(Store.open(sys.argv[1], create=False))"
 )
 
@@ -469,8 +469,8 @@ def test_check_max_rollbacks_cut_off_before_their_discard_are_repaired(spark, st
     """A job killed between a check-max rollback and its discard write: the next round
     records the discard, whether it has to look at the whole op table (no recorded op
     version yet) or only at what was decided since the recorded one."""
-    from rmq_spark.checkback import DECIDED_BY_CHECK_MAX
-    from rmq_spark.store import Decision, LocalTransactionState
+    from rmq_spark.checkback.job import DECIDED_BY_CHECK_MAX
+    from rmq_spark.store.facade import Decision, LocalTransactionState
 
     clock = Clock()
 
@@ -494,7 +494,7 @@ def test_check_max_rollbacks_cut_off_before_their_discard_are_repaired(spark, st
 def test_rounds_do_not_read_the_decided_history(spark, store: Store) -> None:
     """Once a round has recorded what it covered, the next rounds read only what is pending and
     new: decided history whose data files are gone does not stop them (a full scan would)."""
-    from rmq_spark.store import Decision, LocalTransactionState
+    from rmq_spark.store.facade import Decision, LocalTransactionState
 
     clock = Clock()
     old = prepare(store, "COMMIT", "COMMIT")
@@ -514,7 +514,7 @@ def test_rounds_do_not_read_the_decided_history(spark, store: Store) -> None:
 
 def test_the_check_loop_runs_maintenance(spark, store: Store) -> None:
     """``rmqtx check`` (run_forever) applies retention every maintenance_interval."""
-    from rmq_spark.config import RetentionSettings
+    from rmq_spark.model.config import RetentionSettings
 
     clock = Clock()
     Store.open(store.root, clock=lambda: clock.now - timedelta(hours=100)).send(
@@ -541,9 +541,9 @@ def test_the_check_loop_runs_maintenance(spark, store: Store) -> None:
 def test_check_state_of_a_transaction_retention_removed_is_forgotten(spark, store) -> None:
     """A transaction decided and removed by retention before a round saw its decision leaves
     no check_state row behind (it has neither op nor half rows to be recognised by)."""
-    from rmq_spark.config import RetentionSettings
-    from rmq_spark.retention import maintain
-    from rmq_spark.store import Decision, LocalTransactionState
+    from rmq_spark.model.config import RetentionSettings
+    from rmq_spark.store.facade import Decision, LocalTransactionState
+    from rmq_spark.store.retention import maintain
 
     clock = Clock()
     (txn,) = prepare(store, "UNKNOWN")

@@ -10,10 +10,10 @@ import pytest
 from deltalake import DeltaTable
 
 from rmq_spark import Store, publish_with_delta_write
-from rmq_spark.checkback import CheckBackJob
-from rmq_spark.config import TransactionSettings
-from rmq_spark.epochs import Lease, closed_epoch
-from rmq_spark.sink import WriterOptions, stage
+from rmq_spark.checkback.job import CheckBackJob
+from rmq_spark.model.config import TransactionSettings
+from rmq_spark.spark.epochs import Lease, closed_epoch
+from rmq_spark.spark.sink import WriterOptions, stage
 from tests.conftest import commitlog
 
 INPUT = "body string, keys string, tags string"

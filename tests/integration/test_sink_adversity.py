@@ -13,11 +13,11 @@ import pytest
 from pyspark.sql import functions as F
 
 from rmq_spark import LocalTransactionState, Message, Store, publish_with_delta_write
-from rmq_spark.checkback import CheckBackJob
-from rmq_spark.checkers import CallableChecker
-from rmq_spark.config import TransactionSettings
-from rmq_spark.epochs import ABANDONED, close, delta_commit_marker, read_epoch
-from rmq_spark.sink import WriterOptions
+from rmq_spark.checkback.checkers import CallableChecker
+from rmq_spark.checkback.job import CheckBackJob
+from rmq_spark.model.config import TransactionSettings
+from rmq_spark.spark.epochs import ABANDONED, close, delta_commit_marker, read_epoch
+from rmq_spark.spark.sink import WriterOptions
 from tests.integration.test_sink import add_input, bodies, held_stage, pending, run_stream, write
 
 #: A check max the slow partition outlives many times over.

@@ -14,9 +14,9 @@ import pytest
 from deltalake import DeltaTable
 
 from rmq_spark import Store
-from rmq_spark.checkback import CheckBackJob
-from rmq_spark.config import TransactionSettings
-from rmq_spark.failpoints import ENV
+from rmq_spark.checkback.job import CheckBackJob
+from rmq_spark.model.config import TransactionSettings
+from rmq_spark.model.failpoints import ENV
 from tests.conftest import commitlog
 
 REPO = Path(__file__).resolve().parents[2]

@@ -9,8 +9,8 @@ import time
 import pytest
 
 from rmq_spark import Decision, LocalTransactionState, Message, Store
-from rmq_spark.config import StoreSettings
-from rmq_spark.offsets import latest_offsets, to_json
+from rmq_spark.model.config import StoreSettings
+from rmq_spark.spark.offsets import latest_offsets, to_json
 
 COMMIT, ROLLBACK = LocalTransactionState.COMMIT, LocalTransactionState.ROLLBACK
 
@@ -121,7 +121,7 @@ def test_ending_timestamp_and_a_time_window(spark, store: Store) -> None:
 
 
 def test_offsets_skip_files_by_their_statistics(store: Store) -> None:
-    from rmq_spark.reading import plan_slices
+    from rmq_spark.spark.reading import plan_slices
 
     for batch in range(3):
         publish(store, "Orders", [f"b{batch}-{i}" for i in range(4)])
@@ -145,7 +145,7 @@ def test_reusing_a_dataframe_after_a_filter_reads_everything(spark, store: Store
 
 
 def test_many_files_many_tasks_each_queue_in_order(spark, tmp_path) -> None:
-    from rmq_spark.reading import plan_slices, read_slice
+    from rmq_spark.spark.reading import plan_slices, read_slice
 
     store = Store.open(tmp_path / "wide", settings=StoreSettings(queue_nums=4))
     for i in range(6):
@@ -166,7 +166,7 @@ def test_many_files_many_tasks_each_queue_in_order(spark, tmp_path) -> None:
 def test_a_task_hands_spark_batches_of_about_two_mib(store: Store) -> None:
     """Batches that stay in the CPU's cache between the JVM's Arrow read and its copy into
     rows: 1 KiB bodies come in batches of about BATCH_BYTES, small ones in BATCH_ROWS."""
-    from rmq_spark.reading import BATCH_BYTES, BATCH_ROWS, plan_slices, read_slice
+    from rmq_spark.spark.reading import BATCH_BYTES, BATCH_ROWS, plan_slices, read_slice
 
     publish(store, "Large", [os.urandom(1024) for _ in range(5_000)])
     publish(store, "Small", [f"s{i}" for i in range(25_000)])
@@ -184,7 +184,7 @@ def test_a_task_hands_spark_batches_of_about_two_mib(store: Store) -> None:
 def test_offsets_below_the_earliest_fail_or_read_from_it(spark, store: Store) -> None:
     from datetime import UTC, datetime, timedelta
 
-    from rmq_spark.retention import maintain
+    from rmq_spark.store.retention import maintain
 
     long_ago = datetime.now(UTC) - timedelta(hours=100)
     publish(Store.open(store.root, clock=lambda: long_ago), "Orders", ["o0", "o1", "o2"])

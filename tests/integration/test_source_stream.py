@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from rmq_spark import Decision, LocalTransactionState, Message, Store
-from rmq_spark.config import Settings, StoreSettings
-from rmq_spark.model import queue_for
+from rmq_spark.model.config import Settings, StoreSettings
+from rmq_spark.model.messages import queue_for
 
 COMMIT, ROLLBACK = LocalTransactionState.COMMIT, LocalTransactionState.ROLLBACK
 
@@ -220,7 +220,7 @@ def test_a_checkpoint_behind_retention_fails_or_skips_the_lost_range(
     stream fails naming the lost range; with failOnDataLoss false it reads exactly the rest."""
     from datetime import UTC, datetime, timedelta
 
-    from rmq_spark.retention import maintain
+    from rmq_spark.store.retention import maintain
 
     long_ago = datetime.now(UTC) - timedelta(hours=100)
     old = Store.open(store.root, clock=lambda: long_ago)

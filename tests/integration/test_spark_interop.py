@@ -10,17 +10,17 @@ import pytest
 from pyspark.sql import functions as F
 
 from rmq_spark import Decision, LocalTransactionState, Message, Store
-from rmq_spark.config import RetentionSettings, Settings, StoreSettings
-from rmq_spark.retention import maintain
-from rmq_spark.schema import COMMITLOG_SCHEMA, HALF_SCHEMA, OP_SCHEMA
+from rmq_spark.model.config import RetentionSettings, Settings, StoreSettings
+from rmq_spark.model.schema import COMMITLOG_SCHEMA, HALF_SCHEMA, OP_SCHEMA
+from rmq_spark.store.retention import maintain
 from tests.conftest import commitlog
 
 
 @pytest.mark.parametrize(
     "publish_max_messages",
     # 1: the COMMIT's version is over the publish limits, so it is streamed, a batch at a time
-    # (rmq_spark/streamed.py); else it is written in one piece. Either way the files are
-    # pyarrow's, with statistics and a log entry of rmq-spark's own (rmq_spark/deltacommit.py).
+    # (rmq_spark/delta/files.py); else it is written in one piece. Either way the files are
+    # pyarrow's, with statistics and a log entry of rmq-spark's own (rmq_spark/delta/commit.py).
     [10_000, 1],
     ids=["published-whole", "streamed"],
 )

@@ -9,10 +9,10 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from rmq_spark import Decision, LocalTransactionState, Message, Store
-from rmq_spark.checkback import CheckBackJob
-from rmq_spark.checkers import CallableChecker
-from rmq_spark.config import TransactionSettings
-from rmq_spark.status import store_status
+from rmq_spark.checkback.checkers import CallableChecker
+from rmq_spark.checkback.job import CheckBackJob
+from rmq_spark.model.config import TransactionSettings
+from rmq_spark.ops.status import store_status
 
 REPO = Path(__file__).resolve().parents[2]
 COMMIT, ROLLBACK = LocalTransactionState.COMMIT, LocalTransactionState.ROLLBACK
@@ -20,7 +20,7 @@ COMMIT, ROLLBACK = LocalTransactionState.COMMIT, LocalTransactionState.ROLLBACK
 
 def rmqtx(store_root: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "rmq_spark.cli", "--path", store_root, *args],
+        [sys.executable, "-m", "rmq_spark.ops.cli", "--path", store_root, *args],
         cwd=REPO,
         capture_output=True,
         text=True,

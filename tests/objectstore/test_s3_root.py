@@ -32,8 +32,8 @@ from rmq_spark import (
     TransactionListener,
     TransactionMQProducer,
 )
-from rmq_spark.config import Settings, StoreSettings
-from rmq_spark.storage import filesystem
+from rmq_spark.delta.storage import filesystem
+from rmq_spark.model.config import Settings, StoreSettings
 from tests.conftest import commitlog, settings_file
 
 pytestmark = pytest.mark.objectstore
@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def rmqtx(conf: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "rmq_spark.cli", "--conf", str(conf), *args],
+        [sys.executable, "-m", "rmq_spark.ops.cli", "--conf", str(conf), *args],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -233,8 +233,8 @@ def test_s3_credentials_stay_off_the_spark_driver_s_command_line(tmp_path: Path)
     child = textwrap.dedent(
         """
         import os, sys
-        from rmq_spark.config import Settings, StoreSettings
-        from rmq_spark.session import get_spark
+        from rmq_spark.model.config import Settings, StoreSettings
+        from rmq_spark.spark.session import get_spark
         secret, token = os.environ["TEST_SECRET"], os.environ["TEST_TOKEN"]
         options = {"AWS_ACCESS_KEY_ID": "AK", "AWS_SECRET_ACCESS_KEY": secret,
                    "AWS_SESSION_TOKEN": token, "AWS_ENDPOINT_URL": "http://127.0.0.1:9"}

@@ -192,7 +192,7 @@ def _data_loss_reported(results: Results, root: Path, removed: list[dict]) -> in
     :class:`DataLossError` naming that queue (the reader plans as a query does, from offset 0
     to the store's next offset); returns how many queues did."""
     from rmq_spark import DataLossError, Store
-    from rmq_spark.reading import plan_slices
+    from rmq_spark.spark.reading import plan_slices
 
     store = Store.open(str(root), create=False)
     next_offsets = store.next_offsets()

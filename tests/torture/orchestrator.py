@@ -91,7 +91,9 @@ class Worker:
     @property
     def ready_marker(self) -> bytes:
         return (
-            b"rmq_spark.checkback: check-back run " if self.kind == "check-back" else b" imports "
+            b"rmq_spark.checkback.job: check-back run "
+            if self.kind == "check-back"
+            else b" imports "
         )
 
 
@@ -175,7 +177,7 @@ class Orchestrator:
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
         from rmq_spark import Store
-        from rmq_spark.config import CONF_ENV, load_settings
+        from rmq_spark.model.config import CONF_ENV, load_settings
 
         for d in (self.logs, self.root / "inputs" / "batches", self.root / "dbs"):
             d.mkdir(parents=True, exist_ok=True)
@@ -325,7 +327,7 @@ level = "INFO"
     def argv(self, w: Worker) -> list[str]:
         if w.kind == "check-back":
             return [
-                PYTHON, "-m", "rmq_spark.cli", "--path", str(self.store), "check",
+                PYTHON, "-m", "rmq_spark.ops.cli", "--path", str(self.store), "check",
                 "--interval", f"{self.o.check_interval}s",
             ]  # fmt: skip
         return [PYTHON, "-m", "tests.torture.workers", str(self.run_json), w.kind, w.name,
@@ -469,7 +471,7 @@ level = "INFO"
         self.stats.resumes += n
         self.stats.resumes_concurrent += n == 2
         for i in range(n):
-            argv = [PYTHON, "-m", "rmq_spark.cli", "--path", str(self.store), "resume"]
+            argv = [PYTHON, "-m", "rmq_spark.ops.cli", "--path", str(self.store), "resume"]
             proc, log = self.spawn(f"resume-{self.stats.resumes}-{i}", argv)
             self.transient.append((f"resume-{self.stats.resumes}-{i}", proc, log))
             self.stats.started["resume"] += 1
@@ -538,7 +540,7 @@ level = "INFO"
 
     def some_published(self, commitlog) -> str:
         """A DELETE predicate for one to three published messages of one queue."""
-        from rmq_spark.store import queue_app_id
+        from rmq_spark.store.facade import queue_app_id
 
         queues = [
             (topic, q, next_offset)
@@ -581,7 +583,7 @@ level = "INFO"
         """Check counts never go down; queue offsets never go down."""
         from deltalake import DeltaTable
 
-        from rmq_spark.store import queue_app_id
+        from rmq_spark.store.facade import queue_app_id
 
         try:
             state = read_delta(
@@ -788,7 +790,7 @@ def run(seed: int | None = None, seconds: float = 120.0, root: str | Path | None
     root.mkdir(parents=True, exist_ok=True)
     orchestrator = Orchestrator(Options(seed=seed, chaos_seconds=seconds, root=root, **overrides))
     print(f"rmq-spark torture: seed {seed}, chaos {seconds:.0f} s, run dir {root}", flush=True)
-    from rmq_spark.config import CONF_ENV
+    from rmq_spark.model.config import CONF_ENV
 
     conf = os.environ.get(CONF_ENV)
     try:

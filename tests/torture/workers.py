@@ -18,7 +18,7 @@ Kinds:
   re-drive + check-back rounds with everything due until nothing is pending. Prints one JSON
   line per round (``QUIESCE {...}``).
 
-Check-back jobs and resumes are the product's own CLI (``python -m rmq_spark.cli``).
+Check-back jobs and resumes are the product's own CLI (``python -m rmq_spark.ops.cli``).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def read_delta(path: str | Path, columns: list[str] | None = None, version: int 
     (SIGABRT, "terminate called")."""
     from deltalake import DeltaTable, QueryBuilder
 
-    from rmq_spark.store import read_arrow
+    from rmq_spark.store.facade import read_arrow
 
     chosen = ", ".join(f'"{c}"' for c in columns) if columns else "*"
     query = QueryBuilder().register("t", DeltaTable(str(path), version=version))
@@ -220,8 +220,8 @@ def hostile(run: dict, name: str, incarnation: int) -> None:
         TransactionListener,
         TransactionMQProducer,
     )
-    from rmq_spark.model import new_id
-    from rmq_spark.schema import HALF_SCHEMA
+    from rmq_spark.model.messages import new_id
+    from rmq_spark.model.schema import HALF_SCHEMA
 
     check_imports(run)
     rng = random.Random(f"{run['seed']}/{name}/{incarnation}")
@@ -522,8 +522,8 @@ def compactor(run: dict, name: str, incarnation: int) -> None:
     ``discard`` seconds after their decision (while re-drives, check-back jobs, late decisions
     and epoch replays go on); CommitLog messages are kept, since the invariants count them."""
     from rmq_spark import Store
-    from rmq_spark.config import RetentionSettings
-    from rmq_spark.retention import maintain
+    from rmq_spark.model.config import RetentionSettings
+    from rmq_spark.store.retention import maintain
 
     check_imports(run)
     rng = random.Random(f"{run['seed']}/{name}/{incarnation}")
@@ -567,9 +567,9 @@ def finish(run: dict, name: str, incarnation: int) -> None:
     import logging
 
     from rmq_spark import Store, load_settings
-    from rmq_spark.checkback import CheckBackJob, redrive
-    from rmq_spark.checkers import checkers_from_config
-    from rmq_spark.config import TransactionSettings
+    from rmq_spark.checkback.checkers import checkers_from_config
+    from rmq_spark.checkback.job import CheckBackJob, redrive
+    from rmq_spark.model.config import TransactionSettings
 
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("rmq_spark").setLevel(logging.INFO)

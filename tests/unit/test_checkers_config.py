@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from rmq_spark.checkers import (
+from rmq_spark.checkback.checkers import (
     CallableChecker,
     CheckerConfigError,
     TableChecker,

@@ -15,7 +15,7 @@ SCRIPT = textwrap.dedent(
     """
     import io, threading, time
     import pyarrow as pa, pyarrow.parquet as pq
-    from rmq_spark.chores import Chores
+    from rmq_spark.delta.chores import Chores
 
     table = pa.table({"x": pa.array(range(1_000_000))})
     started = threading.Event()

@@ -11,8 +11,8 @@ import pyarrow as pa
 import pytest
 
 from rmq_spark import Message, Store
-from rmq_spark.cli import EXIT_CONFIG, EXIT_OK, main
-from rmq_spark.schema import DISCARD_SCHEMA, HALF_MESSAGE_SCHEMA
+from rmq_spark.model.schema import DISCARD_SCHEMA, HALF_MESSAGE_SCHEMA
+from rmq_spark.ops.cli import EXIT_CONFIG, EXIT_OK, main
 
 
 def discard(store: Store) -> str:
@@ -78,7 +78,7 @@ def test_unknown_command() -> None:
 #: Runs the CLI in a fresh process and exits 99 if it started Spark (the suite's own Spark
 #: session would hide that in this process).
 _CLI_WITHOUT_SPARK = (
-    "import sys; from pyspark import SparkContext; from rmq_spark.cli import main; "
+    "import sys; from pyspark import SparkContext; from rmq_spark.ops.cli import main; "
     "rc = main(sys.argv[1:]); sys.exit(99 if SparkContext._active_spark_context else rc)"
 )
 

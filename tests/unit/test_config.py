@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from rmq_spark import InvalidOptionError
-from rmq_spark.config import CONF_ENV, load_settings, parse_duration
+from rmq_spark.model.config import CONF_ENV, load_settings, parse_duration
 
 REPO = Path(__file__).resolve().parents[2]
 

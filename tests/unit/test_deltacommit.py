@@ -1,4 +1,4 @@
-"""Appends committed by writing the Delta log entry directly (rmq_spark.deltacommit), on real
+"""Appends committed by writing the Delta log entry directly (rmq_spark.delta.commit), on real
 tables: racing writers of both kinds, conflicts, checkpoints, and processes killed mid-commit."""
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ from deltalake import DeltaTable, TableFeatures, write_deltalake
 from deltalake.exceptions import CommitFailedError
 
 from rmq_spark import Decision, LocalTransactionState, Message, Store, StoreError
-from rmq_spark.config import Settings, StoreSettings
-from rmq_spark.deltacommit import appendable, commit
-from rmq_spark.model import new_id
-from rmq_spark.schema import HALF_SCHEMA
-from rmq_spark.storage import filesystem
-from rmq_spark.store import read_arrow
-from rmq_spark.streamed import write_files
+from rmq_spark.delta.commit import appendable, commit
+from rmq_spark.delta.files import write_files
+from rmq_spark.delta.storage import filesystem
+from rmq_spark.model.config import Settings, StoreSettings
+from rmq_spark.model.messages import new_id
+from rmq_spark.model.schema import HALF_SCHEMA
+from rmq_spark.store.facade import read_arrow
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -261,7 +261,7 @@ def run_killed(store: Store, failpoint: str, sends: int = 1) -> None:
     child = textwrap.dedent(
         f"""
         from rmq_spark import Message, Store
-        from rmq_spark.config import Settings, StoreSettings
+        from rmq_spark.model.config import Settings, StoreSettings
         store = Store.open({store.root!r}, settings=Settings(store=StoreSettings(queue_nums=2)))
         for n in range({sends}):
             store.prepare([Message("T", b"killed")], "pg")
@@ -326,7 +326,7 @@ def _stopped_prepare(store: Store, tmp_path: Path, failpoint: str) -> subprocess
         f"""
         import json
         from rmq_spark import Message, Store
-        from rmq_spark.config import Settings, StoreSettings
+        from rmq_spark.model.config import Settings, StoreSettings
         store = Store.open({store.root!r}, settings=Settings(store=StoreSettings(queue_nums=2)))
         (prepared,) = store.prepare([Message("T", b"stalled")], "pg")
         print(json.dumps({{"half_version": prepared.half_version}}))

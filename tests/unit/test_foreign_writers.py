@@ -11,11 +11,11 @@ import pytest
 from deltalake import DeltaTable
 
 from rmq_spark import Decision, LocalTransactionState, Message, Store
-from rmq_spark.errors import DataLossError
-from rmq_spark.offsets import latest_offsets
-from rmq_spark.reading import plan_slices, read_slice
-from rmq_spark.store import COMPACT_EVERY_COMMITS
-from rmq_spark.txnlog import checkpoint_guess
+from rmq_spark.delta.txnlog import checkpoint_guess
+from rmq_spark.model.errors import DataLossError
+from rmq_spark.spark.offsets import latest_offsets
+from rmq_spark.spark.reading import plan_slices, read_slice
+from rmq_spark.store.facade import COMPACT_EVERY_COMMITS
 from tests.conftest import commitlog
 
 COMMIT = LocalTransactionState.COMMIT

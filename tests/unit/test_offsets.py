@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rmq_spark import InvalidOptionError
-from rmq_spark.offsets import parse_offsets
+from rmq_spark.spark.offsets import parse_offsets
 
 
 @pytest.mark.parametrize(

@@ -17,12 +17,12 @@ import pyarrow as pa
 import pytest
 
 from rmq_spark import Decision, LocalTransactionState, Message, Store
-from rmq_spark import pending as pending_module
-from rmq_spark.config import Settings, StoreSettings
-from rmq_spark.model import new_id
-from rmq_spark.pending import scan_pending, update_pending
-from rmq_spark.schema import HALF_SCHEMA, PENDING_SCHEMA, WRITER_COLUMNS
-from rmq_spark.store import PENDING_HALF_APP_ID
+from rmq_spark.checkback import pending as pending_module
+from rmq_spark.checkback.pending import scan_pending, update_pending
+from rmq_spark.model.config import Settings, StoreSettings
+from rmq_spark.model.messages import new_id
+from rmq_spark.model.schema import HALF_SCHEMA, PENDING_SCHEMA, WRITER_COLUMNS
+from rmq_spark.store.facade import PENDING_HALF_APP_ID
 from tests.conftest import race
 
 #: Random histories per run: 60 in the suite (under a minute); RMQ_PENDING_HISTORIES=300 (or
@@ -156,7 +156,7 @@ class History:
 
     def retire(self) -> None:
         """Retention: the half rows of some decided transactions, then their op rows, are
-        deleted by MERGEs (as rmq_spark.retention does)."""
+        deleted by MERGEs (as rmq_spark.store.retention does)."""
         decided = self.store.query("op", "true").column("transaction_id").to_pylist()
         chosen = self.rng.sample(decided, k=min(len(decided), self.rng.randint(1, 3)))
         if not chosen:
@@ -265,7 +265,7 @@ def test_vacuumed_change_feed_rebuilds_with_a_log_line(
         store.prepare([Message("T", b"b")], "g1")
     store.compact("half")
     store.table("half").vacuum(retention_hours=0, enforce_retention_duration=False, dry_run=False)
-    with caplog.at_level("WARNING", logger="rmq_spark.pending"):
+    with caplog.at_level("WARNING", logger="rmq_spark.checkback.pending"):
         rows = update_pending(store).rows
     assert "rebuilding from a full scan" in caplog.text
     assert plain(rows.to_pylist()) == plain(oracle(store))
@@ -293,7 +293,7 @@ def test_an_update_killed_before_its_commit_leaves_the_old_state(store: Store) -
     (p,) = store.prepare([Message("T", b"b")], "g1")
     code = (
         "import sys; from pathlib import Path; from tests.unit.test_pending import open_store; "
-        "from rmq_spark.pending import update_pending; "
+        "from rmq_spark.checkback.pending import update_pending; "
         "update_pending(open_store(Path(sys.argv[1])))"
     )
     env = {**os.environ, "RMQ_SPARK_FAILPOINT": "pending.computed"}
@@ -309,7 +309,7 @@ def test_an_update_killed_before_its_commit_leaves_the_old_state(store: Store) -
 
 def test_updates_past_a_vacuum_stay_exact(store: Store) -> None:
     """Every update rewrites the table and every COMPACT_EVERY_COMMITS versions vacuums it."""
-    from rmq_spark.store import COMPACT_EVERY_COMMITS
+    from rmq_spark.store.facade import COMPACT_EVERY_COMMITS
 
     for i in range(COMPACT_EVERY_COMMITS + 2):
         (p,) = store.prepare([Message("T", str(i).encode())], "g1")

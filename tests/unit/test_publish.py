@@ -26,13 +26,13 @@ import pytest
 from deltalake import DeltaTable
 
 from rmq_spark import Decision, LocalTransactionState, Message, Store
-from rmq_spark.config import Settings, StoreSettings
-from rmq_spark.errors import CorruptStoreError, StoreError
-from rmq_spark.schema import TABLES
-from rmq_spark.storage import arrow_filesystem, scheme
-from rmq_spark.store import OP_CURSOR_APP_ID, queue_app_id, read_arrow
-from rmq_spark.streamed import read_ahead, write_in_parallel
-from rmq_spark.txnlog import app_transactions, follow
+from rmq_spark.delta.files import read_ahead, write_in_parallel
+from rmq_spark.delta.storage import arrow_filesystem, scheme
+from rmq_spark.delta.txnlog import app_transactions, follow
+from rmq_spark.model.config import Settings, StoreSettings
+from rmq_spark.model.errors import CorruptStoreError, StoreError
+from rmq_spark.model.schema import TABLES
+from rmq_spark.store.facade import OP_CURSOR_APP_ID, queue_app_id, read_arrow
 from tests.conftest import commitlog, race
 
 COMMIT, ROLLBACK = LocalTransactionState.COMMIT, LocalTransactionState.ROLLBACK
@@ -140,13 +140,13 @@ def test_a_large_version_reports_its_progress_and_its_end(
 ) -> None:
     """Publishing one large decision (a sink epoch of a whole job) can take minutes on the
     driver: it logs how far it is at INFO, every PROGRESS_SECONDS, and when it is done."""
-    monkeypatch.setattr("rmq_spark.store.PROGRESS_SECONDS", 0.0)
-    monkeypatch.setattr("rmq_spark.streamed.BATCH_ROWS", 4)  # batches of 4 rows read from half
+    monkeypatch.setattr("rmq_spark.store.facade.PROGRESS_SECONDS", 0.0)
+    monkeypatch.setattr("rmq_spark.delta.files.BATCH_ROWS", 4)  # batches of 4 rows read from half
     store = open_store(tmp_path / "s", publish_max_messages=3)
     store.prepare([Message("A", f"big-{i}") for i in range(10)], "pg", transaction_ids=["b"] * 10)
     store.end_transactions([Decision("b", "pg", COMMIT)], publish=False)
     caplog.clear()  # what the setup logged (the store's creation, when INFO is on already)
-    with caplog.at_level("INFO", logger="rmq_spark.store"):
+    with caplog.at_level("INFO", logger="rmq_spark.store.facade"):
         store.publish()
     lines = [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
     assert [re.sub(r" \(\d+%, \d+ s\)$", "", line) for line in lines] == [
@@ -244,7 +244,7 @@ def test_publisher_killed_between_chunks_and_rerun_publishes_exactly_once(tmp_pa
     child = textwrap.dedent(
         f"""
         from rmq_spark import Store
-        from rmq_spark.config import Settings, StoreSettings
+        from rmq_spark.model.config import Settings, StoreSettings
         settings = Settings(store=StoreSettings(queue_nums=3, publish_max_messages=4))
         Store.open({store.root!r}, settings=settings).publish()
         """
@@ -401,7 +401,7 @@ def test_a_decision_larger_than_memory_is_published_in_bounded_memory(tmp_path: 
     published, grown = _grown_mib(
         f"""
         from rmq_spark import Store
-        from rmq_spark.config import Settings, StoreSettings
+        from rmq_spark.model.config import Settings, StoreSettings
         settings = Settings(store=StoreSettings(queue_nums=3, publish_max_bytes=1 << 20))
         store = Store.open({store.root!r}, settings=settings)
         store.table("commitlog"), store.table("half"), store.table("op")
@@ -426,7 +426,7 @@ def test_a_sink_task_stages_more_rows_than_memory_in_bounded_memory(tmp_path: Pa
         import pyarrow as pa
         from pyspark.sql.types import BinaryType, StructField, StructType
         from rmq_spark import Store
-        from rmq_spark.sink import WriterOptions, stage
+        from rmq_spark.spark.sink import WriterOptions, stage
         schema = StructType([StructField("body", BinaryType())])
         options = WriterOptions.parse(
             {{"path": {store.root!r}, "topic": "A", "producerGroup": "pg"}}, schema

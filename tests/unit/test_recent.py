@@ -1,11 +1,11 @@
-"""The cache of half messages a process prepared (rmq_spark/recent.py)."""
+"""The cache of half messages a process prepared (rmq_spark/store/recent.py)."""
 
 from __future__ import annotations
 
 import pyarrow as pa
 
 from rmq_spark import Decision, LocalTransactionState, Message, Store
-from rmq_spark.recent import RecentHalves
+from rmq_spark.store.recent import RecentHalves
 
 
 def test_a_chunk_is_served_whole_or_not_at_all(store: Store) -> None:

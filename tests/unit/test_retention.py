@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from rmq_spark import Decision, LocalTransactionState, Message, Store
-from rmq_spark.checkback import CheckBackJob, redrive
-from rmq_spark.config import RetentionSettings
-from rmq_spark.offsets import earliest_offsets, latest_offsets
-from rmq_spark.retention import maintain
+from rmq_spark.checkback.job import CheckBackJob, redrive
+from rmq_spark.model.config import RetentionSettings
+from rmq_spark.spark.offsets import earliest_offsets, latest_offsets
+from rmq_spark.store.retention import maintain
 from tests.conftest import commitlog, race
 
 COMMIT, ROLLBACK = LocalTransactionState.COMMIT, LocalTransactionState.ROLLBACK
@@ -150,7 +150,7 @@ def test_only_decided_published_transactions_leave(store: Store, clock: Clock) -
 
 MAINTAIN = (
     "import sys; from datetime import datetime; from rmq_spark import Store; "
-    "from rmq_spark.retention import maintain; "
+    "from rmq_spark.store.retention import maintain; "
     "now = datetime.fromisoformat(sys.argv[2]); "
     "print(maintain(Store.open(sys.argv[1], create=False, clock=lambda: now)).format())"
 )
@@ -231,7 +231,7 @@ def test_a_redrive_reading_discard_before_a_run_stages_nothing_twice(
     transaction), then retention removed that transaction's half and op rows, then the
     re-drive looked for them, found nothing, and staged the message again: published twice.
     Retention keeps re-driven transactions and discard rows, so what a re-drive reads stays."""
-    from rmq_spark.checkback import _claimed_unstaged, _stage_redriven
+    from rmq_spark.checkback.job import _claimed_unstaged, _stage_redriven
 
     ids = history(store)
     stale = store.read("discard")  # what a running re-drive has read

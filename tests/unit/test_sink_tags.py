@@ -7,9 +7,9 @@ import pytest
 from pyspark.sql.types import StringType, StructField, StructType
 
 from rmq_spark import InvalidMessageError, Message, Store
-from rmq_spark.model import validate_message
-from rmq_spark.sink import WriterOptions, stage
-from rmq_spark.source import parse_tags
+from rmq_spark.model.messages import validate_message
+from rmq_spark.spark.sink import WriterOptions, stage
+from rmq_spark.spark.source import parse_tags
 
 SCHEMA = StructType([StructField(c, StringType()) for c in ("body", "keys", "tags")])
 

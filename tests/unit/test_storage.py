@@ -2,7 +2,7 @@
 
 import pytest
 
-from rmq_spark.storage import (
+from rmq_spark.delta.storage import (
     StorageConfigError,
     deltalake_options,
     fsspec_options,
@@ -58,7 +58,7 @@ def test_options_disabling_conditional_writes_are_refused(key, value):
 
 
 def test_reader_and_writer_storage_options_go_over_the_configured_ones():
-    from rmq_spark.config import StoreSettings, split_storage_options
+    from rmq_spark.model.config import StoreSettings, split_storage_options
 
     given = {"topic": "Orders", "storage.aws_region": "eu-west-1", "Storage.AWS_ENDPOINT_URL": "x"}
     others, storage = split_storage_options(given)
@@ -92,7 +92,7 @@ def test_gcs_and_adls_options():
 
 
 def test_a_missing_filesystem_package_names_the_extra():
-    from rmq_spark.storage import filesystem
+    from rmq_spark.delta.storage import filesystem
 
     # gcsfs is not a dependency of the test environment: the error says how to install it.
     with pytest.raises(StorageConfigError, match=r"pip install 'rmq-spark\[gcs\]'"):
@@ -102,7 +102,7 @@ def test_a_missing_filesystem_package_names_the_extra():
 def test_an_unreachable_object_store_is_a_clear_error() -> None:
     """No S3 endpoint at the configured address gave a botocore traceback (rmqtx: exit 1)."""
     from rmq_spark import Store
-    from rmq_spark.config import Settings, StoreSettings
+    from rmq_spark.model.config import Settings, StoreSettings
 
     options = {**MINIO, "AWS_ENDPOINT_URL": "http://127.0.0.1:9"}  # nothing listens on port 9
     settings = Settings(store=StoreSettings(path="s3://b/root", storage_options=options))
@@ -123,7 +123,7 @@ def test_a_misspelt_storage_option_names_the_one_meant(tmp_path, typo: str, mean
     """A typo in a credential's name on an existing S3 store was reported as CORRUPT_STORE
     ('missing or unreadable'), as if the store were damaged."""
     from rmq_spark import Store
-    from rmq_spark.config import Settings, StoreSettings
+    from rmq_spark.model.config import Settings, StoreSettings
 
     options = {k: v for k, v in MINIO.items() if k != meant} | {typo: "value"}
     settings = Settings(store=StoreSettings(path="s3://b/root", storage_options=options))

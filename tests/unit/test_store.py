@@ -29,11 +29,11 @@ from rmq_spark import (
     StoreError,
     StoreVersionError,
 )
-from rmq_spark.config import StoreSettings
-from rmq_spark.pending import update_pending
-from rmq_spark.schema import LOCKS_SCHEMA
-from rmq_spark.storage import filesystem
-from rmq_spark.store import COMPACT_EVERY_COMMITS, MARKER_FILE, decision_app_id
+from rmq_spark.checkback.pending import update_pending
+from rmq_spark.delta.storage import filesystem
+from rmq_spark.model.config import StoreSettings
+from rmq_spark.model.schema import LOCKS_SCHEMA
+from rmq_spark.store.facade import COMPACT_EVERY_COMMITS, MARKER_FILE, decision_app_id
 from tests.conftest import commitlog
 
 COMMIT, ROLLBACK = LocalTransactionState.COMMIT, LocalTransactionState.ROLLBACK
@@ -279,8 +279,8 @@ def test_columns_added_later_are_added_to_an_older_store(store: Store) -> None:
 
     from deltalake import DeltaTable
 
-    from rmq_spark.epochs import CLOSED, hold, read_epoch
-    from rmq_spark.schema import EPOCH_STATE_COLUMNS, EPOCHS_SCHEMA, HALF_MESSAGE_SCHEMA
+    from rmq_spark.model.schema import EPOCH_STATE_COLUMNS, EPOCHS_SCHEMA, HALF_MESSAGE_SCHEMA
+    from rmq_spark.spark.epochs import CLOSED, hold, read_epoch
 
     old_epochs = pa.schema(
         [f.with_nullable(f.name not in ("closed_by", "closed_timestamp")) for f in EPOCHS_SCHEMA]
@@ -530,7 +530,7 @@ def test_the_log_a_lagging_check_back_job_needs_is_kept_for_the_log_retention(
         for i in range(230):
             store.prepare([Message("Orders", str(i).encode())], "pg")
         caplog.clear()
-        with caplog.at_level("INFO", logger="rmq_spark.pending"):
+        with caplog.at_level("INFO", logger="rmq_spark.checkback.pending"):
             assert update_pending(store).rows.num_rows == 230
         assert ("full scan" in caplog.text) is full_scan, caplog.text
 
@@ -600,7 +600,7 @@ def test_a_log_listing_that_raced_a_commit_is_listed_again(store: Store) -> None
     on disk."""
     from deltalake.exceptions import DeltaError
 
-    from rmq_spark.store import relisting
+    from rmq_spark.store.facade import relisting
 
     for i in range(3):
         store.prepare([Message("Orders", str(i).encode())], "pg")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from rmq_spark.store import Store
+from rmq_spark.store.facade import Store
 
 #: Transaction states as operators see them.
 COMMITTED, ROLLED_BACK, PENDING = "COMMITTED", "ROLLED_BACK", "PENDING"

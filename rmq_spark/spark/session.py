@@ -8,13 +8,13 @@ from pathlib import Path
 
 from pyspark.sql import SparkSession
 
-from rmq_spark.config import Settings, load_settings
-from rmq_spark.errors import RmqSparkError
-from rmq_spark.source import register
-from rmq_spark.storage import hadoop_settings, is_s3
+from rmq_spark.delta.storage import hadoop_settings, is_s3
+from rmq_spark.model.config import Settings, load_settings
+from rmq_spark.model.errors import RmqSparkError
+from rmq_spark.spark.source import register
 
 JARS_ENV = "RMQ_SPARK_JARS"
-_LOG4J2_CONF = Path(__file__).with_name("log4j2.properties")
+_LOG4J2_CONF = Path(__file__).parents[1] / "log4j2.properties"
 _REQUIRED_JARS = ("delta-spark_", "delta-storage-")
 #: Settings that hold credentials (kept off the driver's command line).
 _CREDENTIAL_KEYS = (".access.key", ".secret.key", ".session.token")
@@ -41,7 +41,7 @@ LOCAL_SPARK_CONF = {
 
 def _jars_folder() -> Path:
     """``$RMQ_SPARK_JARS``, else ``.jars/`` of the source checkout (``make setup`` fills it)."""
-    return Path(os.environ.get(JARS_ENV) or Path(__file__).resolve().parents[1] / ".jars")
+    return Path(os.environ.get(JARS_ENV) or Path(__file__).resolve().parents[2] / ".jars")
 
 
 def delta_jars() -> list[str]:
@@ -104,7 +104,7 @@ def get_spark(
         The Spark master URL. Under ``spark-submit``, its ``--master`` and jars are used.
     settings : Settings, optional
         Its ``spark`` section is applied over the local defaults; defaults to
-        :func:`rmq_spark.config.load_settings`.
+        :func:`rmq_spark.model.config.load_settings`.
     extra_conf : dict, optional
         Spark configuration applied last (highest precedence).
     store_root : str, optional

@@ -29,7 +29,7 @@ option                         required  default    meaning
                                                     storage_options`` (``storage.AWS_REGION``)
 =============================  ========  =========  =============================================
 
-Protocol: every task holds the epoch (see :mod:`rmq_spark.epochs`) and renews its lease while
+Protocol: every task holds the epoch (see :mod:`rmq_spark.spark.epochs`) and renews its lease while
 it runs, writes its rows as half messages (durable, invisible) in one transaction and reports
 it; Spark's commit of the job or micro-batch closes the epoch with the reported transactions,
 COMMITs them and publishes; abort rolls them back. Halves of failed task attempts, of a
@@ -61,7 +61,7 @@ from pyspark.sql.datasource import (
 )
 from pyspark.sql.types import BinaryType, MapType, StringType, StructField, StructType
 
-from rmq_spark.config import (
+from rmq_spark.model.config import (
     StoreSettings,
     configure_logging,
     load_settings,
@@ -69,18 +69,9 @@ from rmq_spark.config import (
     reject_unknown,
     split_storage_options,
 )
-from rmq_spark.epochs import (
-    EpochOutcome,
-    Lease,
-    abandon_attempt,
-    close,
-    delta_commit_marker,
-    finish_epoch,
-    landed_delta_write,
-)
-from rmq_spark.errors import InvalidMessageError, InvalidOptionError
-from rmq_spark.failpoints import failpoint
-from rmq_spark.model import (
+from rmq_spark.model.errors import InvalidMessageError, InvalidOptionError
+from rmq_spark.model.failpoints import failpoint
+from rmq_spark.model.messages import (
     MAX_PROPERTY_BYTES,
     PROPERTY_CHECK_IMMUNITY,
     SECONDS,
@@ -90,8 +81,17 @@ from rmq_spark.model import (
     new_ids,
     queues_for,
 )
-from rmq_spark.schema import HALF_SCHEMA, TIMESTAMP
-from rmq_spark.store import Store, normalise_root
+from rmq_spark.model.schema import HALF_SCHEMA, TIMESTAMP
+from rmq_spark.spark.epochs import (
+    EpochOutcome,
+    Lease,
+    abandon_attempt,
+    close,
+    delta_commit_marker,
+    finish_epoch,
+    landed_delta_write,
+)
+from rmq_spark.store.facade import Store, normalise_root
 
 log = logging.getLogger(__name__)
 
@@ -261,7 +261,7 @@ def stage(
     delta_table: str | None = None,
 ) -> Staged:
     """Validate rows and write them as half messages of one new transaction (one commit), in
-    ``generation`` of the epoch (hold it first: :class:`rmq_spark.epochs.Lease`). The rows are
+    ``generation`` of the epoch (hold it first: :class:`rmq_spark.spark.epochs.Lease`). The rows are
     written as they arrive, one batch in memory at a time, and committed at the end.
 
     Raises InvalidMessageError, naming the problem, before anything is committed.
@@ -384,7 +384,7 @@ def _properties(table: pa.Table, extra: Sequence[str]) -> pa.Array:
 
 
 def _check_properties(rows: list[list[tuple[str, str | None]]], table: pa.Table) -> None:
-    """The producer API's rules for properties (:func:`rmq_spark.model.validate_message`):
+    """The producer API's rules for properties (:func:`rmq_spark.model.messages.validate_message`):
     no null values, the check immunity in plain seconds (the check-back job would otherwise
     give it none), and keys, tags and properties within RocketMQ's property block."""
     nulls = Counter(name for row in rows for name, value in row if value is None)

@@ -35,8 +35,8 @@ import pyarrow.parquet as pq
 from deltalake import CommitProperties, DeltaTable
 from deltalake.transaction import AddAction
 
-from rmq_spark.schema import HALF_SCHEMA, TIMESTAMP
-from rmq_spark.storage import arrow_filesystem
+from rmq_spark.delta.storage import arrow_filesystem
+from rmq_spark.model.schema import HALF_SCHEMA, TIMESTAMP
 
 #: Rows per batch read from ``half`` by a publish (also the row groups it writes).
 BATCH_ROWS = 32_768

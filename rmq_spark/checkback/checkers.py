@@ -18,7 +18,7 @@ Configure them in ``conf/rmq-spark.toml``::
     column = "payment_id"                        # a message key found here means COMMIT
     deadline = "1h"                              # absent after this long means ROLLBACK
 
-or pass them to :class:`rmq_spark.checkback.CheckBackJob` directly.
+or pass them to :class:`rmq_spark.checkback.job.CheckBackJob` directly.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ import pyarrow as pa
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from rmq_spark.config import parse_duration
-from rmq_spark.errors import RmqSparkError
-from rmq_spark.model import LocalTransactionState, MessageExt, check_group
+from rmq_spark.model.config import parse_duration
+from rmq_spark.model.errors import RmqSparkError
+from rmq_spark.model.messages import LocalTransactionState, MessageExt, check_group
 
 log = logging.getLogger(__name__)
 

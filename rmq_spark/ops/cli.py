@@ -21,17 +21,17 @@ import sys
 import threading
 from collections.abc import Sequence
 
-from rmq_spark.checkers import (
+from rmq_spark.checkback.checkers import (
     CallableChecker,
     Checker,
     checkers_from_config,
     resolve_function,
 )
-from rmq_spark.config import Settings, configure_logging, load_settings, parse_duration
-from rmq_spark.errors import InvalidOptionError, RmqSparkError
-from rmq_spark.store import Store
+from rmq_spark.model.config import Settings, configure_logging, load_settings, parse_duration
+from rmq_spark.model.errors import InvalidOptionError, RmqSparkError
+from rmq_spark.store.facade import Store
 
-log = logging.getLogger("rmq_spark.cli")
+log = logging.getLogger("rmq_spark.ops.cli")
 
 #: Exit codes: 0 done, 1 a run failed, 2 bad usage or configuration.
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
@@ -144,8 +144,8 @@ def _check(args: argparse.Namespace, settings: Settings) -> int:
             resolve_function(checker.function)
     store = Store.open(args.path, settings=settings, create=False)
 
-    from rmq_spark.checkback import CheckBackJob
-    from rmq_spark.session import get_spark
+    from rmq_spark.checkback.job import CheckBackJob
+    from rmq_spark.spark.session import get_spark
 
     spark = get_spark(
         "rmqtx-check-back", master=args.master, settings=settings, store_root=store.root
@@ -177,7 +177,7 @@ def _check(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _resume(args: argparse.Namespace, settings: Settings) -> int:
-    from rmq_spark.checkback import redrive
+    from rmq_spark.checkback.job import redrive
 
     store = Store.open(args.path, settings=settings, create=False)
     new_ids = redrive(store, args.transaction_id)
@@ -186,7 +186,7 @@ def _resume(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _maintain(args: argparse.Namespace, settings: Settings) -> int:
-    from rmq_spark.retention import maintain
+    from rmq_spark.store.retention import maintain
 
     summary = maintain(Store.open(args.path, settings=settings, create=False), settings.retention)
     print(summary.format())
@@ -194,7 +194,7 @@ def _maintain(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _status(args: argparse.Namespace, settings: Settings) -> int:
-    from rmq_spark.status import format_status, store_status, to_json
+    from rmq_spark.ops.status import format_status, store_status, to_json
 
     status = store_status(Store.open(args.path, settings=settings, create=False))
     print(to_json(status) if args.json else format_status(status))
@@ -202,7 +202,7 @@ def _status(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _tail(args: argparse.Namespace, settings: Settings) -> int:
-    from rmq_spark.status import format_tail, tail, to_json
+    from rmq_spark.ops.status import format_tail, tail, to_json
 
     if args.count < 1:
         raise RmqSparkError(f"-n/--count needs to be at least 1, not {args.count}.")

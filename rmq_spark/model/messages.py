@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from rmq_spark.errors import InvalidMessageError
+from rmq_spark.model.errors import InvalidMessageError
 
 #: RocketMQ's topic rule (``TopicValidator``): letters, digits, ``%``, ``|``, ``_`` and ``-``.
 TOPIC_PATTERN = re.compile(r"^[%|a-zA-Z0-9_-]+$")

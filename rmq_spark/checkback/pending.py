@@ -23,11 +23,11 @@ How it stays exact (it always equals the full anti-join of the versions it cover
 * **Another Delta writer changed ``op``** (a RESTORE or DELETE removing decisions, which the
   feed of inserts does not show): the update rebuilds from a full scan, so the transactions
   whose decisions went are pending again and check-back records them again (see
-  :meth:`rmq_spark.checkback.CheckBackJob`).
+  :meth:`rmq_spark.checkback.job.CheckBackJob`).
 
 Every update rewrites the table, so every ``COMPACT_EVERY_COMMITS`` versions it vacuums the
 files older versions left behind (past the table's one-hour tombstone retention) and cleans its
-log (:meth:`rmq_spark.store.Store.clean_log`).
+log (:meth:`rmq_spark.store.facade.Store.clean_log`).
 
 Deleted half rows (retention) are ignored: retention deletes only decided transactions, which
 are not pending. Nothing but this module writes ``pending``.
@@ -44,9 +44,10 @@ import pyarrow.compute as pc
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from deltalake.exceptions import DeltaError
 
-from rmq_spark.failpoints import failpoint
-from rmq_spark.schema import PENDING_SCHEMA, TABLES
-from rmq_spark.store import (
+from rmq_spark.delta.txnlog import commit_infos
+from rmq_spark.model.failpoints import failpoint
+from rmq_spark.model.schema import PENDING_SCHEMA, TABLES
+from rmq_spark.store.facade import (
     COMPACT_EVERY_COMMITS,
     PENDING_HALF_APP_ID,
     PENDING_OP_APP_ID,
@@ -57,7 +58,6 @@ from rmq_spark.store import (
     retry_commits,
     with_uris,
 )
-from rmq_spark.txnlog import commit_infos
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ def _attempt(store: Store) -> PendingUpdate:
 
 def _foreign_versions(store: Store, cursor: int, version: int) -> list[int]:
     """The versions of ``op`` after ``cursor`` up to ``version`` that another Delta writer
-    made (:func:`rmq_spark.store.foreign_change`); all of them when their log entries are
+    made (:func:`rmq_spark.store.facade.foreign_change`); all of them when their log entries are
     gone (the change feed could not be read either)."""
     try:
         infos = commit_infos(

@@ -4,7 +4,7 @@ RocketMQ's compensation loop (``TransactionalMessageCheckService``) as a Spark j
 
 1. **Pending** = half messages with no op record (an anti-join; nothing already decided is
    ever checked, unlike apache/rocketmq#1517), kept incrementally in the ``pending`` table
-   (:mod:`rmq_spark.pending`): a round reads what is pending and what was added since the
+   (:mod:`rmq_spark.checkback.pending`): a round reads what is pending and what was added since the
    last round, never the decided history (rule 9). Bodies are read by id for the due
    transactions only.
 2. **Check batch**: pending transactions whose age is at least the transaction timeout and
@@ -51,22 +51,22 @@ from deltalake.exceptions import DeltaError
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from rmq_spark.checkers import Checker, CheckerConfigError
-from rmq_spark.config import RetentionSettings, TransactionSettings
-from rmq_spark.epochs import WRITER_ALIVE, EpochChecker
-from rmq_spark.errors import InvalidOptionError
-from rmq_spark.failpoints import failpoint
-from rmq_spark.model import PROPERTY_CHECK_IMMUNITY, LocalTransactionState, new_id
-from rmq_spark.pending import PendingUpdate, inserted_since, update_pending
-from rmq_spark.retention import maintain
-from rmq_spark.schema import (
+from rmq_spark.checkback.checkers import Checker, CheckerConfigError
+from rmq_spark.checkback.epoch_checker import WRITER_ALIVE, EpochChecker
+from rmq_spark.checkback.pending import PendingUpdate, inserted_since, update_pending
+from rmq_spark.model.config import RetentionSettings, TransactionSettings
+from rmq_spark.model.errors import InvalidOptionError
+from rmq_spark.model.failpoints import failpoint
+from rmq_spark.model.messages import PROPERTY_CHECK_IMMUNITY, LocalTransactionState, new_id
+from rmq_spark.model.schema import (
     CHECK_RUNS_SCHEMA,
     CHECK_STATE_SCHEMA,
     DISCARD_SCHEMA,
     HALF_MESSAGE_SCHEMA,
     HALF_SCHEMA,
 )
-from rmq_spark.store import DECIDED_BY_RECOVERY, Decision, EndTransactionStatus, Store
+from rmq_spark.store.facade import DECIDED_BY_RECOVERY, Decision, EndTransactionStatus, Store
+from rmq_spark.store.retention import maintain
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +179,7 @@ class CheckBackJob:
         Pending transactions of groups without a checker are an error at start unless this is
         set; then they are left pending and reported as ``unrouted``.
     retention : RetentionSettings, optional
-        When given, :meth:`run_forever` also runs maintenance (:func:`rmq_spark.retention.
+        When given, :meth:`run_forever` also runs maintenance (:func:`rmq_spark.store.retention.
         maintain`) every ``retention.maintenance_interval``.
     clock : callable, optional
         Returns the current UTC time (tests move it).
@@ -479,7 +479,7 @@ class CheckBackJob:
         """Record decisions, check counts and discards for one group's answers.
 
         Without ``budget`` (transactions of transactional writers) the check max never rolls
-        a transaction back: only its epoch decides its fate (see :mod:`rmq_spark.epochs`).
+        a transaction back: only its epoch decides its fate (see :mod:`rmq_spark.spark.epochs`).
         """
         by_id = {r["transaction_id"]: r for r in due.select(_STATE_COLUMNS).to_pylist()}
         rows = [{**by_id[a["transaction_id"]], **a} for a in answers.to_pylist()]

@@ -15,8 +15,8 @@ from collections.abc import Mapping, Sequence
 
 from deltalake import DeltaTable
 
-from rmq_spark.errors import DataLossError, InvalidOptionError
-from rmq_spark.store import Store
+from rmq_spark.model.errors import DataLossError, InvalidOptionError
+from rmq_spark.store.facade import Store
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ def latest_offsets(
 
 def earliest_offsets(store: Store, topics: Sequence[str]) -> Offsets:
     """The earliest offset still stored in every queue of ``topics`` that has had messages (0
-    unless retention removed some: :mod:`rmq_spark.retention`), from one read of the latest
+    unless retention removed some: :mod:`rmq_spark.store.retention`), from one read of the latest
     ``commitlog`` snapshot."""
     commitlog = store.table("commitlog")
     trimmed = store.earliest_stored(commitlog)

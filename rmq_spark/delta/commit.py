@@ -60,9 +60,9 @@ from deltalake.exceptions import CommitFailedError
 from deltalake.transaction import AddAction
 
 from rmq_spark._version import __version__
-from rmq_spark.errors import StoreError
-from rmq_spark.failpoints import failpoint
-from rmq_spark.storage import filesystem, is_s3, scheme
+from rmq_spark.delta.storage import filesystem, is_s3, scheme
+from rmq_spark.model.errors import StoreError
+from rmq_spark.model.failpoints import failpoint
 
 log_ = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ _HALF_MESSAGE = [
 WRITER_COLUMNS = [
     pa.field("sink_id", pa.string()),
     pa.field("epoch", pa.int64()),
-    #: The epoch's generation when the attempt staged (see rmq_spark/epochs.py).
+    #: The epoch's generation when the attempt staged (see rmq_spark/spark/epochs.py).
     pa.field("generation", pa.int32()),
     #: For ``publish_with_delta_write``: absolute URI of the Delta table written.
     pa.field("delta_table", pa.string()),
@@ -70,7 +70,7 @@ COMMITLOG_SCHEMA = pa.schema(
 
 #: Pending transactions (half messages with no ``op`` row), one row per transaction: its first
 #: message by ``msg_id`` without the body, and how many half messages it has. Maintained
-#: incrementally by rmq_spark/pending.py; the half and op versions it covers are Delta
+#: incrementally by rmq_spark/checkback/pending.py; the half and op versions it covers are Delta
 #: application transactions of its commits.
 PENDING_SCHEMA = pa.schema(
     [f for f in HALF_SCHEMA if f.name != "body"]
@@ -150,7 +150,7 @@ EPOCH_STATE_COLUMNS = [
 
 #: Epochs of transactional writers (the ``rmqtx`` sink, ``publish_with_delta_write``): one row
 #: per (sink, epoch), a small state machine OPEN -> CLOSED or OPEN -> ABANDONED -> OPEN (next
-#: generation) whose every transition is a conditional MERGE (see rmq_spark/epochs.py).
+#: generation) whose every transition is a conditional MERGE (see rmq_spark/spark/epochs.py).
 EPOCHS_SCHEMA = pa.schema(
     [
         pa.field("sink_id", pa.string(), nullable=False),
@@ -175,7 +175,7 @@ LOCKS_SCHEMA = pa.schema(
 )
 
 #: Every table is checkpointed every this many commits (deltalake's default, made explicit:
-#: readers of the log, :mod:`rmq_spark.txnlog` included, replay the commits after the last
+#: readers of the log, :mod:`rmq_spark.delta.txnlog` included, replay the commits after the last
 #: checkpoint). deltalake writes the checkpoint in the commit that reaches the interval,
 #: whatever the operation (append, MERGE, delete, OPTIMIZE).
 _CHECKPOINTS = {"delta.checkpointInterval": "100"}

@@ -32,10 +32,10 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from deltalake import DeltaTable
 
-from rmq_spark.deltacommit import CHECKPOINT_NAME as _CHECKPOINT
-from rmq_spark.deltacommit import STAGED_NAME
-from rmq_spark.errors import CorruptStoreError
-from rmq_spark.storage import filesystem
+from rmq_spark.delta.commit import CHECKPOINT_NAME as _CHECKPOINT
+from rmq_spark.delta.commit import STAGED_NAME
+from rmq_spark.delta.storage import filesystem
+from rmq_spark.model.errors import CorruptStoreError
 
 #: Read the commits since a cached version only when there are at most this many; else start
 #: again from the newest checkpoint (which deltalake writes every 100 commits).
@@ -244,7 +244,7 @@ def _checkpoint_at_or_before(
 def checkpoint_guess(version: int, interval: int) -> int:
     """The version of the newest checkpoint at or before ``version`` of a table checkpointed
     every ``interval`` commits: the commit whose version is a multiple of the interval is
-    checkpointed (deltalake's post-commit hook, and :func:`rmq_spark.deltacommit.checkpoint`)."""
+    checkpointed (deltalake's post-commit hook, and :func:`rmq_spark.delta.commit.checkpoint`)."""
     return version // interval * interval
 
 
@@ -321,7 +321,7 @@ def clean_log(
     as well as by time. Entries are deleted oldest first, so an interrupted cleanup leaves the
     log contiguous from its oldest entry. A filesystem that gives no modification time (it
     cannot tell the age) has nothing deleted. Staged entries a killed direct commit left
-    behind (:data:`rmq_spark.deltacommit.STAGED_NAME`) go when older than every rule's time.
+    behind (:data:`rmq_spark.delta.commit.STAGED_NAME`) go when older than every rule's time.
     """
     fs, log_path = filesystem(f"{uri.rstrip('/')}/_delta_log", storage_options)
     entries = []

@@ -16,9 +16,9 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from rmq_spark.model import LocalTransactionState, Message, MessageExt
+from rmq_spark.model.messages import LocalTransactionState, Message, MessageExt
 from rmq_spark.producer import TransactionListener, TransactionMQProducer, TransactionSendResult
-from rmq_spark.store import Store
+from rmq_spark.store.facade import Store
 
 log = logging.getLogger(__name__)
 

@@ -100,16 +100,17 @@ from pyspark.sql.streaming.datasource import (
 )
 from pyspark.sql.types import StructType
 
-from rmq_spark.config import (
+from rmq_spark.model.config import (
     StoreSettings,
     load_settings,
     parse_int,
     reject_unknown,
     split_storage_options,
 )
-from rmq_spark.errors import InvalidMessageError, InvalidOptionError
-from rmq_spark.model import check_group, check_topic, is_tag
-from rmq_spark.offsets import (
+from rmq_spark.model.errors import InvalidMessageError, InvalidOptionError
+from rmq_spark.model.messages import check_group, check_topic, is_tag
+from rmq_spark.model.schema import CONSUMER_OFFSETS_SCHEMA
+from rmq_spark.spark.offsets import (
     Offsets,
     check_queues,
     earliest_offsets,
@@ -118,10 +119,9 @@ from rmq_spark.offsets import (
     resolve,
     to_json,
 )
-from rmq_spark.reading import FILE_SCHEMA, CommitLogSlice, plan_slices, read_slice
-from rmq_spark.schema import CONSUMER_OFFSETS_SCHEMA
-from rmq_spark.sink import RmqTxBatchWriter, RmqTxStreamWriter, WriterOptions
-from rmq_spark.store import Store, read_files
+from rmq_spark.spark.reading import FILE_SCHEMA, CommitLogSlice, plan_slices, read_slice
+from rmq_spark.spark.sink import RmqTxBatchWriter, RmqTxStreamWriter, WriterOptions
+from rmq_spark.store.facade import Store, read_files
 
 #: The source's output schema, as Spark DDL (nullability as in the CommitLog).
 SOURCE_SCHEMA = (
@@ -514,7 +514,7 @@ def _share(available: Mapping[tuple[str, int], int], budget: int | None) -> dict
 
 class RmqTxDataSource(DataSource):
     """The ``rmqtx`` data source: reads committed messages (see the module docstring for
-    schema and options) and writes transactionally (see :mod:`rmq_spark.sink`)."""
+    schema and options) and writes transactionally (see :mod:`rmq_spark.spark.sink`)."""
 
     @classmethod
     def name(cls) -> str:

@@ -12,11 +12,11 @@ with SIGCONT. Unset, a failpoint costs one environment lookup.
 Names: ``sink.staged`` (a task's half messages are durable), ``sink.closed`` (the epoch's
 row is in ``epochs``, nothing decided yet), ``sink.published`` (the epoch is published, Spark
 has not recorded the batch yet), ``delta.staged``, ``delta.written`` and ``delta.closed``
-(the same steps of :func:`rmq_spark.sink.publish_with_delta_write`), ``redrive.claimed``
-(:func:`rmq_spark.checkback.redrive` has claimed discard rows, staged nothing yet),
-``pending.computed`` (:func:`rmq_spark.pending.update_pending` has computed the new pending
-rows, committed nothing yet), ``deltacommit.staged`` and ``deltacommit.committed`` (a direct
-append's log entry is staged, or has taken its version; :mod:`rmq_spark.deltacommit`),
+(the same steps of :func:`rmq_spark.spark.sink.publish_with_delta_write`), ``redrive.claimed``
+(:func:`rmq_spark.checkback.job.redrive` has claimed discard rows, staged nothing yet),
+``pending.computed`` (:func:`rmq_spark.checkback.pending.update_pending` has computed the
+new pending rows, committed nothing yet), ``deltacommit.staged`` and ``deltacommit.committed``
+(a direct append's log entry is staged, or has taken its version; :mod:`rmq_spark.delta.commit`),
 ``deltacommit.checkpoint`` (a checkpoint after a direct append starts), ``store.maintain``
 (a compaction and log cleanup that a commit asked for starts).
 """

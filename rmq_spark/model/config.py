@@ -16,8 +16,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from rmq_spark.errors import InvalidOptionError
-from rmq_spark.model import DEFAULT_MAX_BODY_BYTES
+from rmq_spark.model.errors import InvalidOptionError
+from rmq_spark.model.messages import DEFAULT_MAX_BODY_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class StoreSettings:
     #: Body size limit (RocketMQ ``maxMessageSize``).
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     #: Object-store settings in deltalake's vocabulary (``AWS_ENDPOINT_URL``, ``AWS_REGION``,
-    #: credentials, ...); rmq_spark.storage translates them for fsspec and Spark's S3A.
+    #: credentials, ...); rmq_spark.delta.storage translates them for fsspec and Spark's S3A.
     storage_options: dict[str, str] = field(default_factory=dict)
     #: Business Delta tables off the store's filesystem (URIs or prefixes) that check-back may
     #: open with ``storage_options`` to learn whether a ``publish_with_delta_write`` landed.
@@ -167,12 +167,12 @@ class Settings:
     store: StoreSettings = field(default_factory=StoreSettings)
     transaction: TransactionSettings = field(default_factory=TransactionSettings)
     retention: RetentionSettings = field(default_factory=RetentionSettings)
-    #: Extra Spark configuration applied by :func:`rmq_spark.session.get_spark`.
+    #: Extra Spark configuration applied by :func:`rmq_spark.spark.session.get_spark`.
     spark: dict[str, str] = field(default_factory=dict)
     #: Log level for the ``rmq_spark`` loggers in jobs and the CLI.
     log_level: str = "INFO"
     #: ``[checkers.<producer group>]`` sections, built by
-    #: :func:`rmq_spark.checkers.checkers_from_config`.
+    #: :func:`rmq_spark.checkback.checkers.checkers_from_config`.
     checkers: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 

@@ -20,7 +20,7 @@ How the contract (DESIGN.md section 3) is kept:
   the new state. Nothing is read-then-written without that check, so offsets are dense, only
   grow, and no committed message is published twice or skipped. A backlog goes out in
   commits of bounded size, whole ``op`` versions each, in decision order; the application
-  transactions are read once per ``commitlog`` snapshot (:mod:`rmq_spark.txnlog`), not once
+  transactions are read once per ``commitlog`` snapshot (:mod:`rmq_spark.delta.txnlog`), not once
   per queue. Normal messages get their
   ``msg_id`` once per publish, and a retry after a failure that does not say whether the
   commit landed looks them up in ``commitlog`` before writing them again.
@@ -65,11 +65,28 @@ from deltalake.exceptions import (
 from deltalake.table import TableMerger
 from deltalake.transaction import AddAction
 
-from rmq_spark.chores import Chores
-from rmq_spark.config import Settings, StoreSettings
-from rmq_spark.deltacommit import appendable, checkpoint, checkpoint_interval
-from rmq_spark.deltacommit import commit as commit_direct
-from rmq_spark.errors import (
+from rmq_spark.delta.chores import Chores
+from rmq_spark.delta.commit import appendable, checkpoint, checkpoint_interval
+from rmq_spark.delta.commit import commit as commit_direct
+from rmq_spark.delta.files import (
+    LargeVersion,
+    admitting,
+    commit_files,
+    read_ahead,
+    stored_share,
+    write_files,
+    write_in_parallel,
+)
+from rmq_spark.delta.storage import (
+    arrow_filesystem,
+    check_conditional_put,
+    check_conditional_writes,
+    deltalake_options,
+    filesystem,
+)
+from rmq_spark.delta.txnlog import app_transactions, clean_log, commit_infos, follow
+from rmq_spark.model.config import Settings, StoreSettings
+from rmq_spark.model.errors import (
     CorruptStoreError,
     NotAStoreError,
     RmqSparkError,
@@ -77,8 +94,8 @@ from rmq_spark.errors import (
     StoreError,
     StoreVersionError,
 )
-from rmq_spark.failpoints import failpoint
-from rmq_spark.model import (
+from rmq_spark.model.failpoints import failpoint
+from rmq_spark.model.messages import (
     LocalTransactionState,
     Message,
     check_group,
@@ -86,8 +103,7 @@ from rmq_spark.model import (
     queue_for,
     validate_message,
 )
-from rmq_spark.recent import RecentHalves
-from rmq_spark.schema import (
+from rmq_spark.model.schema import (
     COLUMNS_ADDED_LATER,
     COMMITLOG_SCHEMA,
     HALF_SCHEMA,
@@ -97,23 +113,7 @@ from rmq_spark.schema import (
     TIMESTAMP,
     WRITER_COLUMNS,
 )
-from rmq_spark.storage import (
-    arrow_filesystem,
-    check_conditional_put,
-    check_conditional_writes,
-    deltalake_options,
-    filesystem,
-)
-from rmq_spark.streamed import (
-    LargeVersion,
-    admitting,
-    commit_files,
-    read_ahead,
-    stored_share,
-    write_files,
-    write_in_parallel,
-)
-from rmq_spark.txnlog import app_transactions, clean_log, commit_infos, follow
+from rmq_spark.store.recent import RecentHalves
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -131,7 +131,8 @@ FOREIGN_OP_APP_ID = "rmqtx.publish.foreign_op_millis"
 #: How far a host's clock, which stamps the transaction ids it makes, may run ahead of the
 #: foreign writer's (:data:`FOREIGN_OP_APP_ID`).
 _CLOCK_SKEW_MILLIS = 10 * 60 * 1000
-#: Hex digits of the millisecond clock that begins every id (:func:`rmq_spark.model.new_id`).
+#: Hex digits of the millisecond clock that begins every id
+#: (:func:`rmq_spark.model.messages.new_id`).
 _ID_MILLIS_DIGITS = 12
 #: Application ids under which ``pending`` records the ``half`` and ``op`` versions it covers.
 PENDING_HALF_APP_ID = "rmqtx.pending.half_version"
@@ -190,7 +191,7 @@ def decision_app_id(transaction_id: str) -> str:
 
 def earliest_app_id(topic: str, queue_id: int) -> str:
     """The application id whose version is the earliest offset still in a queue of
-    ``commitlog`` (absent: 0). Set by retention (:mod:`rmq_spark.retention`)."""
+    ``commitlog`` (absent: 0). Set by retention (:mod:`rmq_spark.store.retention`)."""
     return _EARLIEST_APP_ID.format(topic=topic, queue_id=queue_id)
 
 
@@ -755,7 +756,7 @@ class Store:
         append to a table on ``snapshot`` (or, with ``removes``, a compaction of a table
         appended to directly); return the committed version.
 
-        The log entry is written directly (:mod:`rmq_spark.deltacommit`, about 1 ms) unless
+        The log entry is written directly (:mod:`rmq_spark.delta.commit`, about 1 ms) unless
         the table needs more of a writer than that (then deltalake commits it). Without
         ``app_ids`` the commit may go after versions this process committed since
         ``snapshot`` (an append does not depend on what it read); with them, conflicts are
@@ -916,9 +917,9 @@ class Store:
           the table holds its lock (a maintenance run, a compaction): its commit checks the
           commits after its snapshot;
         * or older than ``log_retention`` and not after the publisher's cursor: the pending
-          list (:mod:`rmq_spark.pending`) of a check-back job that lags that much rebuilds from
-          a full scan, while the ``op`` entries the publisher has yet to read are kept whatever
-          their age (they name the COMMITs to publish).
+          list (:mod:`rmq_spark.checkback.pending`) of a check-back job that lags that much
+          rebuilds from a full scan, while the ``op`` entries the publisher has yet to read are
+          kept whatever their age (they name the COMMITs to publish).
 
         The CommitLog is not cleaned here: readers stream it with Delta's own source, so its
         log follows the table's ``delta.logRetentionDuration``.
@@ -1442,7 +1443,7 @@ class Store:
     def next_offsets(self, commitlog: DeltaTable | None = None) -> dict[tuple[str, int], int]:
         """The next offset of every queue that holds messages, ``{(topic, queue_id): offset}``.
 
-        Read once per ``commitlog`` snapshot (see :mod:`rmq_spark.txnlog`): the cost does not
+        Read once per ``commitlog`` snapshot (see :mod:`rmq_spark.delta.txnlog`): the cost does not
         grow with the number of topics and queues.
 
         Parameters

@@ -21,11 +21,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql.datasource import InputPartition
 
-from rmq_spark.errors import CorruptStoreError, DataLossError
-from rmq_spark.offsets import Offsets, describe_ranges, skip_lost
-from rmq_spark.schema import COMMITLOG_SCHEMA
-from rmq_spark.store import Store, read_files, with_uris
-from rmq_spark.txnlog import check_readable
+from rmq_spark.delta.txnlog import check_readable
+from rmq_spark.model.errors import CorruptStoreError, DataLossError
+from rmq_spark.model.schema import COMMITLOG_SCHEMA
+from rmq_spark.spark.offsets import Offsets, describe_ranges, skip_lost
+from rmq_spark.store.facade import Store, read_files, with_uris
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +70,9 @@ def plan_slices(
     """The read tasks for offsets ``[start, end)`` of every queue in ``end``.
 
     A queue whose ``start`` is below its earliest offset in the snapshot planned from (its
-    messages were removed by retention) raises :class:`rmq_spark.errors.DataLossError`, or
+    messages were removed by retention) raises :class:`rmq_spark.model.errors.DataLossError`, or
     with ``fail_on_data_loss`` false is read from the earliest offset (see
-    :func:`rmq_spark.offsets.skip_lost`). So do offsets of the ranges that are not stored
+    :func:`rmq_spark.spark.offsets.skip_lost`). So do offsets of the ranges that are not stored
     (:func:`_check_stored`): another Delta writer removed published messages.
     """
     commitlog = store.table("commitlog")

@@ -22,7 +22,7 @@ from typing import Any
 import fsspec
 import pyarrow.fs as pafs
 
-from rmq_spark.errors import StorageConfigError
+from rmq_spark.model.errors import StorageConfigError
 
 
 def scheme(uri: str) -> str:

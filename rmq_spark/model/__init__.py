@@ -1,0 +1,1 @@
+"""The ground floor: messages and their validation, errors, settings, table schemas."""

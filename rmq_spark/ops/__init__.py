@@ -1,0 +1,1 @@
+"""Operations: the rmqtx CLI, status, reports and the demo."""

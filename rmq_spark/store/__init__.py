@@ -1,0 +1,1 @@
+"""The store: the broker semantics (prepare, decide, publish, offsets, maintenance) over Delta."""
