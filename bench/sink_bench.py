@@ -26,7 +26,7 @@ import time
 
 from roots import Root, bench_roots, spark_for
 
-from rmq_spark.spark.epochs import closed_epoch
+from rmq_spark.spark.epoch_records import closed_epoch
 
 
 def timed(label: str, action) -> float:

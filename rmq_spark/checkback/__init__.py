@@ -5,13 +5,9 @@ The names a user needs are here: ``from rmq_spark.checkback import CheckBackJob,
 """
 
 from rmq_spark.checkback.checkers import CallableChecker, Checker, TableChecker
-from rmq_spark.checkback.job import (
-    DECIDED_BY_CHECK_MAX,
-    CheckBackJob,
-    CheckBackResult,
-    CheckBackSummary,
-    redrive,
-)
+from rmq_spark.checkback.discards import DECIDED_BY_CHECK_MAX, redrive
+from rmq_spark.checkback.job import CheckBackJob
+from rmq_spark.checkback.summary import CheckBackResult, CheckBackSummary
 
 __all__ = [
     "DECIDED_BY_CHECK_MAX",

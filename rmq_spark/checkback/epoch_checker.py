@@ -17,20 +17,16 @@ from pyspark.sql import DataFrame
 from rmq_spark.checkback.checkers import ANSWER_SCHEMA, Checker
 from rmq_spark.delta.storage import scheme
 from rmq_spark.model.errors import StoreError
-from rmq_spark.spark.epochs import (
+from rmq_spark.spark.epoch_records import (
     ABANDONED,
     CLOSED,
-    COMMIT,
     OPEN,
-    ROLLBACK,
-    UNKNOWN,
     Epoch,
-    abandon,
-    close,
     landed_delta_write,
     read_epoch,
     read_epochs,
 )
+from rmq_spark.spark.epochs import COMMIT, ROLLBACK, UNKNOWN, abandon, close
 from rmq_spark.store.facade import Store
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ Names: ``sink.staged`` (a task's half messages are durable), ``sink.closed`` (th
 row is in ``epochs``, nothing decided yet), ``sink.published`` (the epoch is published, Spark
 has not recorded the batch yet), ``delta.staged``, ``delta.written`` and ``delta.closed``
 (the same steps of :func:`rmq_spark.spark.sink.publish_with_delta_write`), ``redrive.claimed``
-(:func:`rmq_spark.checkback.job.redrive` has claimed discard rows, staged nothing yet),
+(:func:`rmq_spark.checkback.discards.redrive` has claimed discard rows, staged nothing yet),
 ``pending.computed`` (:func:`rmq_spark.checkback.pending.update_pending` has computed the
 new pending rows, committed nothing yet), ``deltacommit.staged`` and ``deltacommit.committed``
 (a direct append's log entry is staged, or has taken its version; :mod:`rmq_spark.delta.commit`),

@@ -177,7 +177,7 @@ def _check(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _resume(args: argparse.Namespace, settings: Settings) -> int:
-    from rmq_spark.checkback.job import redrive
+    from rmq_spark.checkback.discards import redrive
 
     store = Store.open(args.path, settings=settings, create=False)
     new_ids = redrive(store, args.transaction_id)

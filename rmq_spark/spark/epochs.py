@@ -5,7 +5,8 @@ stages an epoch's messages as half messages, one transaction per task attempt, t
 ``half`` table's writer columns (``sink_id``, ``epoch``, ``generation``, ``delta_table``) that
 only these writers set. Each (sink, epoch) has one row in ``epochs``, a small state machine
 whose every transition is a conditional Delta MERGE on that row, so racing transitions conflict
-and exactly one applies:
+and exactly one applies. This module is the machine: its transitions, leases, and finishing
+an epoch (how the rows are read and written: :mod:`rmq_spark.spark.epoch_records`). The states:
 
 * **OPEN** (generation *g*, lease): a writer is at work. Tasks :func:`hold` the epoch before
   they stage (opening it, or reopening an ABANDONED one as generation *g* + 1) and renew its
@@ -26,23 +27,26 @@ publishes everything it staged or fails.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
-import pyarrow as pa
-from deltalake import DeltaTable
-
-from rmq_spark.delta.storage import deltalake_options
-from rmq_spark.model.errors import EpochLostError, StoreError
+from rmq_spark.model.errors import EpochLostError
 from rmq_spark.model.failpoints import failpoint
 from rmq_spark.model.messages import LocalTransactionState
-from rmq_spark.model.schema import EPOCHS_SCHEMA
-from rmq_spark.store.facade import Decision, Store, sql_string
+from rmq_spark.spark.epoch_records import (
+    ABANDONED,
+    CLOSED,
+    OPEN,
+    Epoch,
+    closed_epoch,
+    insert_all,
+    merge_epoch,
+    read_epoch,
+)
+from rmq_spark.store.facade import Decision, Store
 
 log = logging.getLogger(__name__)
 
@@ -51,27 +55,8 @@ COMMIT, ROLLBACK, UNKNOWN = (
     LocalTransactionState.ROLLBACK,
     LocalTransactionState.UNKNOWN,
 )
-OPEN, CLOSED, ABANDONED = "OPEN", "CLOSED", "ABANDONED"
-#: Delta ``userMetadata`` prefix of a ``publish_with_delta_write`` commit: names the staged
-#: transaction that goes with the business rows.
-DELTA_COMMIT_MARKER = "rmqtx-epoch:"
 #: A lease is renewed when less than this share of it is left.
 _RENEW_BELOW = 0.5
-
-
-@dataclass(frozen=True)
-class Epoch:
-    """One row of ``epochs``."""
-
-    sink_id: str
-    epoch: int
-    state: str
-    generation: int
-    #: CLOSED: the transactions that count.
-    transaction_ids: tuple[str, ...] | None
-    lease_expires: datetime | None
-    owner: str | None
-    closed_by: str | None
 
 
 @dataclass(frozen=True)
@@ -89,75 +74,11 @@ class EpochOutcome:
 
 
 def _now() -> datetime:
+    """The current time, in UTC (the default clock)."""
     return datetime.now(UTC)
 
 
-# --------------------------------------------------------------------------- reading
-def read_epochs(store: Store, keys: Iterable[tuple[str, int]]) -> dict[tuple[str, int], Epoch]:
-    """The ``epochs`` rows of the given (sink, epoch) keys that exist, in one read."""
-    wanted = set(keys)
-    if not wanted:
-        return {}
-    sinks = ", ".join(sql_string(s) for s in sorted({s for s, _ in wanted}))
-    rows = store.query("epochs", f"sink_id IN ({sinks})")
-    found = {}
-    for r in rows.to_pylist():
-        key = (r["sink_id"], r["epoch"])
-        if key in wanted:
-            found[key] = Epoch(
-                sink_id=r["sink_id"],
-                epoch=r["epoch"],
-                # Rows of older stores have no state: they were all closed.
-                state=r["state"] or CLOSED,
-                generation=r["generation"] or 0,
-                transaction_ids=None
-                if r["transaction_ids"] is None
-                else tuple(r["transaction_ids"]),
-                lease_expires=r["lease_expires"],
-                owner=r["owner"],
-                closed_by=r["closed_by"],
-            )
-    return found
-
-
-def read_epoch(store: Store, sink_id: str, epoch: int) -> Epoch | None:
-    """The ``epochs`` row of one (sink, epoch), or None if no writer has touched it."""
-    return read_epochs(store, [(sink_id, epoch)]).get((sink_id, epoch))
-
-
-def closed_epoch(store: Store, sink_id: str, epoch: int) -> tuple[str, ...] | None:
-    """The transactions that count for a closed epoch, or None while it is not closed."""
-    row = read_epoch(store, sink_id, epoch)
-    return row.transaction_ids if row is not None and row.state == CLOSED else None
-
-
 # --------------------------------------------------------------------------- transitions
-def _transition(
-    store: Store,
-    sink_id: str,
-    epoch: int,
-    values: Mapping[str, Any],
-    clauses: Callable[[Any], Any],
-) -> Epoch:
-    """MERGE a one-row source (alias ``s``: ``values`` plus the key; values that are not
-    columns of ``epochs`` are timestamps for the clauses' conditions) into ``epochs`` with
-    ``clauses``, then read the row back: whatever transition won is what the caller sees."""
-    columns = {f.name: None for f in EPOCHS_SCHEMA} | {"sink_id": sink_id, "epoch": epoch}
-    columns |= values
-    schema = EPOCHS_SCHEMA
-    for name in columns.keys() - set(EPOCHS_SCHEMA.names):
-        schema = schema.append(pa.field(name, pa.timestamp("us", tz="UTC")))
-    source = pa.Table.from_pylist([columns], schema=schema)
-    store.merge("epochs", source, ["sink_id", "epoch"], clauses)
-    row = read_epoch(store, sink_id, epoch)
-    assert row is not None  # the MERGE committed, by us or by a racing writer
-    return row
-
-
-def _insert_all(merger: Any) -> Any:
-    return merger.when_not_matched_insert({c: f"s.{c}" for c in EPOCHS_SCHEMA.names})
-
-
 def hold(
     store: Store,
     sink_id: str,
@@ -182,7 +103,7 @@ def hold(
     if row is not None and (row.state == CLOSED or _fresh(row, now, lease_seconds)):
         return row
     expires = now + timedelta(seconds=lease_seconds)
-    row = _transition(
+    row = merge_epoch(
         store,
         sink_id,
         epoch,
@@ -193,7 +114,7 @@ def hold(
             "owner": owner,
             "renew_below": now + timedelta(seconds=lease_seconds * _RENEW_BELOW),
         },
-        lambda m: _insert_all(
+        lambda m: insert_all(
             m.when_matched_update(
                 {"lease_expires": "s.lease_expires"},
                 predicate=f"t.state = '{OPEN}' AND t.lease_expires < s.renew_below",
@@ -215,6 +136,7 @@ def hold(
 
 
 def _fresh(row: Epoch, now: datetime, lease_seconds: float) -> bool:
+    """Whether an OPEN epoch's lease has more than the renewal share left."""
     return (
         row.state == OPEN
         and row.lease_expires is not None
@@ -223,6 +145,7 @@ def _fresh(row: Epoch, now: datetime, lease_seconds: float) -> bool:
 
 
 def _check_owner(row: Epoch | None, owner: str) -> None:
+    """Refuse an epoch another owner holds (an ABANDONED one is free to take)."""
     if row is None or row.owner is None or row.owner == owner or row.state == ABANDONED:
         return
     raise EpochLostError(
@@ -249,7 +172,7 @@ def renew(
         return False
     if _fresh(row, now, lease_seconds):
         return True
-    row = _transition(
+    row = merge_epoch(
         store,
         sink_id,
         epoch,
@@ -336,7 +259,7 @@ def close(
         if generation is None
         else f"t.state = '{OPEN}' AND t.generation = {int(generation)}"
     )
-    return _transition(
+    return merge_epoch(
         store,
         sink_id,
         epoch,
@@ -347,7 +270,7 @@ def close(
             "closed_by": closed_by,
             "closed_timestamp": _now(),
         },
-        lambda m: _insert_all(
+        lambda m: insert_all(
             m.when_matched_update(
                 {
                     "state": "s.state",
@@ -364,7 +287,7 @@ def close(
 def abandon(store: Store, sink_id: str, epoch: int, generation: int, now: datetime) -> Epoch:
     """Mark an OPEN epoch whose lease ran out before ``now`` ABANDONED (or an epoch with no
     row, whose writer never held it). Returns the row after, whoever won."""
-    return _transition(
+    return merge_epoch(
         store,
         sink_id,
         epoch,
@@ -375,7 +298,7 @@ def abandon(store: Store, sink_id: str, epoch: int, generation: int, now: dateti
             "closed_timestamp": now,
             "now": now,
         },
-        lambda m: _insert_all(
+        lambda m: insert_all(
             m.when_matched_update(
                 {
                     "state": "s.state",
@@ -445,6 +368,7 @@ def finish_epoch(
 
 
 def _roll_back(store: Store, txns: Sequence[str], group: str, decided_by: str) -> None:
+    """Roll back staged transactions (none: nothing to do)."""
     if txns:
         store.end_transactions([Decision(t, group, ROLLBACK, decided_by) for t in txns])
 
@@ -458,35 +382,3 @@ def abandon_attempt(
         finish_epoch(store, sink_id, epoch, staged, group, "abort")
     else:
         _roll_back(store, [t for t, _ in staged], group, "abort")
-
-
-# --------------------------------------------------------------------------- Delta writes
-def delta_commit_marker(sink_id: str, epoch: int, transaction_id: str) -> str:
-    """The ``userMetadata`` a ``publish_with_delta_write`` commit carries."""
-    payload = {"sink_id": sink_id, "epoch": epoch, "transaction_id": transaction_id}
-    return DELTA_COMMIT_MARKER + json.dumps(payload, sort_keys=True)
-
-
-def landed_delta_write(
-    table_uri: str, sink_id: str, epoch: int, storage_options: Mapping[str, str]
-) -> tuple[bool, str | None]:
-    """Whether the business table holds application transaction (``sink_id``, ``epoch``), and
-    the staged transaction its commit names (None when the commit carries no marker)."""
-    try:
-        table = DeltaTable(table_uri, storage_options=deltalake_options(storage_options))
-        version = table.transaction_version(sink_id)
-        history = table.history() if version is not None and version >= epoch else []
-    except Exception as exc:
-        raise StoreError(
-            f"cannot read the Delta table {table_uri!r} written by sink {sink_id!r} "
-            f"(publish_with_delta_write): {exc}"
-        ) from exc
-    if version is None or version < epoch:
-        return False, None
-    for commit in history:
-        text = commit.get("userMetadata") or ""
-        if text.startswith(DELTA_COMMIT_MARKER):
-            meta = json.loads(text[len(DELTA_COMMIT_MARKER) :])
-            if meta["sink_id"] == sink_id and meta["epoch"] == epoch:
-                return True, meta["transaction_id"]
-    return True, None

@@ -120,7 +120,8 @@ from rmq_spark.spark.offsets import (
     to_json,
 )
 from rmq_spark.spark.reading import FILE_SCHEMA, CommitLogSlice, plan_slices, read_slice
-from rmq_spark.spark.sink import RmqTxBatchWriter, RmqTxStreamWriter, WriterOptions
+from rmq_spark.spark.sink import RmqTxBatchWriter, RmqTxStreamWriter
+from rmq_spark.spark.sink_options import WriterOptions
 from rmq_spark.store.facade import Store, read_files
 
 #: The source's output schema, as Spark DDL (nullability as in the CommitLog).

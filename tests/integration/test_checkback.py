@@ -23,7 +23,8 @@ from rmq_spark.checkback.checkers import (
     Checker,
     TableChecker,
 )
-from rmq_spark.checkback.job import CheckBackJob, redrive
+from rmq_spark.checkback.discards import redrive
+from rmq_spark.checkback.job import CheckBackJob
 from rmq_spark.model.config import TransactionSettings
 from rmq_spark.ops.demo import OrderService
 from tests.conftest import commitlog, race
@@ -426,7 +427,7 @@ def assert_redriven_exactly_once(store: Store, discarded: list[dict]) -> None:
 
 
 REDRIVE = (
-    "from rmq_spark import Store; from rmq_spark.checkback.job import redrive; "
+    "from rmq_spark import Store; from rmq_spark.checkback.discards import redrive; "
     "import sys; redrive(Store.open(sys.argv[1], create=False))"
 )
 
@@ -469,7 +470,7 @@ def test_check_max_rollbacks_cut_off_before_their_discard_are_repaired(spark, st
     """A job killed between a check-max rollback and its discard write: the next round
     records the discard, whether it has to look at the whole op table (no recorded op
     version yet) or only at what was decided since the recorded one."""
-    from rmq_spark.checkback.job import DECIDED_BY_CHECK_MAX
+    from rmq_spark.checkback.discards import DECIDED_BY_CHECK_MAX
     from rmq_spark.store.facade import Decision, LocalTransactionState
 
     clock = Clock()

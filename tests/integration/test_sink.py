@@ -12,8 +12,10 @@ from deltalake import DeltaTable
 from rmq_spark import Store, publish_with_delta_write
 from rmq_spark.checkback.job import CheckBackJob
 from rmq_spark.model.config import TransactionSettings
-from rmq_spark.spark.epochs import Lease, closed_epoch
-from rmq_spark.spark.sink import WriterOptions, stage
+from rmq_spark.spark.epoch_records import closed_epoch
+from rmq_spark.spark.epochs import Lease
+from rmq_spark.spark.sink_options import WriterOptions
+from rmq_spark.spark.staging import stage
 from tests.conftest import commitlog
 
 INPUT = "body string, keys string, tags string"

@@ -16,8 +16,9 @@ from rmq_spark import LocalTransactionState, Message, Store, publish_with_delta_
 from rmq_spark.checkback.checkers import CallableChecker
 from rmq_spark.checkback.job import CheckBackJob
 from rmq_spark.model.config import TransactionSettings
-from rmq_spark.spark.epochs import ABANDONED, close, delta_commit_marker, read_epoch
-from rmq_spark.spark.sink import WriterOptions
+from rmq_spark.spark.epoch_records import ABANDONED, delta_commit_marker, read_epoch
+from rmq_spark.spark.epochs import close
+from rmq_spark.spark.sink_options import WriterOptions
 from tests.integration.test_sink import add_input, bodies, held_stage, pending, run_stream, write
 
 #: A check max the slow partition outlives many times over.

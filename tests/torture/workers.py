@@ -568,7 +568,8 @@ def finish(run: dict, name: str, incarnation: int) -> None:
 
     from rmq_spark import Store, load_settings
     from rmq_spark.checkback.checkers import checkers_from_config
-    from rmq_spark.checkback.job import CheckBackJob, redrive
+    from rmq_spark.checkback.discards import redrive
+    from rmq_spark.checkback.job import CheckBackJob
     from rmq_spark.model.config import TransactionSettings
 
     logging.basicConfig(level=logging.WARNING)

@@ -7,18 +7,8 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from rmq_spark import EpochLostError, LocalTransactionState, Message, Store
-from rmq_spark.spark.epochs import (
-    ABANDONED,
-    CLOSED,
-    OPEN,
-    abandon,
-    close,
-    closed_epoch,
-    finish_epoch,
-    hold,
-    read_epoch,
-    renew,
-)
+from rmq_spark.spark.epoch_records import ABANDONED, CLOSED, OPEN, closed_epoch, read_epoch
+from rmq_spark.spark.epochs import abandon, close, finish_epoch, hold, renew
 from tests.conftest import commitlog, race
 
 EPOCHS = 12
@@ -137,7 +127,7 @@ def test_an_epoch_belongs_to_one_owner(store: Store) -> None:
 def test_epochs_stay_readable_as_the_table_grows_and_is_compacted(store: Store) -> None:
     """MERGE writes string_view files; after compaction, pyarrow's dataset filters could not
     compare them (found by the torture test: every sink task failed to hold its epoch)."""
-    from rmq_spark.spark.epochs import read_epochs
+    from rmq_spark.spark.epoch_records import read_epochs
 
     for epoch in range(60):  # past COMPACT_EVERY_COMMITS
         hold(store, f"sink{epoch % 3}", epoch, "owner", lease_seconds=60)

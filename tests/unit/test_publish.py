@@ -426,7 +426,8 @@ def test_a_sink_task_stages_more_rows_than_memory_in_bounded_memory(tmp_path: Pa
         import pyarrow as pa
         from pyspark.sql.types import BinaryType, StructField, StructType
         from rmq_spark import Store
-        from rmq_spark.spark.sink import WriterOptions, stage
+        from rmq_spark.spark.sink_options import WriterOptions
+        from rmq_spark.spark.staging import stage
         schema = StructType([StructField("body", BinaryType())])
         options = WriterOptions.parse(
             {{"path": {store.root!r}, "topic": "A", "producerGroup": "pg"}}, schema

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from rmq_spark import Decision, LocalTransactionState, Message, Store
-from rmq_spark.checkback.job import CheckBackJob, redrive
+from rmq_spark.checkback.discards import redrive
+from rmq_spark.checkback.job import CheckBackJob
 from rmq_spark.model.config import RetentionSettings
 from rmq_spark.spark.offsets import earliest_offsets, latest_offsets
 from rmq_spark.store.retention import maintain
@@ -231,7 +232,7 @@ def test_a_redrive_reading_discard_before_a_run_stages_nothing_twice(
     transaction), then retention removed that transaction's half and op rows, then the
     re-drive looked for them, found nothing, and staged the message again: published twice.
     Retention keeps re-driven transactions and discard rows, so what a re-drive reads stays."""
-    from rmq_spark.checkback.job import _claimed_unstaged, _stage_redriven
+    from rmq_spark.checkback.discards import _claimed_unstaged, _stage_redriven
 
     ids = history(store)
     stale = store.read("discard")  # what a running re-drive has read

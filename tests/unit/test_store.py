@@ -280,7 +280,8 @@ def test_columns_added_later_are_added_to_an_older_store(store: Store) -> None:
     from deltalake import DeltaTable
 
     from rmq_spark.model.schema import EPOCH_STATE_COLUMNS, EPOCHS_SCHEMA, HALF_MESSAGE_SCHEMA
-    from rmq_spark.spark.epochs import CLOSED, hold, read_epoch
+    from rmq_spark.spark.epoch_records import CLOSED, read_epoch
+    from rmq_spark.spark.epochs import hold
 
     old_epochs = pa.schema(
         [f.with_nullable(f.name not in ("closed_by", "closed_timestamp")) for f in EPOCHS_SCHEMA]

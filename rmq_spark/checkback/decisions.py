@@ -1,0 +1,97 @@
+"""Decisions of a check-back round, through the producers' end-transaction path.
+
+Keeps DESIGN.md section 3, rule 3: every decision check-back takes (a checker's answer, a
+rollback at the check max, a decision recorded again) goes through ``Store.end_transactions``,
+so the first decision wins whoever races, and a transaction the producer decided first is
+counted as already decided, not decided again. Keeps rule 2: a decision another Delta writer
+removed from ``op`` (a RESTORE or DELETE) is recorded again without asking (see
+:func:`recover_removed`), so nothing is published twice and nothing discarded is published
+beside its re-driven copy.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Mapping, Sequence
+
+import pyarrow as pa
+
+from rmq_spark.checkback.discards import DECIDED_BY_CHECK_MAX
+from rmq_spark.checkback.state import STATE_COLUMNS
+from rmq_spark.model.messages import LocalTransactionState
+from rmq_spark.store.facade import DECIDED_BY_RECOVERY, Decision, EndTransactionStatus, Store
+
+log = logging.getLogger(__name__)
+
+#: ``op.decided_by`` of transactions a checker decided.
+DECIDED_BY_CHECKER = "check-back"
+_DECISION_CHUNK = 20_000
+
+
+def decide(
+    store: Store, rows: Sequence[Mapping[str, object]], decided_by: str, counts: Counter[str]
+) -> list[str]:
+    """End transactions in chunks; return the ids this run decided."""
+    applied: list[str] = []
+    for start in range(0, len(rows), _DECISION_CHUNK):
+        chunk = rows[start : start + _DECISION_CHUNK]
+        results = store.end_transactions(
+            [
+                Decision(
+                    str(r["transaction_id"]),
+                    str(r["producer_group"]),
+                    LocalTransactionState(str(r["answer"])),
+                    decided_by,
+                )
+                for r in chunk
+            ],
+            publish=False,
+        )
+        for result in results:
+            if result.status is EndTransactionStatus.APPLIED:
+                applied.append(result.transaction_id)
+                if decided_by == DECIDED_BY_CHECKER:
+                    key = "committed" if result.decision == "COMMIT" else "rolled_back"
+                    counts[key] += 1
+            else:
+                counts["already_decided"] += 1
+        if len(rows) > _DECISION_CHUNK:
+            log.info("decided %d/%d transactions", start + len(chunk), len(rows))
+    return applied
+
+
+def recover_removed(store: Store, due: pa.Table, counts: Counter[str]) -> set[str]:
+    """Record again, without asking, the decisions another Delta writer removed from
+    ``op`` (a RESTORE or DELETE) of due transactions, and return those transactions.
+
+    A transaction that is published was committed: a checker's second COMMIT would
+    publish it twice, so its COMMIT is recorded again and never published. One in
+    ``discard`` was rolled back at the check max: a COMMIT now would publish it beside
+    its re-driven copy, so its ROLLBACK is recorded again.
+    """
+    if not due.num_rows:
+        return set()
+    ids = due.column("transaction_id").to_pylist()
+    published = store.published(ids)
+    discarded = store.discarded(ids) - published
+    if not published and not discarded:
+        return set()
+    rows = due.select(STATE_COLUMNS).to_pylist()
+    log.error(
+        "%d pending transaction(s) were decided before, e.g. %s: another Delta writer "
+        "removed their decisions from op (a RESTORE or DELETE); recording them again, "
+        "%d already published as COMMIT (not published twice), %d discarded as ROLLBACK "
+        "(see the README's Guarantees)",
+        len(published) + len(discarded),
+        sorted(published | discarded)[0],
+        len(published),
+        len(discarded),
+    )
+    for found, answer, decided_by in (
+        (published, "COMMIT", DECIDED_BY_RECOVERY),
+        (discarded, "ROLLBACK", DECIDED_BY_CHECK_MAX),
+    ):
+        again = [{**r, "answer": answer} for r in rows if r["transaction_id"] in found]
+        counts["already_decided"] += len(decide(store, again, decided_by, counts))
+    return published | discarded

@@ -1,0 +1,252 @@
+"""Discards and re-drive: transactions rolled back at the check max, and putting them back.
+
+Keeps DESIGN.md section 3, rule 6: a transaction still UNKNOWN after
+``transaction_check_max`` checks is rolled back and its messages are recorded in the
+``discard`` table (RocketMQ's ``TRANS_CHECK_MAX_TIME_TOPIC``). Keeps rule 4: nothing is lost,
+a check-max rollback whose discard write a crash cut off is found again (see
+:func:`repair_discards`), and :func:`redrive` puts discarded messages back into the cycle.
+Keeps rule 2: each message is re-driven exactly once, however many re-drives run at once and
+wherever one dies (claim with a conditional MERGE, then stage with an insert-if-absent MERGE).
+Keeps rule 9: the repair reads the ``op`` rows inserted since the op version recorded in
+``discard``, so its cost follows the new decisions, not the history.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from datetime import datetime
+
+import pyarrow as pa
+from deltalake import CommitProperties, DeltaTable, Transaction
+from deltalake.exceptions import DeltaError
+
+from rmq_spark.checkback.pending import inserted_since
+from rmq_spark.model.errors import InvalidOptionError
+from rmq_spark.model.failpoints import failpoint
+from rmq_spark.model.messages import new_id
+from rmq_spark.model.schema import DISCARD_SCHEMA, HALF_MESSAGE_SCHEMA, HALF_SCHEMA
+from rmq_spark.store.facade import Store
+
+log = logging.getLogger(__name__)
+
+#: ``op.decided_by`` of transactions rolled back for reaching the check max.
+DECIDED_BY_CHECK_MAX = "check-back:check-max"
+#: Application id under which ``discard`` records the ``op`` version up to which every
+#: check-max rollback has its discard rows.
+DISCARD_CURSOR_APP_ID = "rmqtx.discard.op_version"
+#: Op versions a discard repair may lag behind before it records how far it has looked.
+_DISCARD_CURSOR_LAG = 20
+
+
+def repair_discards(store: Store, check_max: int, clock: Callable[[], datetime]) -> None:
+    """Record check-max rollbacks whose discard write was cut off by a crash.
+
+    Reads the ``op`` rows inserted since the op version recorded in ``discard`` (an
+    application transaction, recorded with the repairs, or when it lags
+    ``_DISCARD_CURSOR_LAG`` op versions behind), so the cost follows the new decisions.
+    """
+    discard = store.table("discard")
+    cursor = discard.transaction_version(DISCARD_CURSOR_APP_ID)
+    op = store.table("op")
+    version = op.version()
+    if cursor is not None and cursor >= version:
+        return
+    maxed = _check_max_rollbacks(store, op, cursor)
+    missing = sorted(set(maxed) - store.discarded(maxed))
+    if missing or cursor is None or version - cursor >= _DISCARD_CURSOR_LAG:
+        insert_discards(store, missing, clock(), check_max, op_version=version)
+
+
+def _check_max_rollbacks(store: Store, op: DeltaTable, cursor: int | None) -> list[str]:
+    """Transactions rolled back at the check max in ``op`` versions after ``cursor``."""
+    if cursor is not None:
+        try:
+            return [
+                r["transaction_id"]
+                for r in inserted_since(op, cursor, ["transaction_id", "decided_by"]).to_pylist()
+                if r["decided_by"] == DECIDED_BY_CHECK_MAX
+            ]
+        except (DeltaError, OSError, pa.ArrowException) as exc:
+            log.warning("op change feed unreadable (%s); scanning op for check-max rollbacks", exc)
+    maxed = store.query("op", f"decided_by = '{DECIDED_BY_CHECK_MAX}'")
+    return maxed.column("transaction_id").to_pylist()
+
+
+def insert_discards(
+    store: Store,
+    transaction_ids: list[str],
+    now: datetime,
+    check_max: int,
+    *,
+    op_version: int | None = None,
+) -> None:
+    """Record the discards of ``transaction_ids``, rolled back after ``check_max`` checks;
+    with ``op_version``, in the same commit record that every check-max rollback up to that
+    ``op`` version has its discard rows."""
+    cursor = None if op_version is None else {DISCARD_CURSOR_APP_ID: op_version}
+    if not transaction_ids:
+        if cursor is not None:
+            store.append("discard", DISCARD_SCHEMA.empty_table(), cursor)
+        return
+    half = store.half_messages(transaction_ids)
+    n = half.num_rows
+    rows = pa.Table.from_arrays(
+        [half.column(c) for c in HALF_MESSAGE_SCHEMA.names]
+        + [
+            pa.array([check_max] * n, pa.int32()),
+            pa.array([now] * n, DISCARD_SCHEMA.field("discarded_timestamp").type),
+            pa.nulls(n, pa.string()),
+        ],
+        schema=DISCARD_SCHEMA,
+    )
+    # A re-driven message keeps its msg_id: each discarded transaction has its own row.
+    store.merge(
+        "discard",
+        rows,
+        ["transaction_id", "msg_id"],
+        lambda m: m.when_not_matched_insert_all(),
+        None
+        if cursor is None
+        else CommitProperties(app_transactions=[Transaction(*c) for c in cursor.items()]),
+    )
+    log.warning(
+        "discarded %d message(s) after %d unanswered checks; inspect the discard "
+        "table and re-drive with 'rmqtx resume'",
+        n,
+        check_max,
+    )
+
+
+def redrive(store: Store, transaction_ids: Sequence[str] | None = None) -> list[str]:
+    """Put discarded messages back into the check-back cycle.
+
+    Each discarded message is prepared again as a half message of a new transaction (same
+    ``msg_id``, property ``REDRIVEN_FROM_TRANSACTION_ID``), with a fresh check budget.
+
+    Parameters
+    ----------
+    store : Store
+        The store.
+    transaction_ids : sequence of str, optional
+        The discarded transactions to re-drive; all not yet re-driven when omitted.
+
+    Returns
+    -------
+    list of str
+        The new transaction ids this call claimed or staged.
+
+    Raises
+    ------
+    InvalidOptionError
+        One of ``transaction_ids`` is not in the discard table, or was re-driven already.
+
+    Notes
+    -----
+    Each message is re-driven exactly once, however many re-drives run at once and wherever
+    one dies. First each discard row is *claimed*: a conditional MERGE sets its
+    ``redriven_transaction_id`` only where it is still null, so of two racing re-drives one
+    claims it (Delta refuses the other's commit, whose retry finds it claimed). Then every
+    claimed row whose new half message is missing is *staged*, by a MERGE into ``half`` that
+    inserts only when that (transaction, message) is absent: a re-drive that died between the
+    two steps is finished by the next one, and two re-drives finishing the same row insert it
+    once.
+    """
+    discard = store.read("discard")
+    rows = [r for r in discard.to_pylist() if r["redriven_transaction_id"] is None]
+    if transaction_ids is not None:
+        wanted = set(transaction_ids)
+        unstaged = {r["transaction_id"] for r in _claimed_unstaged(store, discard)}
+        unknown = wanted - {r["transaction_id"] for r in rows} - unstaged
+        if unknown:
+            raise InvalidOptionError(
+                f"not in the discard table (or already re-driven): {', '.join(sorted(unknown))}"
+            )
+        rows = [r for r in rows if r["transaction_id"] in wanted]
+    claimed = _claim_discards(store, rows)
+    failpoint("redrive.claimed")
+    staged = _stage_redriven(store, _claimed_unstaged(store, store.read("discard")))
+    if claimed or staged:
+        log.info(
+            "re-drove discarded messages into the check-back cycle: claimed %d, staged %d",
+            len(claimed),
+            len(staged),
+        )
+    return sorted(claimed | staged)
+
+
+def _claim_discards(store: Store, rows: list[dict[str, object]]) -> set[str]:
+    """Give each discarded transaction of ``rows`` a new transaction id, in the discard rows
+    whose ``redriven_transaction_id`` is still null; return the new ids this call set."""
+    if not rows:
+        return set()
+    new_ids = {r["transaction_id"]: new_id() for r in rows}
+    marks = pa.table(
+        {
+            "transaction_id": pa.array([r["transaction_id"] for r in rows], pa.string()),
+            "msg_id": pa.array([r["msg_id"] for r in rows], pa.string()),
+            "redriven_transaction_id": pa.array(
+                [new_ids[r["transaction_id"]] for r in rows], pa.string()
+            ),
+        }
+    )
+    metrics = store.merge(
+        "discard",
+        marks,
+        ["transaction_id", "msg_id"],
+        lambda m: m.when_matched_update(
+            {"redriven_transaction_id": "s.redriven_transaction_id"},
+            predicate="t.redriven_transaction_id IS NULL",
+        ),
+    )
+    log.info(
+        "claimed %d discarded message(s) for re-driving", metrics.get("num_target_rows_updated")
+    )
+    claimed = store.read("discard", ["redriven_transaction_id"])
+    return set(new_ids.values()) & set(claimed.column(0).to_pylist())
+
+
+def _claimed_unstaged(store: Store, discard: pa.Table) -> list[dict[str, object]]:
+    """Discard rows claimed for re-driving whose new transaction is neither in ``half`` nor
+    decided (a re-drive died before staging them)."""
+    claimed = [r for r in discard.to_pylist() if r["redriven_transaction_id"] is not None]
+    if not claimed:
+        return []
+    new_ids = sorted({r["redriven_transaction_id"] for r in claimed})
+    half = store.half_messages(new_ids).select(["transaction_id", "msg_id"]).to_pylist()
+    staged = {(h["transaction_id"], h["msg_id"]) for h in half}
+    decided = store.decisions(new_ids)
+    return [
+        r
+        for r in claimed
+        if (r["redriven_transaction_id"], r["msg_id"]) not in staged
+        and r["redriven_transaction_id"] not in decided
+    ]
+
+
+def _stage_redriven(store: Store, rows: list[dict[str, object]]) -> set[str]:
+    """Insert the half messages of claimed discard rows, each only if absent from ``half``;
+    return their new transaction ids, or none if a concurrent re-drive inserted them all."""
+    if not rows:
+        return set()
+    now = store.clock()
+    half = pa.Table.from_pylist(
+        [
+            {
+                # Discard keeps no writer columns: a re-driven message is its group's own.
+                **{c: r.get(c) for c in HALF_SCHEMA.names},
+                "transaction_id": r["redriven_transaction_id"],
+                "properties": list(dict(r["properties"] or ()).items())
+                + [("REDRIVEN_FROM_TRANSACTION_ID", r["transaction_id"])],
+                "store_timestamp": now,
+            }
+            for r in rows
+        ],
+        schema=HALF_SCHEMA,
+    )
+    metrics = store.merge(
+        "half", half, ["transaction_id", "msg_id"], lambda m: m.when_not_matched_insert_all()
+    )
+    if not metrics.get("num_target_rows_inserted"):
+        return set()  # a concurrent re-drive staged them first
+    return set(half.column("transaction_id").to_pylist())

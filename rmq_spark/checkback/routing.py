@@ -1,0 +1,83 @@
+"""Routing: ask each producer group's checker about its due transactions.
+
+Keeps DESIGN.md section 3, rule 6: checks are routed by producer group (messages staged by
+transactional writers go to the built-in epoch checker), and a checker that raises, or whose
+configuration is broken (a module that cannot be imported, a table that cannot be read),
+answers UNKNOWN for its own group only: the other groups are checked as usual
+(apache/rocketmq#9500).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import pyarrow as pa
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+
+from rmq_spark.checkback.batch import CHECK
+from rmq_spark.checkback.checkers import Checker, CheckerConfigError
+from rmq_spark.model.messages import LocalTransactionState
+
+log = logging.getLogger(__name__)
+
+ANSWERS_DDL = "transaction_id string, answer string, error string"
+ANSWERS_ARROW = pa.schema(
+    [("transaction_id", pa.string()), ("answer", pa.string()), ("error", pa.string())]
+)
+
+
+def misconfigured(spark: SparkSession, checkers: Mapping[str, Checker]) -> dict[str, str]:
+    """``{group: what is wrong}`` for the checkers whose configuration is broken (a module
+    that cannot be imported, a table that cannot be read), each logged as an error."""
+    broken = {}
+    for group, checker in checkers.items():
+        try:
+            checker.validate(spark)
+        except Exception as exc:  # a module raising at import is a broken checker too
+            detail = exc.message if isinstance(exc, CheckerConfigError) else repr(exc)
+            broken[group] = f"producer group {group!r}: {detail}"
+            log.error(
+                "%s; its transactions count as UNKNOWN this round, the other groups are "
+                "checked as usual",
+                broken[group],
+            )
+    return broken
+
+
+def ask(
+    checker: Checker,
+    group: str,
+    epoch_message: bool,
+    batch: DataFrame,
+    ids: pa.ChunkedArray,
+    broken: str | None = None,
+) -> pa.Table:
+    """``checker``'s answers (``ANSWERS_ARROW``) for ``group``'s due transactions ``ids`` in
+    ``batch``; UNKNOWN for all of them, with the error, if it raises or is ``broken``."""
+    log.info("asking the %s checker of %r about %d transaction(s)", checker.kind, group, len(ids))
+    group_batch = batch.where(
+        (F.col("reason") == CHECK)
+        & (F.col("producer_group") == group)
+        & (F.col("epoch_message") == epoch_message)
+    )
+    try:
+        if broken is not None:
+            raise CheckerConfigError(broken)
+        answer = checker.check(group_batch).toArrow()
+    except Exception as exc:
+        log.error(
+            "checker of producer group %r failed: %s; its transactions count as UNKNOWN this run",
+            group,
+            str(exc).splitlines()[0],
+        )
+        error = f"checker failed: {type(exc).__name__}: {exc}"[:500]
+        answer = pa.table(
+            {
+                "transaction_id": ids,
+                "state": [LocalTransactionState.UNKNOWN.value] * len(ids),
+                "error": [error] * len(ids),
+            }
+        )
+    return answer.rename_columns(ANSWERS_ARROW.names).cast(ANSWERS_ARROW)

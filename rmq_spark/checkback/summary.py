@@ -1,0 +1,116 @@
+"""What a check-back round reports: its summary, its check batch, and its ``check_runs`` row.
+
+Keeps DESIGN.md section 3, rule 6 in view of the operator: every outcome a RocketMQ user knows
+(checked, COMMIT, ROLLBACK, UNKNOWN asked again, rolled back at the check max, older than the
+max check age, not yet due within timeout or immunity, a checker that raised) is counted by
+name. Every round, a failing one too, records a row in ``check_runs``; a failure to record it
+is logged and never hides the round's own outcome.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import asdict, dataclass, fields
+from datetime import datetime
+
+import pyarrow as pa
+from pyspark.sql import DataFrame
+
+from rmq_spark.model.schema import CHECK_RUNS_SCHEMA
+from rmq_spark.store.facade import Store
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CheckBackSummary:
+    """What one check-back run found and decided (also a row of ``check_runs``)."""
+
+    run_id: str
+    started: datetime
+    finished: datetime
+    duration_seconds: float
+    pending_found: int
+    checked: int
+    committed: int
+    rolled_back: int
+    unknown: int
+    already_decided: int
+    discarded: int
+    skipped_for_age: int
+    not_yet_due: int
+    unrouted: int
+    errors: int
+    oldest_pending_age_seconds: float | None
+    status: str
+    message: str | None
+
+    def format(self) -> str:
+        """A readable multi-line summary for logs and terminals."""
+        oldest = (
+            "-"
+            if self.oldest_pending_age_seconds is None
+            else f"{self.oldest_pending_age_seconds:,.1f} s"
+        )
+        rows = [
+            ("pending found", self.pending_found, f"oldest pending: {oldest}"),
+            ("checked", self.checked, "asked a checker this run"),
+            ("committed", self.committed, "checker said COMMIT; now visible"),
+            ("rolled back", self.rolled_back, "checker said ROLLBACK"),
+            ("unknown", self.unknown, "asked again next run"),
+            ("already decided", self.already_decided, "the producer decided first"),
+            ("discarded", self.discarded, "rolled back at the check max; see discard table"),
+            ("skipped for age", self.skipped_for_age, "older than the max check age"),
+            ("not yet due", self.not_yet_due, "younger than timeout or immunity; writer alive"),
+            ("unrouted", self.unrouted, "no checker configured for their producer group"),
+            ("checker errors", self.errors, "checker raised; counted as unknown"),
+        ]
+        lines = [
+            f"check-back run {self.run_id} {self.status} in {self.duration_seconds:.1f} s"
+            + (f": {self.message}" if self.message else "")
+        ]
+        lines += [f"  {name:<16}{value:>10,}   {note}" for name, value, note in rows]
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class CheckBackResult:
+    """A run's summary and its check batch.
+
+    ``check_batch`` has one row per pending transaction: its representative message, the
+    ``age_seconds``, ``check_count`` before the run, the ``reason`` it was checked or not,
+    and the checker's ``answer`` and ``error`` (null when not asked).
+    """
+
+    summary: CheckBackSummary
+    check_batch: DataFrame
+
+
+def record_run(
+    store: Store,
+    run_id: str,
+    started: datetime,
+    finished: datetime,
+    counts: Counter[str],
+    oldest: float | None,
+    status: str,
+    message: str | None,
+) -> CheckBackSummary:
+    """Summarise a run from its ``counts``; append it to ``check_runs`` (logged if that fails)."""
+    values = {f.name: counts[f.name] for f in fields(CheckBackSummary) if f.type == "int"}
+    summary = CheckBackSummary(
+        run_id=run_id,
+        started=started,
+        finished=finished,
+        duration_seconds=(finished - started).total_seconds(),
+        oldest_pending_age_seconds=oldest,
+        status=status,
+        message=message,
+        **values,
+    )
+    try:
+        store.append("check_runs", pa.Table.from_pylist([asdict(summary)], CHECK_RUNS_SCHEMA))
+    except Exception:
+        log.exception("could not record check-back run %s in check_runs", run_id)
+    return summary
