@@ -10,7 +10,7 @@ from deltalake import CommitProperties, Transaction, write_deltalake
 
 from rmq_spark import Store
 from rmq_spark.model.schema import OP_SCHEMA
-from rmq_spark.store.facade import OP_CURSOR_APP_ID
+from rmq_spark.store.queues import OP_CURSOR_APP_ID
 
 
 def append_decisions(store: Store, ids: Sequence[str], now: datetime) -> None:

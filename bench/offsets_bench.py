@@ -33,7 +33,8 @@ from rmq_spark import Store
 from rmq_spark.model.schema import COMMITLOG_SCHEMA
 from rmq_spark.spark.offsets import latest_offsets
 from rmq_spark.spark.source import ReaderOptions, RmqTxStreamReader
-from rmq_spark.store.facade import COMPACT_EVERY_COMMITS, OP_CURSOR_APP_ID, queue_app_id
+from rmq_spark.store.maintenance import COMPACT_EVERY_COMMITS
+from rmq_spark.store.queues import OP_CURSOR_APP_ID, queue_app_id
 
 QUEUES = 4
 

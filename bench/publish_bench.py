@@ -38,7 +38,7 @@ from rmq_spark import (
 )
 from rmq_spark.model.messages import new_id
 from rmq_spark.model.schema import COMMITLOG_SCHEMA, TIMESTAMP
-from rmq_spark.store.facade import queue_app_id
+from rmq_spark.store.queues import queue_app_id
 
 QUEUES = 4
 EPOCH_MESSAGES = 1000

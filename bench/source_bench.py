@@ -31,7 +31,7 @@ from rmq_spark.delta.storage import deltalake_options
 from rmq_spark.model.schema import COMMITLOG_SCHEMA
 from rmq_spark.spark.offsets import latest_offsets
 from rmq_spark.spark.reading import plan_slices, read_slice
-from rmq_spark.store.facade import queue_app_id
+from rmq_spark.store.queues import queue_app_id
 
 QUEUES = 4
 CHUNK = 100_000

@@ -35,13 +35,9 @@ from rmq_spark.producer import (
 from rmq_spark.spark.session import get_spark
 from rmq_spark.spark.sink import publish_with_delta_write
 from rmq_spark.spark.source import register
-from rmq_spark.store.facade import (
-    Decision,
-    EndTransactionResult,
-    EndTransactionStatus,
-    PublishResult,
-    Store,
-)
+from rmq_spark.store.decisions import Decision, EndTransactionResult, EndTransactionStatus
+from rmq_spark.store.facade import Store
+from rmq_spark.store.publishing import PublishResult
 
 __all__ = [
     "publish_with_delta_write",

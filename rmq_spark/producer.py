@@ -40,7 +40,8 @@ from rmq_spark.model.messages import (
     check_group,
     validate_message,
 )
-from rmq_spark.store.facade import Decision, EndTransactionResult, PreparedMessage, Store
+from rmq_spark.store.decisions import Decision, EndTransactionResult, PreparedMessage
+from rmq_spark.store.facade import Store
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,9 @@ import pyarrow as pa
 from rmq_spark.checkback.discards import DECIDED_BY_CHECK_MAX
 from rmq_spark.checkback.state import STATE_COLUMNS
 from rmq_spark.model.messages import LocalTransactionState
-from rmq_spark.store.facade import DECIDED_BY_RECOVERY, Decision, EndTransactionStatus, Store
+from rmq_spark.store.decisions import Decision, EndTransactionStatus
+from rmq_spark.store.facade import Store
+from rmq_spark.store.oplog import DECIDED_BY_RECOVERY
 
 log = logging.getLogger(__name__)
 

@@ -44,20 +44,18 @@ import pyarrow.compute as pc
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from deltalake.exceptions import DeltaError
 
+from rmq_spark.delta.reads import read_arrow, read_files, with_uris
+from rmq_spark.delta.retry import retry_commits
 from rmq_spark.delta.txnlog import commit_infos
 from rmq_spark.model.failpoints import failpoint
 from rmq_spark.model.schema import PENDING_SCHEMA, TABLES
-from rmq_spark.store.facade import (
+from rmq_spark.store.facade import Store
+from rmq_spark.store.maintenance import (
     COMPACT_EVERY_COMMITS,
     PENDING_HALF_APP_ID,
     PENDING_OP_APP_ID,
-    Store,
-    foreign_change,
-    read_arrow,
-    read_files,
-    retry_commits,
-    with_uris,
 )
+from rmq_spark.store.oplog import foreign_change
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +169,7 @@ def _attempt(store: Store) -> PendingUpdate:
 
 def _foreign_versions(store: Store, cursor: int, version: int) -> list[int]:
     """The versions of ``op`` after ``cursor`` up to ``version`` that another Delta writer
-    made (:func:`rmq_spark.store.facade.foreign_change`); all of them when their log entries are
+    made (:func:`rmq_spark.store.oplog.foreign_change`); all of them when their log entries are
     gone (the change feed could not be read either)."""
     try:
         infos = commit_infos(

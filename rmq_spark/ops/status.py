@@ -11,10 +11,11 @@ from typing import Any
 
 import pyarrow.compute as pc
 
+from rmq_spark.delta.reads import read_files
 from rmq_spark.model.errors import InvalidOptionError
 from rmq_spark.spark.offsets import latest_offsets
 from rmq_spark.spark.reading import FILE_SCHEMA
-from rmq_spark.store.facade import Store, read_files
+from rmq_spark.store.facade import Store
 
 #: The ``check_runs`` columns ``status`` reports for the last check-back run.
 RUN_COLUMNS = (

@@ -24,10 +24,11 @@ from typing import Any
 import pyarrow as pa
 from deltalake import DeltaTable
 
+from rmq_spark.delta.reads import sql_string
 from rmq_spark.delta.storage import deltalake_options
 from rmq_spark.model.errors import StoreError
 from rmq_spark.model.schema import EPOCHS_SCHEMA
-from rmq_spark.store.facade import Store, sql_string
+from rmq_spark.store.facade import Store
 
 #: The states an ``epochs`` row holds (their transitions: :mod:`rmq_spark.spark.epochs`).
 OPEN, CLOSED, ABANDONED = "OPEN", "CLOSED", "ABANDONED"

@@ -46,7 +46,8 @@ from rmq_spark.spark.epoch_records import (
     merge_epoch,
     read_epoch,
 )
-from rmq_spark.store.facade import Decision, Store
+from rmq_spark.store.decisions import Decision
+from rmq_spark.store.facade import Store
 
 log = logging.getLogger(__name__)
 

@@ -21,11 +21,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql.datasource import InputPartition
 
+from rmq_spark.delta.reads import read_files, with_uris
 from rmq_spark.delta.txnlog import check_readable
 from rmq_spark.model.errors import CorruptStoreError, DataLossError
 from rmq_spark.model.schema import COMMITLOG_SCHEMA
 from rmq_spark.spark.offsets import Offsets, describe_ranges, skip_lost
-from rmq_spark.store.facade import Store, read_files, with_uris
+from rmq_spark.store.facade import Store
 
 log = logging.getLogger(__name__)
 

@@ -68,7 +68,8 @@ from rmq_spark.spark.sink_options import (
     WriterOptions,
 )
 from rmq_spark.spark.staging import Staged, stage
-from rmq_spark.store.facade import Store, normalise_root
+from rmq_spark.store.facade import Store
+from rmq_spark.store.layout import normalise_root
 
 log = logging.getLogger(__name__)
 

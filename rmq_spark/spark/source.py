@@ -100,6 +100,7 @@ from pyspark.sql.streaming.datasource import (
 )
 from pyspark.sql.types import StructType
 
+from rmq_spark.delta.reads import read_files
 from rmq_spark.model.config import (
     StoreSettings,
     load_settings,
@@ -122,7 +123,7 @@ from rmq_spark.spark.offsets import (
 from rmq_spark.spark.reading import FILE_SCHEMA, CommitLogSlice, plan_slices, read_slice
 from rmq_spark.spark.sink import RmqTxBatchWriter, RmqTxStreamWriter
 from rmq_spark.spark.sink_options import WriterOptions
-from rmq_spark.store.facade import Store, read_files
+from rmq_spark.store.facade import Store
 
 #: The source's output schema, as Spark DDL (nullability as in the CommitLog).
 SOURCE_SCHEMA = (

@@ -9,7 +9,7 @@ does, in this order:
    are deleted. Timestamps alone would not do: publishers' clocks differ, so a queue's
    timestamps are not monotonic, and deleting by age could punch holes. The queue stays dense
    from its earliest offset, which is recorded as a Delta application transaction in the same
-   commit as the delete (:func:`rmq_spark.store.facade.earliest_app_id`).
+   commit as the delete (:func:`rmq_spark.store.queues.earliest_app_id`).
 2. **Transactions.** A transaction is *expired* when its decision is older than
    ``transaction_reserved_time``, it is in the ``op`` snapshot that ``commitlog`` records as
    published (so a COMMIT's messages are in the CommitLog), and, when the check max rolled it
@@ -46,10 +46,13 @@ from datetime import datetime, timedelta
 import pyarrow as pa
 from deltalake import CommitProperties, Transaction
 
+from rmq_spark.delta.reads import sql_string, sql_time
+from rmq_spark.delta.retry import retry_commits
 from rmq_spark.model.config import RetentionSettings
 from rmq_spark.model.failpoints import failpoint
 from rmq_spark.model.messages import new_id
-from rmq_spark.store.facade import Store, earliest_app_id, retry_commits, sql_string, sql_time
+from rmq_spark.store.facade import Store
+from rmq_spark.store.queues import earliest_app_id
 
 log = logging.getLogger(__name__)
 

@@ -471,7 +471,8 @@ def test_check_max_rollbacks_cut_off_before_their_discard_are_repaired(spark, st
     records the discard, whether it has to look at the whole op table (no recorded op
     version yet) or only at what was decided since the recorded one."""
     from rmq_spark.checkback.discards import DECIDED_BY_CHECK_MAX
-    from rmq_spark.store.facade import Decision, LocalTransactionState
+    from rmq_spark.model.messages import LocalTransactionState
+    from rmq_spark.store.decisions import Decision
 
     clock = Clock()
 
@@ -495,7 +496,8 @@ def test_check_max_rollbacks_cut_off_before_their_discard_are_repaired(spark, st
 def test_rounds_do_not_read_the_decided_history(spark, store: Store) -> None:
     """Once a round has recorded what it covered, the next rounds read only what is pending and
     new: decided history whose data files are gone does not stop them (a full scan would)."""
-    from rmq_spark.store.facade import Decision, LocalTransactionState
+    from rmq_spark.model.messages import LocalTransactionState
+    from rmq_spark.store.decisions import Decision
 
     clock = Clock()
     old = prepare(store, "COMMIT", "COMMIT")
@@ -543,7 +545,8 @@ def test_check_state_of_a_transaction_retention_removed_is_forgotten(spark, stor
     """A transaction decided and removed by retention before a round saw its decision leaves
     no check_state row behind (it has neither op nor half rows to be recognised by)."""
     from rmq_spark.model.config import RetentionSettings
-    from rmq_spark.store.facade import Decision, LocalTransactionState
+    from rmq_spark.model.messages import LocalTransactionState
+    from rmq_spark.store.decisions import Decision
     from rmq_spark.store.retention import maintain
 
     clock = Clock()

@@ -540,7 +540,7 @@ level = "INFO"
 
     def some_published(self, commitlog) -> str:
         """A DELETE predicate for one to three published messages of one queue."""
-        from rmq_spark.store.facade import queue_app_id
+        from rmq_spark.store.queues import queue_app_id
 
         queues = [
             (topic, q, next_offset)
@@ -583,7 +583,7 @@ level = "INFO"
         """Check counts never go down; queue offsets never go down."""
         from deltalake import DeltaTable
 
-        from rmq_spark.store.facade import queue_app_id
+        from rmq_spark.store.queues import queue_app_id
 
         try:
             state = read_delta(

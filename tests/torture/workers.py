@@ -49,7 +49,7 @@ def read_delta(path: str | Path, columns: list[str] | None = None, version: int 
     (SIGABRT, "terminate called")."""
     from deltalake import DeltaTable, QueryBuilder
 
-    from rmq_spark.store.facade import read_arrow
+    from rmq_spark.delta.reads import read_arrow
 
     chosen = ", ".join(f'"{c}"' for c in columns) if columns else "*"
     query = QueryBuilder().register("t", DeltaTable(str(path), version=version))

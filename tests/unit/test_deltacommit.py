@@ -23,11 +23,11 @@ from deltalake.exceptions import CommitFailedError
 from rmq_spark import Decision, LocalTransactionState, Message, Store, StoreError
 from rmq_spark.delta.commit import appendable, commit
 from rmq_spark.delta.files import write_files
+from rmq_spark.delta.reads import read_arrow
 from rmq_spark.delta.storage import filesystem
 from rmq_spark.model.config import Settings, StoreSettings
 from rmq_spark.model.messages import new_id
 from rmq_spark.model.schema import HALF_SCHEMA
-from rmq_spark.store.facade import read_arrow
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -15,7 +15,7 @@ from rmq_spark.delta.txnlog import checkpoint_guess
 from rmq_spark.model.errors import DataLossError
 from rmq_spark.spark.offsets import latest_offsets
 from rmq_spark.spark.reading import plan_slices, read_slice
-from rmq_spark.store.facade import COMPACT_EVERY_COMMITS
+from rmq_spark.store.maintenance import COMPACT_EVERY_COMMITS
 from tests.conftest import commitlog
 
 COMMIT = LocalTransactionState.COMMIT

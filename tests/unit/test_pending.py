@@ -22,7 +22,7 @@ from rmq_spark.checkback.pending import scan_pending, update_pending
 from rmq_spark.model.config import Settings, StoreSettings
 from rmq_spark.model.messages import new_id
 from rmq_spark.model.schema import HALF_SCHEMA, PENDING_SCHEMA, WRITER_COLUMNS
-from rmq_spark.store.facade import PENDING_HALF_APP_ID
+from rmq_spark.store.maintenance import PENDING_HALF_APP_ID
 from tests.conftest import race
 
 #: Random histories per run: 60 in the suite (under a minute); RMQ_PENDING_HISTORIES=300 (or
@@ -309,7 +309,7 @@ def test_an_update_killed_before_its_commit_leaves_the_old_state(store: Store) -
 
 def test_updates_past_a_vacuum_stay_exact(store: Store) -> None:
     """Every update rewrites the table and every COMPACT_EVERY_COMMITS versions vacuums it."""
-    from rmq_spark.store.facade import COMPACT_EVERY_COMMITS
+    from rmq_spark.store.maintenance import COMPACT_EVERY_COMMITS
 
     for i in range(COMPACT_EVERY_COMMITS + 2):
         (p,) = store.prepare([Message("T", str(i).encode())], "g1")

@@ -27,12 +27,13 @@ from deltalake import DeltaTable
 
 from rmq_spark import Decision, LocalTransactionState, Message, Store
 from rmq_spark.delta.files import read_ahead, write_in_parallel
+from rmq_spark.delta.reads import read_arrow
 from rmq_spark.delta.storage import arrow_filesystem, scheme
 from rmq_spark.delta.txnlog import app_transactions, follow
 from rmq_spark.model.config import Settings, StoreSettings
 from rmq_spark.model.errors import CorruptStoreError, StoreError
 from rmq_spark.model.schema import TABLES
-from rmq_spark.store.facade import OP_CURSOR_APP_ID, queue_app_id, read_arrow
+from rmq_spark.store.queues import OP_CURSOR_APP_ID, queue_app_id
 from tests.conftest import commitlog, race
 
 COMMIT, ROLLBACK = LocalTransactionState.COMMIT, LocalTransactionState.ROLLBACK
@@ -140,13 +141,13 @@ def test_a_large_version_reports_its_progress_and_its_end(
 ) -> None:
     """Publishing one large decision (a sink epoch of a whole job) can take minutes on the
     driver: it logs how far it is at INFO, every PROGRESS_SECONDS, and when it is done."""
-    monkeypatch.setattr("rmq_spark.store.facade.PROGRESS_SECONDS", 0.0)
+    monkeypatch.setattr("rmq_spark.store.chunks.PROGRESS_SECONDS", 0.0)
     monkeypatch.setattr("rmq_spark.delta.files.BATCH_ROWS", 4)  # batches of 4 rows read from half
     store = open_store(tmp_path / "s", publish_max_messages=3)
     store.prepare([Message("A", f"big-{i}") for i in range(10)], "pg", transaction_ids=["b"] * 10)
     store.end_transactions([Decision("b", "pg", COMMIT)], publish=False)
     caplog.clear()  # what the setup logged (the store's creation, when INFO is on already)
-    with caplog.at_level("INFO", logger="rmq_spark.store.facade"):
+    with caplog.at_level("INFO", logger="rmq_spark.store"):
         store.publish()
     lines = [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
     assert [re.sub(r" \(\d+%, \d+ s\)$", "", line) for line in lines] == [

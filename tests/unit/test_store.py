@@ -33,7 +33,9 @@ from rmq_spark.checkback.pending import update_pending
 from rmq_spark.delta.storage import filesystem
 from rmq_spark.model.config import StoreSettings
 from rmq_spark.model.schema import LOCKS_SCHEMA
-from rmq_spark.store.facade import COMPACT_EVERY_COMMITS, MARKER_FILE, decision_app_id
+from rmq_spark.store.decisions import decision_app_id
+from rmq_spark.store.layout import MARKER_FILE
+from rmq_spark.store.maintenance import COMPACT_EVERY_COMMITS
 from tests.conftest import commitlog
 
 COMMIT, ROLLBACK = LocalTransactionState.COMMIT, LocalTransactionState.ROLLBACK
@@ -601,7 +603,7 @@ def test_a_log_listing_that_raced_a_commit_is_listed_again(store: Store) -> None
     on disk."""
     from deltalake.exceptions import DeltaError
 
-    from rmq_spark.store.facade import relisting
+    from rmq_spark.delta.retry import relisting
 
     for i in range(3):
         store.prepare([Message("Orders", str(i).encode())], "pg")

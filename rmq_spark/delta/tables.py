@@ -1,0 +1,391 @@
+"""The Delta layer's one door: the store's tables under one root, and how rows get into them.
+
+The store's concepts say what they want ("append these rows to ``half``", "commit these files
+on this snapshot unless another writer recorded one of these application ids", "MERGE this");
+this class owns how: per-thread snapshots, data files, the log entry (written directly by
+:mod:`rmq_spark.delta.commit` where the table allows it, else by deltalake), retries of lost
+races (:mod:`rmq_spark.delta.retry`), checkpoints at the table's interval, and the chores a
+commit asks for, run on the committing thread or in the background (:mod:`rmq_spark.delta.chores`).
+
+Rule 4 (nothing is lost) is kept here for every write: a call returns only after its commit
+landed, a commit that lost a race is retried from the new state, and work done after a commit
+has landed (a checkpoint, a listener's chore) never turns it into an error.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+from deltalake import CommitProperties, DeltaTable, QueryBuilder, Transaction
+from deltalake.table import TableMerger
+from deltalake.transaction import AddAction
+
+from rmq_spark.delta.chores import Chores
+from rmq_spark.delta.commit import appendable, checkpoint, checkpoint_interval
+from rmq_spark.delta.commit import commit as commit_direct
+from rmq_spark.delta.files import commit_files, write_files, write_in_parallel
+from rmq_spark.delta.reads import read_arrow, with_uris
+from rmq_spark.delta.retry import refused_if_cleaned, relisting, retry_commits
+from rmq_spark.delta.storage import check_conditional_put, deltalake_options
+from rmq_spark.delta.txnlog import app_transactions, follow
+
+log = logging.getLogger(__name__)
+
+#: A table's schema, partition columns and table properties.
+TableSpec = tuple[pa.Schema, list[str], dict[str, str]]
+#: The kinds of chores a commit asks for (see :meth:`DeltaTables.soon`).
+_CHORES = ("checkpoint", "maintain")
+
+
+@dataclass(frozen=True)
+class Head:
+    """A table as a writer last found it: its latest ``version`` and application transactions
+    ``txns``, when that was found (``time.monotonic()``, before looking), and a snapshot (at or
+    before ``version``) for its metadata."""
+
+    snapshot: DeltaTable
+    version: int
+    txns: Mapping[str, int]
+    found: float
+
+
+class DeltaTables:
+    """The Delta tables under ``root`` named by ``specs``, and every write to them.
+
+    Thread-safe: each thread keeps its own snapshots (deltalake's are not thread-safe),
+    refreshed incrementally instead of replaying the log on every operation.
+
+    Parameters
+    ----------
+    root : str
+        The root URI; table ``name`` is ``root/name``.
+    specs : mapping
+        Table name to :data:`TableSpec`.
+    storage_options : mapping
+        The store's storage options (fsspec names; see :mod:`rmq_spark.delta.storage`).
+    fresh_seconds : float
+        How long a snapshot or head may be used without a look at the log: half of the time
+        after which log entries no reader needs may be cleaned.
+    """
+
+    def __init__(
+        self,
+        root: str,
+        specs: Mapping[str, TableSpec],
+        storage_options: Mapping[str, str],
+        fresh_seconds: float,
+    ) -> None:
+        self.root = root
+        self.specs = specs
+        self.storage_options = storage_options
+        self.fresh_seconds = fresh_seconds
+        self._snapshots = threading.local()
+        self._refreshed = threading.local()
+        self._heads = threading.local()
+        #: The newest version of each table this process committed: where a blind append
+        #: starts looking for a free version when its cached snapshot is older.
+        self._known: dict[str, int] = {}
+        self._lock = threading.Lock()
+        #: Per table: (snapshot version, checkpoint interval or None), see direct_interval.
+        self._writers: dict[str, tuple[int, int | None]] = {}
+        self._chores: dict[str, Chores] = {}
+        self._listeners: list[Callable[[str, int], None]] = []
+
+    # ------------------------------------------------------------------ tables
+    @property
+    def deltalake_options(self) -> dict[str, str] | None:
+        """The storage options as deltalake takes them."""
+        return deltalake_options(self.storage_options)
+
+    def uri(self, name: str) -> str:
+        """The URI of table ``name``."""
+        return f"{self.root.rstrip('/')}/{name}"
+
+    def snapshot(self, name: str, *, latest: bool = True) -> DeltaTable:
+        """This thread's snapshot of a table, brought to the newest version (``latest``), or
+        kept as it is while younger than :attr:`fresh_seconds` (enough for a blind append:
+        the log entries after an older one may have been cleaned, and deltalake refuses to
+        commit on it)."""
+        cache, refreshed = self._snapshots.__dict__, self._refreshed.__dict__
+        table = cache.get(name)
+        now = time.monotonic()
+        if table is None:
+            uri = self.uri(name)
+            table = cache[name] = relisting(
+                lambda: DeltaTable(uri, storage_options=self.deltalake_options)
+            )
+        elif latest or now - refreshed[name] > self.fresh_seconds:
+            relisting(table.update_incremental)
+        else:
+            return table
+        refreshed[name] = now
+        return table
+
+    def at_version(self, name: str, version: int) -> DeltaTable:
+        """A table as of ``version``."""
+        return DeltaTable(self.uri(name), version=version, storage_options=self.deltalake_options)
+
+    def create(self, name: str) -> None:
+        """Create table ``name`` by its spec, unless it exists."""
+        schema, partition_by, properties = self.specs[name]
+        DeltaTable.create(
+            self.uri(name),
+            schema=schema,
+            mode="ignore",
+            partition_by=partition_by or None,
+            name=f"rmqtx_{name}",
+            configuration=properties,
+            storage_options=self.deltalake_options,
+        )
+
+    def app_transactions(self, name: str, snapshot: DeltaTable | None = None) -> Mapping[str, int]:
+        """The application transactions (``txn`` actions) of a snapshot (default: the latest)."""
+        snapshot = snapshot or self.snapshot(name)
+        return app_transactions(snapshot, self.uri(name), self.storage_options)
+
+    def head(self, name: str, *, reload: bool) -> Head:
+        """A table's latest version and application transactions, for a writer that commits
+        to it on every call (a publisher).
+
+        Its snapshot update would list the table's whole log each time on a local filesystem.
+        So, while the version this thread found last is younger than :attr:`fresh_seconds`
+        (no entry after it can have been cleaned), the entries after it are read instead
+        (:func:`follow`). A table change among them, ``reload`` (a retry), an older head, or
+        a table that deltalake commits to (it needs the latest snapshot) loads the snapshot.
+        """
+        now = time.monotonic()
+        head: Head | None = getattr(self._heads, name, None)
+        if not reload and head is not None and now - head.found < self.fresh_seconds:
+            followed = follow(self.uri(name), self.storage_options, head.version, head.txns)
+            if followed is not None:
+                head = Head(head.snapshot, *followed, now)
+                setattr(self._heads, name, head)
+                return head
+        snapshot = self.snapshot(name)
+        head = Head(snapshot, snapshot.version(), self.app_transactions(name, snapshot), now)
+        direct = self.direct_interval(name, snapshot) is not None
+        setattr(self._heads, name, head if direct else None)
+        return head
+
+    def data_files(self, name: str, snapshot: DeltaTable | None = None) -> pa.Table:
+        """The data files of a snapshot (default: the latest): Delta's add actions (path, size,
+        partition values, per-column min/max) plus each file's ``uri``."""
+        return with_uris(snapshot or self.snapshot(name), self.uri(name))
+
+    def sql(
+        self,
+        name: str,
+        statement: str,
+        *,
+        version: int | None = None,
+        table: DeltaTable | None = None,
+    ) -> pa.Table:
+        """Run a SQL ``statement`` (DataFusion) over a table registered under its name, in
+        plain Arrow types: the latest snapshot, ``version`` or the snapshot ``table``."""
+        if table is None:
+            table = self.snapshot(name) if version is None else self.at_version(name, version)
+        return read_arrow(QueryBuilder().register(name, table).execute(statement))
+
+    # ------------------------------------------------------------------ writes
+    def on_commit(self, listener: Callable[[str, int], None]) -> None:
+        """Call ``listener(table, version)`` after every commit that changes a table's data
+        (not a compaction's); it must not raise."""
+        self._listeners.append(listener)
+
+    def write(
+        self, name: str, rows: Iterable[pa.Table], *, data_change: bool = True
+    ) -> list[AddAction]:
+        """Write ``rows`` as new data files of a table, invisible until committed.
+
+        Before this process first writes to the root through its endpoint, an object store
+        that ignores conditional writes is refused (:func:`check_conditional_put`, probed once
+        per process, root and options)."""
+        check_conditional_put(self.root, self.storage_options)
+        schema, partitions, _ = self.specs[name]
+        partition = partitions[0] if partitions else None
+        return write_files(
+            self.uri(name),
+            iter(rows),
+            schema,
+            partition,
+            self.storage_options,
+            data_change=data_change,
+        )
+
+    def write_stream(self, name: str, rows: Iterator[pa.Table]) -> list[AddAction]:
+        """Write a stream of rows (too large to hold) as data files, on several threads."""
+        check_conditional_put(self.root, self.storage_options)
+        schema, partitions, _ = self.specs[name]
+        partition = partitions[0] if partitions else None
+        return write_in_parallel(self.uri(name), rows, schema, partition, self.storage_options)
+
+    def append(
+        self,
+        name: str,
+        rows: Iterable[pa.Table],
+        app_ids: Mapping[str, int] | None = None,
+        *,
+        always: bool = True,
+    ) -> int | None:
+        """Write ``rows`` as new files of a table and commit them (nothing when there are
+        none, unless ``always``), retrying lost races; return the version committed (None:
+        nothing to commit).
+
+        ``app_ids`` (application id to version) are recorded with the commit, which then
+        fails (and is retried from the latest snapshot) if a concurrent commit recorded one of
+        them. Without them an append never conflicts. A retried commit adds the same files
+        again, which Delta reconciles by path: one that landed although it reported a failure
+        stores nothing twice.
+        """
+        files = self.write(name, rows)
+        if not files and not always:
+            return None
+        return retry_commits(
+            f"append to {name}",
+            name,
+            lambda n: self.commit(name, files, self.snapshot(name, latest=n > 0), app_ids),
+        )
+
+    def commit(
+        self,
+        name: str,
+        files: list[AddAction],
+        snapshot: DeltaTable,
+        app_ids: Mapping[str, int] | None = None,
+        info: Mapping[str, str] | None = None,
+        after: int | None = None,
+        removes: Sequence[Mapping[str, object]] = (),
+    ) -> int:
+        """One attempt (for :func:`retry_commits`) at committing written data files as an
+        append to a table on ``snapshot`` (or, with ``removes``, a compaction of a table
+        appended to directly); return the committed version.
+
+        The log entry is written directly (:mod:`rmq_spark.delta.commit`, about 1 ms) unless
+        the table needs more of a writer than that (then deltalake commits it). Without
+        ``app_ids`` the commit may go after versions this process committed since
+        ``snapshot`` (an append does not depend on what it read); with them, conflicts are
+        checked from ``snapshot`` on, or from ``after``: a later version the caller read the
+        log up to (:meth:`head`), with no change of the table since ``snapshot``.
+        """
+        interval = self.direct_interval(name, snapshot)
+        if interval is None:
+            partitions = self.specs[name][1]
+            properties = CommitProperties(
+                app_transactions=[Transaction(a, v) for a, v in (app_ids or {}).items()],
+                custom_metadata=dict(info or {}),
+            )
+            with refused_if_cleaned(snapshot):
+                commit_files(snapshot, files, partitions[0] if partitions else None, properties)
+            version = snapshot.version()
+        else:
+            after = snapshot.version() if after is None else after
+            with self._lock:
+                if not app_ids and not removes:
+                    after = max(after, self._known.get(name, after))
+            version = commit_direct(
+                self.uri(name),
+                self.storage_options,
+                after,
+                files,
+                app_ids=app_ids,
+                info=info,
+                removes=removes,
+            )
+            with self._lock:
+                self._known[name] = max(version, self._known.get(name, version))
+            if version % interval == 0:
+                self.soon("checkpoint", name, lambda: self._checkpoint(name, version))
+        if not removes:
+            for listener in self._listeners:
+                listener(name, version)
+        return version
+
+    def merge(
+        self,
+        name: str,
+        source: pa.Table,
+        on: str | Sequence[str],
+        clauses: Callable[[TableMerger], TableMerger],
+        commit_properties: CommitProperties | None = None,
+    ) -> dict[str, Any]:
+        """MERGE ``source`` (alias ``s``) into a table (alias ``t``) where the ``on`` columns
+        are equal; return deltalake's metrics.
+
+        ``clauses`` adds the WHEN clauses to deltalake's ``TableMerger``. A commit lost to a
+        concurrent writer is retried from the new snapshot, so conditions in the clauses are
+        evaluated against what is really there. ``commit_properties`` go with the commit (for
+        example application transactions recorded with it).
+        """
+        keys = [on] if isinstance(on, str) else list(on)
+        check_conditional_put(self.root, self.storage_options)
+
+        def attempt(_: int) -> tuple[dict[str, Any], int]:
+            table = self.snapshot(name)
+            with refused_if_cleaned(table):
+                merger = table.merge(
+                    source,
+                    predicate=" AND ".join(f"t.{k} = s.{k}" for k in keys),
+                    source_alias="s",
+                    target_alias="t",
+                    commit_properties=commit_properties,
+                )
+                return clauses(merger).execute(), table.version()
+
+        metrics, version = retry_commits(f"MERGE into {name}", name, attempt)
+        for listener in self._listeners:
+            listener(name, version)
+        return metrics
+
+    def direct_interval(self, name: str, snapshot: DeltaTable) -> int | None:
+        """The checkpoint interval of a table that :func:`commit_direct` appends to, None when
+        deltalake commits its appends (:func:`appendable`); known per snapshot version."""
+        version = snapshot.version()
+        cached = self._writers.get(name)
+        if cached is None or cached[0] != version:
+            interval = checkpoint_interval(snapshot) if appendable(snapshot) else None
+            cached = self._writers[name] = (version, interval)
+        return cached[1]
+
+    def _checkpoint(self, name: str, version: int) -> None:
+        """Write a table's checkpoint at ``version`` (:func:`checkpoint`). Never raises: the
+        commit has landed, and the next interval writes one."""
+        try:
+            relisting(lambda: checkpoint(self.uri(name), self.deltalake_options, version))
+        except Exception:
+            log.warning(
+                "checkpoint of %s at version %d failed (the commit itself landed); the next "
+                "interval writes one",
+                name,
+                version,
+                exc_info=True,
+            )
+
+    # ------------------------------------------------------------------ chores
+    def soon(self, kind: str, name: str, work: Callable[[], None]) -> None:
+        """Run ``work``, a chore of a ``kind`` of :data:`_CHORES` on table ``name`` that a
+        commit asks for and that never raises: now, on the committing thread, or after
+        :meth:`in_background` on the background thread of its kind."""
+        chores = self._chores.get(kind)
+        if chores is not None:
+            chores.ask(name, work)
+        else:
+            work()
+
+    def in_background(self) -> None:
+        """Run chores on background threads of this process from now on, one per kind
+        (idempotent); :meth:`finish_chores` waits for what is asked."""
+        with self._lock:
+            if not self._chores:
+                self._chores = {kind: Chores(f"rmqtx-{kind}-{self.root}") for kind in _CHORES}
+
+    def finish_chores(self) -> None:
+        """Wait until the background chores asked for so far are done (a no-op without
+        :meth:`in_background`)."""
+        for chores in self._chores.values():
+            chores.wait()

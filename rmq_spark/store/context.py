@@ -1,0 +1,36 @@
+"""What the store's concepts share: one store's tables, settings and clock, and the half
+messages this process prepared until they are published."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+
+from rmq_spark.delta.tables import DeltaTables
+from rmq_spark.model.config import StoreSettings
+from rmq_spark.store.recent import RecentHalves
+
+
+@dataclass(frozen=True)
+class StoreContext:
+    """One store's shared parts, handed to each concept (:class:`Decisions`, :class:`Chunks`,
+    :class:`Maintenance`).
+
+    Parameters
+    ----------
+    tables : DeltaTables
+        The store's tables (the Delta layer).
+    settings : StoreSettings
+        Queue count, body size limit, publish limits, retention of log entries.
+    clock : callable
+        Returns the current UTC time for the timestamps written.
+    recent : RecentHalves
+        Half messages this process prepared, until they are published (a publisher that
+        finds a whole chunk here does not read ``half`` back).
+    """
+
+    tables: DeltaTables
+    settings: StoreSettings
+    clock: Callable[[], datetime]
+    recent: RecentHalves

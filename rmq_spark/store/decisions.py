@@ -1,0 +1,304 @@
+"""Transactions begun and decided: half messages written, and the first decision that wins.
+
+* **Invisible until committed** (rule 1). :meth:`Decisions.prepare` writes half messages into
+  ``half`` only; consumers read only ``commitlog``.
+* **Nothing is lost** (rule 4). ``prepare`` returns only after the half message's Delta commit.
+* **First decision wins** (rule 3). ``op`` has one row per decided transaction. A decision is an
+  append made on the snapshot in which the transaction was read as undecided, and it records a
+  Delta application transaction for the bucket of each transaction id it decides
+  (:func:`decision_app_id`). Two deciders racing on the same transaction set the same id, so
+  Delta's optimistic concurrency check refuses the second commit; the loser retries, sees the
+  winner's row, and reports the request as refused (or as a no-op when it asked for the same
+  thing). An append costs a few milliseconds where a MERGE cost tens; two deciders of
+  different transactions in one bucket only retry.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from enum import StrEnum
+
+import pyarrow as pa
+from deltalake import DeltaTable
+
+from rmq_spark.delta.retry import retry_commits
+from rmq_spark.model.errors import RmqSparkError
+from rmq_spark.model.messages import (
+    LocalTransactionState,
+    Message,
+    check_group,
+    new_id,
+    queue_for,
+    validate_message,
+)
+from rmq_spark.model.schema import HALF_SCHEMA, OP_SCHEMA, WRITER_COLUMNS
+from rmq_spark.store.context import StoreContext
+from rmq_spark.store.oplog import COMMITS_KEY, DECIDED_BY_RECOVERY
+from rmq_spark.store.reads import decisions_of
+
+log = logging.getLogger(__name__)
+
+_DECISION_APP_ID = "rmqtx.decision.{bucket}"
+
+#: Buckets of transaction ids for the decision arbiter: ``op``'s snapshot keeps one
+#: application id per bucket, however many transactions were ever decided.
+DECISION_BUCKETS = 1024
+
+
+def decision_app_id(transaction_id: str) -> str:
+    """The application id an ``op`` commit deciding ``transaction_id`` records: one per bucket
+    of ids (CRC-32, stable across processes), so racing deciders of a transaction conflict."""
+    bucket = zlib.crc32(transaction_id.encode()) % DECISION_BUCKETS
+    return _DECISION_APP_ID.format(bucket=bucket)
+
+
+class EndTransactionStatus(StrEnum):
+    """What happened to an end-transaction request."""
+
+    #: This request decided the transaction.
+    APPLIED = "APPLIED"
+    #: The transaction already had the same decision; nothing changed.
+    ALREADY_DECIDED = "ALREADY_DECIDED"
+    #: The transaction already had the opposite decision, which stays in force.
+    REFUSED = "REFUSED"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A request to end one transaction.
+
+    Parameters
+    ----------
+    transaction_id : str
+        The transaction to end.
+    producer_group : str
+        The group that owns it.
+    state : LocalTransactionState
+        ``COMMIT`` or ``ROLLBACK``.
+    decided_by : str
+        Who decides: ``producer``, ``check-back``, ``sink``... (kept in ``op`` for audits).
+    """
+
+    transaction_id: str
+    producer_group: str
+    state: LocalTransactionState
+    decided_by: str = "producer"
+
+
+@dataclass(frozen=True)
+class EndTransactionResult:
+    """The outcome of an end-transaction request.
+
+    ``decision`` is the decision in force after the request: the requested one when
+    ``status`` is ``APPLIED`` or ``ALREADY_DECIDED``, the earlier one when ``REFUSED``.
+    """
+
+    transaction_id: str
+    requested: LocalTransactionState
+    status: EndTransactionStatus
+    decision: LocalTransactionState
+
+
+@dataclass(frozen=True)
+class PreparedMessage:
+    """A half message that is durable in the ``half`` table."""
+
+    msg_id: str
+    transaction_id: str
+    queue_id: int
+    half_version: int
+    store_timestamp: datetime
+
+
+class Decisions:
+    """Half messages written and transactions decided in one store's ``half`` and ``op``.
+
+    Parameters
+    ----------
+    context : StoreContext
+        The store's tables, settings, clock and recently prepared half messages.
+    """
+
+    def __init__(self, context: StoreContext) -> None:
+        self.tables, self.settings = context.tables, context.settings
+        self.clock, self.recent = context.clock, context.recent
+
+    def prepare(
+        self,
+        messages: Sequence[Message],
+        producer_group: str,
+        *,
+        transaction_ids: Sequence[str] | None = None,
+        born_timestamp: datetime | None = None,
+        validated: bool = False,
+    ) -> list[PreparedMessage]:
+        """Write half messages (durable, invisible) in one Delta commit.
+
+        Parameters
+        ----------
+        messages : sequence of Message
+            Validated before anything is written; one invalid message fails the whole call.
+        producer_group : str
+            The producer group that owns the transactions.
+        transaction_ids : sequence of str, optional
+            One per message; several messages may share a transaction. Defaults to a new
+            transaction per message.
+        born_timestamp : datetime, optional
+            The producer's clock at send time (defaults to now).
+        validated : bool, default False
+            The messages and the group were checked already (:func:`validate_message`,
+            :func:`check_group`); they are not checked again. A producer checks each message as
+            it is sent, so its group commit, which every sender waits for, skips the checks.
+
+        Returns
+        -------
+        list of PreparedMessage
+            In the order of ``messages``, all with the same ``half_version``.
+        """
+        if not validated:
+            check_group(producer_group)
+            for message in messages:
+                validate_message(message, self.settings.max_body_bytes)
+        fresh_ids = transaction_ids is None
+        if transaction_ids is None:
+            transaction_ids = [new_id() for _ in messages]
+        if len(transaction_ids) != len(messages):
+            raise RmqSparkError("transaction_ids must have one entry per message.")
+        if not messages:
+            return []
+        born = born_timestamp or self.clock()
+        stored = self.clock()
+        msg_ids = [new_id() for _ in messages]
+        keys = [m.keys_string for m in messages]
+        queue_ids = [queue_for(k, self.settings.queue_nums) for k in keys]
+        half = pa.Table.from_pydict(
+            {
+                "transaction_id": list(transaction_ids),
+                "msg_id": msg_ids,
+                "producer_group": [producer_group] * len(messages),
+                "topic": [m.topic for m in messages],
+                "queue_id": queue_ids,
+                "keys": keys,
+                "tags": [m.tags for m in messages],
+                "body": [m.body_bytes for m in messages],
+                "properties": [list(dict(m.properties).items()) for m in messages],
+                "born_timestamp": [born] * len(messages),
+                "store_timestamp": [stored] * len(messages),
+                **{f.name: [None] * len(messages) for f in WRITER_COLUMNS},
+            },
+            schema=HALF_SCHEMA,
+        )
+        version = self.tables.append("half", [half])
+        if fresh_ids:
+            self.recent.add(half)
+        return [
+            PreparedMessage(mid, tid, qid, version, stored)
+            for mid, tid, qid in zip(msg_ids, transaction_ids, queue_ids, strict=True)
+        ]
+
+    def end(self, decisions: Sequence[Decision]) -> list[EndTransactionResult]:
+        """Decide transactions; the first decision recorded for a transaction wins.
+
+        Parameters
+        ----------
+        decisions : sequence of Decision
+            COMMIT or ROLLBACK requests. A transaction named twice in one call is decided by
+            its first entry.
+
+        Returns
+        -------
+        list of EndTransactionResult
+            One per decision, in order.
+        """
+        for d in decisions:
+            if d.state not in (LocalTransactionState.COMMIT, LocalTransactionState.ROLLBACK):
+                raise RmqSparkError(
+                    f"end-transaction takes COMMIT or ROLLBACK, not {d.state!s} "
+                    f"(transaction {d.transaction_id!r}); UNKNOWN means 'do not end it yet'."
+                )
+        first: dict[str, Decision] = {}
+        for d in decisions:
+            first.setdefault(d.transaction_id, d)
+        before = self._record_decisions(list(first.values()))
+        self.recent.discard(
+            t for t, d in first.items() if before.get(t, d.state) is LocalTransactionState.ROLLBACK
+        )
+        results = []
+        for d in decisions:
+            in_force = before.get(d.transaction_id, first[d.transaction_id].state)
+            if d is first[d.transaction_id] and d.transaction_id not in before:
+                status = EndTransactionStatus.APPLIED
+            elif in_force == d.state:
+                status = EndTransactionStatus.ALREADY_DECIDED
+            else:
+                status = EndTransactionStatus.REFUSED
+            results.append(EndTransactionResult(d.transaction_id, d.state, status, in_force))
+        refused = [r for r in results if r.status is EndTransactionStatus.REFUSED]
+        if refused:
+            log.warning(
+                "refused %d late conflicting decision(s), e.g. %s %s (already %s)",
+                len(refused),
+                refused[0].requested.value,
+                refused[0].transaction_id,
+                refused[0].decision.value,
+            )
+        return results
+
+    def _record_decisions(self, decisions: list[Decision]) -> dict[str, LocalTransactionState]:
+        """Append new decisions to ``op``; return the decisions that were already there.
+
+        The returned dict holds the transactions decided *before* this call, with their
+        decision; the ones this call decided are not in it.
+        """
+        ids = [d.transaction_id for d in decisions]
+
+        def attempt(_: int) -> tuple[dict[str, LocalTransactionState], int | None]:
+            op = self.tables.snapshot("op")
+            existing = decisions_of(self.tables, op, ids)
+            fresh = [d for d in decisions if d.transaction_id not in existing]
+            if not fresh:
+                return existing, None
+            return existing, self.write_decisions(op, fresh)
+
+        existing, _ = retry_commits(f"record {len(decisions)} decision(s)", "op", attempt)
+        return existing
+
+    def write_decisions(self, op: DeltaTable, decisions: Sequence[Decision]) -> int:
+        """Append ``decisions`` to the ``op`` snapshot ``op``, in which none of them is decided;
+        return the committed version.
+
+        The commit records :func:`decision_app_id` of every transaction, so it fails with
+        ``CommitFailedError`` (nothing landed) when a commit after ``op``'s version decided one
+        of them, or another transaction of the same bucket: the caller reads again and retries.
+        """
+        decided_at = self.clock()
+        rows = pa.Table.from_pydict(
+            {
+                "transaction_id": [d.transaction_id for d in decisions],
+                "producer_group": [d.producer_group for d in decisions],
+                "decision": [d.state.value for d in decisions],
+                "decided_by": [d.decided_by for d in decisions],
+                "decided_timestamp": [decided_at] * len(decisions),
+            },
+            schema=OP_SCHEMA,
+        )
+        version = op.version() + 1
+        arbiters = sorted({decision_app_id(d.transaction_id) for d in decisions})
+        files = self.tables.write("op", [rows])
+        committed = [
+            d.transaction_id
+            for d in decisions
+            if d.state is LocalTransactionState.COMMIT and d.decided_by != DECIDED_BY_RECOVERY
+        ]
+        return self.tables.commit(
+            "op",
+            files,
+            op,
+            app_ids=dict.fromkeys(arbiters, version),
+            info={"rmqtx.operation": "decide", COMMITS_KEY: json.dumps(committed)},
+        )

@@ -1,0 +1,176 @@
+"""Opening a store: its marker, its tables created or checked, and tables of an older layout
+brought up to date.
+
+Rule 7 (bad input loses nothing) for roots: a root that is not an rmq-spark store, a newer
+layout, or a table that is missing, unreadable or foreign fails with an error naming it, before
+anything is written; an older layout-1 store gets the tables and columns added since, without
+refusing it or changing a row.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from datetime import UTC, datetime
+from pathlib import Path
+
+import fsspec
+import pyarrow as pa
+from deltalake import Field as DeltaField
+from deltalake.exceptions import DeltaError, TableNotFoundError
+
+from rmq_spark.delta.retry import retry_commits
+from rmq_spark.delta.storage import check_conditional_put, check_conditional_writes, filesystem
+from rmq_spark.delta.tables import DeltaTables
+from rmq_spark.model.errors import (
+    CorruptStoreError,
+    NotAStoreError,
+    StorageConfigError,
+    StoreError,
+    StoreVersionError,
+)
+from rmq_spark.model.schema import COLUMNS_ADDED_LATER, TABLES
+
+log = logging.getLogger(__name__)
+
+LAYOUT_VERSION = 1
+
+MARKER_FILE = "_rmqtx_store.json"
+
+STORE_FORMAT = "rmq-spark-store"
+
+#: Tables added to layout 1 after its first stores were made: opening an older store creates
+#: them (empty) instead of refusing it. Any other missing table is damage.
+TABLES_ADDED_LATER = ("consumer_offsets", "epochs", "locks", "pending")
+
+
+def open_or_create(tables: DeltaTables, create: bool) -> None:
+    """Check the store at ``tables.root`` and bring it up to date, or create it (``create``)
+    when the root is empty or missing."""
+    check_conditional_writes(tables.storage_options)
+    fs, root = filesystem(tables.root, tables.storage_options)
+    marker = f"{root.rstrip('/')}/{MARKER_FILE}"
+    if _reached(fs, marker, tables.root):
+        _check_marker(tables.root, fs, marker)
+        for name in TABLES_ADDED_LATER:
+            if not fs.exists(f"{root.rstrip('/')}/{name}"):
+                tables.create(name)
+                log.info("store %s: created table %r, new in this version", tables.root, name)
+        for name in TABLES:
+            _check_table(tables, name)
+        return
+    if fs.exists(root) and not fs.isdir(root):
+        raise NotAStoreError(
+            f"{tables.root!r} is a file, not an rmq-spark store; give a directory path."
+        )
+    entries = (
+        {Path(p.rstrip("/")).name for p in fs.ls(root, detail=False)} if fs.exists(root) else set()
+    )
+    # A README (storage/ ships one) or hidden files do not make a root foreign.
+    entries = {e for e in entries if not e.startswith(".") and e != "README.md"}
+    if entries - set(TABLES):
+        raise NotAStoreError(
+            f"{tables.root!r} holds data that is not an rmq-spark store (no {MARKER_FILE}; found "
+            f"{', '.join(sorted(entries)[:5])}). Use an empty directory or an existing store."
+        )
+    if not create:
+        raise StoreError(
+            f"no rmq-spark store at {tables.root!r}; check the path (--path, option 'path' or "
+            "store.path). A store is made when a producer or Store.open(create=True) first "
+            "opens it."
+        )
+    check_conditional_put(tables.root, tables.storage_options)
+    for name in TABLES:
+        tables.create(name)
+        _check_table(tables, name)
+    # The marker is written last: a store is complete once it exists.
+    with fs.open(marker, "w") as out:
+        json.dump(
+            {
+                "format": STORE_FORMAT,
+                "layout_version": LAYOUT_VERSION,
+                "created": str(datetime.now(UTC)),
+            },
+            out,
+        )
+    log.info("created rmq-spark store at %s", tables.root)
+
+
+def _check_marker(root: str, fs: fsspec.AbstractFileSystem, marker: str) -> None:
+    try:
+        with fs.open(marker, "r") as src:
+            meta = json.load(src)
+        version = int(meta["layout_version"])
+        if meta["format"] != STORE_FORMAT:
+            raise ValueError(f"format is {meta['format']!r}")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CorruptStoreError(
+            f"the store marker {MARKER_FILE} under {root!r} is unreadable ({exc}); "
+            "the root is damaged or was not written by rmq-spark."
+        ) from exc
+    if version > LAYOUT_VERSION:
+        raise StoreVersionError(
+            f"the store at {root!r} has layout version {version}, but this rmq-spark "
+            f"reads layout version {LAYOUT_VERSION} at most; upgrade rmq-spark."
+        )
+
+
+def _check_table(tables: DeltaTables, name: str) -> None:
+    expected = [f.name for f in TABLES[name][0]]
+    try:
+        found = [f.name for f in tables.snapshot(name).schema().fields]
+    except (TableNotFoundError, DeltaError, OSError) as exc:
+        raise CorruptStoreError(
+            f"table {name!r} of the store at {tables.root!r} is missing or unreadable ({exc})."
+        ) from exc
+    added = COLUMNS_ADDED_LATER.get(name, [])
+    if added and found == expected[: -len(added)]:
+        _add_columns(tables, name, added)
+        found = expected
+    if found != expected:
+        raise CorruptStoreError(
+            f"table {name!r} of the store at {tables.root!r} has columns {found}, expected "
+            f"{expected}; it was not written by this rmq-spark layout."
+        )
+
+
+def _add_columns(tables: DeltaTables, name: str, added: list[pa.Field]) -> None:
+    """Bring a table of an older layout-1 store up to date (idempotent, race-safe)."""
+
+    def attempt(_: int) -> None:
+        table = tables.snapshot(name)
+        if len(table.schema().fields) < len(TABLES[name][0]):  # else another process did
+            table.alter.add_columns([DeltaField.from_arrow(f) for f in added])
+        # Older epochs rows are all closed; open ones have no closer yet.
+        for column in ("closed_by", "closed_timestamp") if name == "epochs" else ():
+            if not next(
+                f for f in tables.snapshot(name).schema().fields if f.name == column
+            ).nullable:
+                tables.snapshot(name).alter.drop_column_not_null(column)
+
+    retry_commits(f"add columns to {name}", name, attempt)
+    log.info("store %s: added column(s) %s to table %r", tables.root, [f.name for f in added], name)
+
+
+def _reached(fs: fsspec.AbstractFileSystem, marker: str, root: str) -> bool:
+    """Whether the store's marker exists; an object store that cannot be reached (no endpoint
+    there, a refused connection, no DNS name) is a clear configuration error, not a
+    traceback."""
+    try:
+        return fs.exists(marker)
+    except Exception as exc:
+        if not type(exc).__module__.startswith(("botocore", "aiobotocore", "aiohttp")):
+            raise
+        raise StorageConfigError(
+            f"cannot reach the store at {root!r}: {exc}. Check the endpoint "
+            "(AWS_ENDPOINT_URL in [store] storage_options or the environment), the network "
+            "and the credentials."
+        ) from exc
+
+
+def normalise_root(root: str) -> str:
+    """A store root or table location as an absolute URI: absolute local paths for plain
+    paths (so that every process resolves them alike); URIs are kept as given."""
+    if "://" in root:
+        return root
+    return str(Path(root).expanduser().resolve())

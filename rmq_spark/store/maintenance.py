@@ -1,0 +1,212 @@
+"""Keeping a store small and fast as it ages: compaction, log cleanup and the locks they take.
+
+* **Nothing is lost** (rule 4). Compaction changes no data (``dataChange=false``) and never
+  drops a committed message; compactions of one table take turns through a lock in ``locks``
+  (deltalake would let two concurrent ones both commit, storing every row twice). Work asked
+  for after a commit has landed never turns that commit into an error: a caller told "failed"
+  would retry it and duplicate what it wrote.
+* **Cost follows the work** (rule 9). Every table is compacted after every
+  :data:`COMPACT_EVERY_COMMITS` commits, and the log entries of internal tables that no reader
+  needs are deleted, so that no operation slows down with the store's age.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+import pyarrow as pa
+from deltalake.exceptions import CommitFailedError
+
+from rmq_spark.delta.compaction import compact as compact_table
+from rmq_spark.delta.reads import sql_string, sql_time
+from rmq_spark.delta.txnlog import clean_log
+from rmq_spark.model.errors import StoreError
+from rmq_spark.model.failpoints import failpoint
+from rmq_spark.model.messages import new_id
+from rmq_spark.model.schema import LOCKS_SCHEMA, TABLES, TIMESTAMP
+from rmq_spark.store.context import StoreContext
+from rmq_spark.store.queues import published_op_version
+from rmq_spark.store.reads import query
+
+log = logging.getLogger(__name__)
+
+#: Application ids under which ``pending`` records the ``half`` and ``op`` versions it covers.
+PENDING_HALF_APP_ID = "rmqtx.pending.half_version"
+
+PENDING_OP_APP_ID = "rmqtx.pending.op_version"
+
+#: Log entries of an internal table that no reader's cursor needs are kept this long (seconds,
+#: or the ``log_retention`` if shorter), for the operations under way: a commit's conflict
+#: check reads the commits after its snapshot.
+UNNEEDED_LOG_SECONDS = 10.0
+
+#: Compact a table after every this many commits: deltalake's commit cost grows with the
+#: number of files in the snapshot, and every group commit adds one.
+COMPACT_EVERY_COMMITS = 50
+
+#: How long a compaction holds its table's lock at most (a killed compactor's lock expires).
+_COMPACTION_LOCK_SECONDS = 600.0
+
+
+class Maintenance:
+    """Compaction, log cleanup and locks of one store's tables.
+
+    Once made, it asks for a compaction and log cleanup of a table after every
+    :data:`COMPACT_EVERY_COMMITS` of its commits (a listener of the Delta layer's commits),
+    run as the Delta layer runs chores: on the committing thread, or in the background.
+
+    Parameters
+    ----------
+    context : StoreContext
+        The store's tables, settings (``log_retention``) and clock.
+    """
+
+    def __init__(self, context: StoreContext) -> None:
+        self.tables, self.settings, self.clock = context.tables, context.settings, context.clock
+        self.tables.on_commit(self._after_commit)
+
+    def _after_commit(self, name: str, version: int) -> None:
+        """Compact and clean the log every ``COMPACT_EVERY_COMMITS`` commits."""
+        if version % COMPACT_EVERY_COMMITS == 0:
+            self.tables.soon("maintain", name, lambda: self._maintain(name))
+
+    def _maintain(self, name: str) -> None:
+        """Compact a table and clean its log. Never raises: the commit that asked has landed,
+        and a caller told it failed would retry it and duplicate what it wrote."""
+        failpoint("store.maintain")
+        try:
+            self.compact(name)
+            if name != "commitlog":
+                self.clean_log(name)
+        except Exception:
+            log.warning(
+                "compaction or log cleanup of %s failed (the commits themselves landed); a "
+                "later commit will ask again",
+                name,
+                exc_info=True,
+            )
+
+    def compact(self, *names: str) -> dict[str, int]:
+        """Rewrite the small files of the store's tables into larger ones.
+
+        Runs automatically every ``COMPACT_EVERY_COMMITS`` commits of a table. Compaction
+        changes no data (``dataChange=false``): consumers, including Delta's own streaming
+        source, see nothing. Compactions of one table take turns through a lock in ``locks``
+        (deltalake would let two concurrent ones both commit, storing every row twice); a
+        table being compacted elsewhere is skipped. A compaction racing a writer that rewrites
+        the same files loses to it (Delta's conflict check), which is not an error.
+
+        Parameters
+        ----------
+        *names : str
+            Tables to compact (default: all).
+
+        Returns
+        -------
+        dict
+            Files removed per table compacted.
+        """
+        removed = {}
+        # The lock table is not compacted: its MERGEs keep one live file per lock.
+        for name in [n for n in names or TABLES if n != "locks"]:
+            holder = new_id()
+            if not self.lock(f"compact:{name}", holder, _COMPACTION_LOCK_SECONDS):
+                log.debug("%s is being compacted by another process; skipped", name)
+                continue
+            try:
+                metrics = compact_table(self.tables, name)
+            except CommitFailedError as exc:
+                log.debug("compaction of %s lost a race (%s); the next one will do it", name, exc)
+                continue
+            finally:
+                self.lock(f"compact:{name}", holder, 0.0)
+            removed[name] = int(metrics.get("numFilesRemoved", 0))
+            log.debug("compacted %s: %s", name, metrics)
+        return removed
+
+    def clean_log(self, name: str) -> int:
+        """Delete the Delta log entries of an internal table that a checkpoint covers and that
+        no reader needs any more; return how many files went.
+
+        Runs after every ``COMPACT_EVERY_COMMITS`` commits of a table. On a local filesystem
+        every commit and snapshot update lists the whole log (about 8.5 us an entry), so a log
+        that only grew would make every operation slower with the store's age (rule 9), and
+        one kept for minutes of a busy store's commits makes sends several times slower.
+        Entries go once they are:
+
+        * older than ``UNNEEDED_LOG_SECONDS`` (or the ``log_retention`` if shorter), for the
+          operations under way, and not after a reader's cursor, unless a long operation on
+          the table holds its lock (a maintenance run, a compaction): its commit checks the
+          commits after its snapshot;
+        * or older than ``log_retention`` and not after the publisher's cursor: the pending
+          list (:mod:`rmq_spark.checkback.pending`) of a check-back job that lags that much
+          rebuilds from a full scan, while the ``op`` entries the publisher has yet to read are
+          kept whatever their age (they name the COMMITs to publish).
+
+        The CommitLog is not cleaned here: readers stream it with Delta's own source, so its
+        log follows the table's ``delta.logRetentionDuration``.
+        """
+        if name == "commitlog":
+            raise StoreError("the CommitLog's log follows its own delta.logRetentionDuration.")
+        latest = self.tables.snapshot(name).version()
+        kept = min(latest, published_op_version(self.tables) + 1) if name == "op" else latest
+        now = self.clock()
+        rules = [(kept, now - timedelta(seconds=self.settings.log_retention))]
+        if not self._held("maintain", f"compact:{name}"):
+            lagging = self._pending_cursors().get(name) if name in ("half", "op") else None
+            if lagging is not None:
+                kept = min(kept, lagging + 1)
+            rules.append(
+                (
+                    kept,
+                    now - timedelta(seconds=min(UNNEEDED_LOG_SECONDS, self.settings.log_retention)),
+                )
+            )
+        deleted = clean_log(self.tables.uri(name), self.tables.storage_options, rules)
+        if deleted:
+            log.debug("deleted %d log entries of %s", deleted, name)
+        return deleted
+
+    def _held(self, *locks: str) -> bool:
+        """Whether one of the ``locks`` is held (taken and not expired)."""
+        names = ", ".join(sql_string(n) for n in locks)
+        held = query(
+            self.tables, "locks", f"name IN ({names}) AND expires > {sql_time(self.clock())}"
+        )
+        return held.num_rows > 0
+
+    def _pending_cursors(self) -> dict[str, int]:
+        """The ``half`` and ``op`` versions the pending list covers (none before its first
+        update)."""
+        cursors = self.tables.app_transactions("pending")
+        by_table = {"half": PENDING_HALF_APP_ID, "op": PENDING_OP_APP_ID}
+        return {name: cursors[app] for name, app in by_table.items() if app in cursors}
+
+    def lock(self, name: str, holder: str, seconds: float) -> bool:
+        """Take (or, with ``seconds`` 0, release) the lock ``name`` for ``holder``: granted
+        when free, expired, or ``holder``'s already. Racing takers conflict in Delta's
+        optimistic concurrency check; exactly one gets it."""
+        now = self.clock()
+        source = pa.Table.from_pylist(
+            [
+                {
+                    "name": name,
+                    "holder": holder,
+                    "expires": now + timedelta(seconds=seconds),
+                    "now": now,
+                }
+            ],
+            schema=LOCKS_SCHEMA.append(pa.field("now", TIMESTAMP)),
+        )
+        self.tables.merge(
+            "locks",
+            source,
+            "name",
+            lambda m: m.when_matched_update(
+                {"holder": "s.holder", "expires": "s.expires"},
+                predicate="t.expires <= s.now OR t.holder = s.holder",
+            ).when_not_matched_insert({c: f"s.{c}" for c in LOCKS_SCHEMA.names}),
+        )
+        rows = query(self.tables, "locks", f"name = {sql_string(name)}")
+        return rows.column("holder").to_pylist() == [holder]

@@ -1,0 +1,132 @@
+"""Reading the store's tables: rows by transaction or message id, decisions, and SQL.
+
+Rule 9 (cost follows the work): lookups by id read only the data files whose statistics admit
+one of the ids (ids are time-ordered, so a lookup reads few files), whatever the history.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from deltalake import DeltaTable
+
+from rmq_spark.delta.files import admitting
+from rmq_spark.delta.reads import conform, read_files
+from rmq_spark.delta.tables import DeltaTables
+from rmq_spark.model.messages import LocalTransactionState
+from rmq_spark.model.schema import HALF_SCHEMA, TABLES
+
+
+def rows_by_id(
+    tables: DeltaTables,
+    files: pa.Table,
+    name: str,
+    ids: Sequence[str],
+    columns: Sequence[str] | None = None,
+    column: str = "transaction_id",
+) -> pa.Table:
+    """Rows whose ``column`` (an id) is in ``ids``, in the snapshot of table ``name`` whose
+    add actions are ``files`` (:meth:`DeltaTables.data_files`), in file order; only
+    ``columns`` (which hold ``column``) if given.
+
+    Files whose statistics of ``column`` admit none of the ids are not read (ids are
+    time-ordered, so a lookup reads few files). Partition columns are read as nulls.
+    """
+    wanted = sorted(set(ids))
+    return read_files(
+        admitting(files, wanted, column),
+        TABLES[name][0],
+        tables.storage_options,
+        lambda rows: pc.is_in(rows.column(column), value_set=pa.array(wanted, pa.string())),
+        columns,
+    )
+
+
+def half_messages(
+    tables: DeltaTables, transaction_ids: Sequence[str], files: pa.Table | None = None
+) -> pa.Table:
+    """The half messages of the given transactions (``half`` schema).
+
+    ``files``: the add actions of the latest ``half`` snapshot (:meth:`DeltaTables.data_files`) when
+    the caller has read them already.
+    """
+    if files is None:
+        files = tables.data_files("half")
+    return conform(rows_by_id(tables, files, "half", transaction_ids), HALF_SCHEMA)
+
+
+def decisions_of(
+    tables: DeltaTables, op: DeltaTable, ids: list[str]
+) -> dict[str, LocalTransactionState]:
+    """COMMIT or ROLLBACK of each of ``ids`` decided in the ``op`` snapshot ``op``."""
+    rows = rows_by_id(tables, tables.data_files("op", op), "op", ids)
+    return {
+        tid: LocalTransactionState(dec)
+        for tid, dec in zip(
+            rows.column("transaction_id").to_pylist(),
+            rows.column("decision").to_pylist(),
+            strict=True,
+        )
+    }
+
+
+def decisions(
+    tables: DeltaTables, transaction_ids: Sequence[str], *, op: DeltaTable | None = None
+) -> dict[str, LocalTransactionState]:
+    """The decisions recorded in ``op`` for the given transactions.
+
+    Parameters
+    ----------
+    transaction_ids : sequence of str
+        Transactions to look up (files are pruned by their id statistics).
+    op : DeltaTable, optional
+        The ``op`` snapshot to read (default: the latest).
+
+    Returns
+    -------
+    dict of str to LocalTransactionState
+        COMMIT or ROLLBACK per decided transaction; undecided ones are absent.
+    """
+    return decisions_of(tables, op or tables.snapshot("op"), list(transaction_ids))
+
+
+def published(tables: DeltaTables, transaction_ids: Sequence[str]) -> set[str]:
+    """Which of the given transactions have messages in ``commitlog`` (files pruned by id).
+
+    A pending transaction that is published had its decision removed from ``op`` by
+    another Delta writer (a RESTORE or DELETE): see
+    :data:`rmq_spark.store.oplog.DECIDED_BY_RECOVERY`.
+    """
+    rows = rows_by_id(
+        tables, tables.data_files("commitlog"), "commitlog", transaction_ids, ["transaction_id"]
+    )
+    return set(rows.column("transaction_id").to_pylist())
+
+
+def discarded(tables: DeltaTables, transaction_ids: Sequence[str]) -> set[str]:
+    """Which of the given transactions have rows in ``discard`` (files pruned by id)."""
+    rows = rows_by_id(tables, tables.data_files("discard"), "discard", transaction_ids)
+    return set(rows.column("transaction_id").to_pylist())
+
+
+def query(tables: DeltaTables, name: str, where: str) -> pa.Table:
+    """Rows of one of the store's tables matching a SQL condition (DataFusion), in plain
+    Arrow types. Quote values with :func:`rmq_spark.delta.reads.sql_string`.
+
+    Files are pruned by their column statistics; ids are time-ordered, so lookups by id
+    read few files. (pyarrow dataset filters are not used: files written by deltalake's
+    MERGE carry view types that pyarrow's statistics pruning cannot compare.)
+    """
+    return tables.sql(name, f"SELECT * FROM {name} WHERE {where}")
+
+
+def read(tables: DeltaTables, name: str, columns: Sequence[str] | None = None) -> pa.Table:
+    """One of the store's tables whole (or some of its columns), in plain Arrow types.
+
+    Read through DataFusion, like :meth:`DeltaTables.sql`: deltalake's ``to_pyarrow_table``
+    can abort the interpreter at exit on object stores, and the CLI's exit codes would lie.
+    """
+    chosen = ", ".join(f'"{c}"' for c in columns) if columns else "*"
+    return tables.sql(name, f"SELECT {chosen} FROM {name}")
