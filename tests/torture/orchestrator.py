@@ -167,6 +167,8 @@ class Orchestrator:
         self.workers: list[Worker] = []
         self.transient: list[tuple[str, subprocess.Popen, object]] = []
         self.check_seen: dict[str, tuple[int, object]] = {}
+        #: Transactions whose decision a RESTORE of op removed (see forget_check_counts).
+        self.undecided_by_restore: set[str] = set()
         self.queue_seen: dict[str, int] = {}
         self.stream_seq = 0
         self.batch_seq = 0
@@ -532,11 +534,23 @@ level = "INFO"
                 self.note(f"foreign {act} of {table} failed: {exc!r}"[:300])
                 return
             removed = self.record_removed(delta) if table == "commitlog" else 0
+            if act == "restore" and table == "op":
+                self.forget_check_counts(delta)
             self.note(
                 f"foreign {act} of {table} at version {delta.version()}"
                 + (f": {removed} published message(s) removed" if removed else "")
             )
         self.stats.meddling[f"{act} {table}" if act == "restore" else act] += 1
+
+    def forget_check_counts(self, op) -> None:
+        """A transaction whose decision a RESTORE of ``op`` removed is pending again: its
+        ``check_state`` row goes when check-back forgets the decided transaction (before or
+        after the RESTORE), and a later round starts its clock anew before it records the
+        decision again without asking. Its check counts are not sampled any more."""
+        version = op.version()
+        before = read_delta(op.table_uri, ["transaction_id"], version - 1).column(0).to_pylist()
+        after = set(read_delta(op.table_uri, ["transaction_id"], version).column(0).to_pylist())
+        self.undecided_by_restore.update(set(before) - after)
 
     def some_published(self, commitlog) -> str:
         """A DELETE predicate for one to three published messages of one queue."""
@@ -609,7 +623,7 @@ level = "INFO"
             strict=True,
         ):
             self.stats.max_check_count = max(self.stats.max_check_count, count)
-            if txn in decided or txn not in staged:
+            if txn in decided or txn not in staged or txn in self.undecided_by_restore:
                 continue
             seen = self.check_seen.get(txn)
             if seen is not None and count < seen[0]:
