@@ -1,15 +1,7 @@
 """The ``rmqtx`` command line: run the check-back job, re-drive discarded messages.
 
-Examples
---------
-rmqtx check --once                       # one check-back round on the configured store
-rmqtx check --interval 30s               # a round every 30 s (at least 5s) until SIGTERM
-rmqtx check --once --checker order-service=my_service.checks:check_order
-rmqtx resume                             # re-drive every discarded message
-rmqtx maintain                           # apply retention: expire old messages, vacuum
-rmqtx status                             # topics, producer/consumer groups, discards, last run
-rmqtx status --json                      # the same, for scripts
-rmqtx tail OrderEvents -n 20             # newest committed messages of a topic
+Every subcommand's ``--help`` shows its examples (:data:`EXAMPLES`); ``--conf`` and ``--path``
+go before the subcommand or after it.
 """
 
 from __future__ import annotations
@@ -39,18 +31,67 @@ EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
 MIN_CHECK_INTERVAL = 5.0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``rmqtx`` (all subcommands)."""
-    parser = argparse.ArgumentParser(
-        prog="rmqtx", description="rmq-spark: transactional messages on Spark and Delta Lake."
+#: Examples shown by each subcommand's ``--help``.
+EXAMPLES = {
+    "check": """\
+  rmqtx check --once                          one round on the configured store, then exit
+  rmqtx check --interval 30s                  a round every 30 s until SIGTERM or Ctrl-C
+  rmqtx check --once --checker order-service=my_service.checks:check_order
+  rmqtx check --once --path s3://bucket/store --master spark://host:7077""",
+    "resume": """\
+  rmqtx resume                                re-drive every discarded message
+  rmqtx resume --transaction-id 0193A1...     re-drive one discarded transaction""",
+    "maintain": """\
+  rmqtx maintain                              expire old messages and decided transactions
+  rmqtx maintain --conf prod.toml             with the [retention] settings of prod.toml""",
+    "status": """\
+  rmqtx status                                topics, groups, consumer lag, discards, last run
+  rmqtx status --json | jq .consumer_groups   the same, for scripts""",
+    "tail": """\
+  rmqtx tail OrderEvents                      the 10 newest committed messages of a topic
+  rmqtx tail OrderEvents -n 50 --json         the 50 newest, as JSON""",
+}
+
+
+def _store_options(parser: argparse.ArgumentParser, *, default: object) -> None:
+    """``--conf`` and ``--path``, accepted before the subcommand and after it."""
+    parser.add_argument(
+        "--conf",
+        default=default,
+        help="settings file (default: $RMQ_SPARK_CONF or conf/rmq-spark.toml)",
     )
     parser.add_argument(
-        "--conf", help="settings file (default: $RMQ_SPARK_CONF or conf/rmq-spark.toml)"
+        "--path", default=default, help="store root (default: store.path of the settings)"
     )
-    parser.add_argument("--path", help="store root (default: store.path of the settings)")
-    sub = parser.add_subparsers(dest="command", required=True)
 
-    check = sub.add_parser("check", help="run the check-back job (resolve pending transactions)")
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``rmqtx`` (all subcommands)."""
+    from rmq_spark._version import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="rmqtx",
+        description="rmq-spark: transactional messages on Spark and Delta Lake.",
+        epilog="Run 'rmqtx COMMAND --help' for a command's options and examples.",
+    )
+    parser.add_argument("--version", action="version", version=f"rmqtx {__version__}")
+    _store_options(parser, default=None)
+    # After the subcommand too; not given there, they keep what was given before it.
+    common = argparse.ArgumentParser(add_help=False)
+    _store_options(common, default=argparse.SUPPRESS)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, summary: str) -> argparse.ArgumentParser:
+        return sub.add_parser(
+            name,
+            parents=[common],
+            help=summary,
+            description=summary[0].upper() + summary[1:] + ".",
+            epilog="examples:\n" + EXAMPLES[name],
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+
+    check = command("check", "run the check-back job (resolve pending transactions)")
     check.add_argument(
         "--master",
         default="local[2]",
@@ -77,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="expect groups without a checker: count their pending transactions, do not warn",
     )
 
-    resume = sub.add_parser("resume", help="re-drive discarded messages into the check-back cycle")
+    resume = command("resume", "re-drive discarded messages into the check-back cycle")
     resume.add_argument(
         "--transaction-id",
         action="append",
@@ -85,19 +126,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="a discarded transaction to re-drive (repeatable; default: all)",
     )
 
-    sub.add_parser(
+    command(
         "maintain",
-        help="apply the [retention] settings: expire old messages and decided transactions, "
+        "apply the [retention] settings: expire old messages and decided transactions, "
         "vacuum unused files (rmqtx check also does it every maintenance_interval)",
     )
 
-    status = sub.add_parser(
+    status = command(
         "status",
-        help="topics, pending transactions per producer group, consumer lag, discards, last run",
+        "topics, pending transactions per producer group, consumer lag, discards, last run",
     )
     status.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
-    tail = sub.add_parser("tail", help="print the newest committed messages of a topic")
+    tail = command("tail", "print the newest committed messages of a topic")
     tail.add_argument("topic")
     tail.add_argument("-n", "--count", type=int, default=10, help="how many (default 10)")
     tail.add_argument("--json", action="store_true", help="print JSON instead of a table")

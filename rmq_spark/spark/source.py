@@ -35,9 +35,8 @@ option                 required    default    meaning
 ``maxMessagesPerTrigger`` no       none       streaming only: most messages per micro-batch,
                                               shared fairly over queues (AvailableNow honours it)
 ``consumerGroup``      no                     streaming only: record the group's progress in
-                                              the ``consumer_offsets`` table (for lag); it
-                                              trails by one micro-batch, and the last batch
-                                              of a run is never recorded (see below)
+                                              the ``consumer_offsets`` table (for lag) after
+                                              each micro-batch, the last of a run included
 ``failOnDataLoss``     no          true       a read starting below a queue's earliest offset
                                               (retention removed messages it had not read)
                                               fails naming the lost ranges; ``false``: warn
@@ -52,11 +51,12 @@ is an error. A stream honours a named starting offset as given, also for a queue
 messages yet: reading that queue starts there once it fills up. Queues not named start at
 the earliest offset.
 
-``consumerGroup`` progress is recorded in :meth:`RmqTxStreamReader.commit`, which Spark calls
-for a batch only when it plans the next one; the last batch of a run (every
-``Trigger.AvailableNow`` run, any stopped query) is never recorded, so the group's lag shows
-it until the next run. The reader cannot learn that Spark committed that batch (the
-checkpoint is not visible to it), and recording offsets Spark may replay would hide messages.
+``consumerGroup`` progress is recorded when Spark asks for the next batch's end
+(:meth:`RmqTxStreamReader.latestOffset`, whose start is the end of a batch Spark has
+finished), and in :meth:`RmqTxStreamReader.commit`. An idle query asks at every trigger, and a
+``Trigger.AvailableNow`` run once more after its last batch, so a caught-up group shows no lag;
+only a query stopped between a batch and its next trigger leaves that batch unrecorded until
+the query runs again. The progress is for lag only, never read back.
 
 ``endingOffsets`` and ``endingTimestamp`` are batch-only (an error on a stream);
 ``maxMessagesPerTrigger`` on a batch read is ignored with a warning. Streaming offsets carry a
@@ -374,6 +374,8 @@ class RmqTxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.max_per_trigger = options.max_messages_per_trigger
         self._target: Offsets | None = None
         self._opened: Store | None = None
+        #: The consumer group's progress this reader recorded last (see _record_progress).
+        self._recorded: Offsets | None = None
         self._store_id = self._store().table("commitlog").metadata().id
         check_queues(
             options.starting, STARTING_OFFSETS, options.settings.queue_nums, self._latest()
@@ -429,6 +431,10 @@ class RmqTxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
         begin = self._decode(start)
+        # Spark asks for the next batch's end only once the batch ending at ``start`` is
+        # done: ``commit`` comes a batch later, and never for a run's last batch, which would
+        # leave a caught-up group showing that batch as lag.
+        self._record_progress(begin)
         latest = self._target if self._target is not None else self._latest()
         available = {
             (t, q): max(0, end - begin.get(t, {}).get(q, 0))
@@ -455,13 +461,17 @@ class RmqTxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return _read(partition)
 
     def commit(self, end: dict) -> None:
-        """Record the consumer group's progress (``consumerGroup``); never used for reading:
-        the checkpoint alone decides what a query reads. Spark commits a batch's offsets when
-        the next batch starts, so the recorded progress trails the query by one batch."""
+        """Record the consumer group's progress (``consumerGroup``) up to ``end``, the end of
+        a batch Spark has finished; never used for reading: the checkpoint alone decides what
+        a query reads."""
+        self._record_progress(self._decode(end))
+
+    def _record_progress(self, offsets: Offsets) -> None:
+        """Record ``offsets`` as the consumer group's progress in ``consumer_offsets`` (one
+        MERGE, skipped when this reader recorded the same offsets last)."""
         group = self.options.consumer_group
-        if group is None:
+        if group is None or offsets == self._recorded:
             return
-        offsets = self._decode(end)
         now = datetime.now(UTC)
         rows = pa.Table.from_pylist(
             [
@@ -478,12 +488,13 @@ class RmqTxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             schema=CONSUMER_OFFSETS_SCHEMA,
         )
         if rows.num_rows:
-            self.options.open_store().merge(
+            self._store().merge(
                 "consumer_offsets",
                 rows,
                 ["consumer_group", "topic", "queue_id"],
                 lambda m: m.when_matched_update_all().when_not_matched_insert_all(),
             )
+        self._recorded = offsets
 
 
 def _read(partition: InputPartition) -> Iterator[pa.RecordBatch]:

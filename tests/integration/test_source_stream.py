@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from pathlib import Path
 
@@ -167,9 +168,8 @@ def test_consumer_group_progress_is_recorded(spark, store: Store, tmp_path) -> N
     assert [len(b) for _, b in batches] == [2, 2, 1]
     progress = store.read("consumer_offsets").to_pylist()
     assert {r["consumer_group"] for r in progress} == {"billing"}
-    # Spark commits a batch's source offsets when the next batch starts, so the recorded
-    # progress covers every batch but the last one of the run.
-    assert sum(r["next_offset"] for r in progress) == 4
+    # The last batch of the run is recorded too: a caught-up group has no lag.
+    assert sum(r["next_offset"] for r in progress) == 5
     with pytest.raises(Exception, match="option consumerGroup 'bad group!' is not valid"):
         run_batches(stream(spark, store, consumerGroup="bad group!"), tmp_path / "cp2")
 
@@ -241,3 +241,34 @@ def test_a_checkpoint_behind_retention_fails_or_skips_the_lost_range(
         run_batches(stream(spark, store), checkpoint)
     batches = run_batches(stream(spark, store, failOnDataLoss="false"), checkpoint)
     assert [ids for _, ids in batches] == [sorted(young)]
+
+
+def test_a_single_batch_run_and_an_idle_query_record_a_caught_up_group(
+    spark, store: Store, tmp_path
+) -> None:
+    commit(store, ["a", "b", "c"])
+    assert [
+        len(b) for _, b in run_batches(stream(spark, store, consumerGroup="once"), tmp_path / "o")
+    ] == [3]
+    name = f"rmqtx_{uuid.uuid4().hex}"
+    query = (
+        stream(spark, store, consumerGroup="idle")
+        .writeStream.format("memory")
+        .queryName(name)
+        .option("checkpointLocation", str(tmp_path / "i"))
+        .trigger(processingTime="1 second")
+        .start()
+    )
+    try:
+        query.processAllAvailable()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and _recorded(store, "idle") != 3:
+            time.sleep(0.5)
+    finally:
+        query.stop()
+    assert {g: _recorded(store, g) for g in ("once", "idle")} == {"once": 3, "idle": 3}
+
+
+def _recorded(store: Store, group: str) -> int:
+    rows = store.query("consumer_offsets", f"consumer_group = '{group}'")
+    return sum(rows.column("next_offset").to_pylist())

@@ -117,3 +117,26 @@ def test_check_interval_minimum_applies_to_the_configured_default(store: Store, 
     done = _check(["--conf", str(conf), "--path", store.root, "check"])
     assert done.returncode == EXIT_CONFIG, done.stderr  # 99: Spark was started first
     assert "transaction.transaction_check_interval 1s is below the minimum of 5 s" in done.stderr
+
+
+def test_global_options_work_after_the_subcommand_too(store: Store, capsys) -> None:
+    # A Kafka or git user types the store after the command: both places mean the same.
+    assert main(["resume", "--path", store.root]) == EXIT_OK
+    assert main(["status", "--path", store.root, "--json"]) == EXIT_OK
+    assert '"topics"' in capsys.readouterr().out
+    # Before the subcommand still works, and the later one wins when both are given.
+    assert main(["--path", "/nowhere", "status", "--path", store.root]) == EXIT_OK
+
+
+def test_version_and_subcommand_help_with_examples(capsys) -> None:
+    from rmq_spark import __version__
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"rmqtx {__version__}"
+    for command in ("check", "resume", "maintain", "status", "tail"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = capsys.readouterr().out
+        assert "examples:" in text and f"rmqtx {command}" in text.split("examples:")[1], command
+        assert "--path" in text and "--conf" in text, command
