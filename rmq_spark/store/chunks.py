@@ -24,7 +24,7 @@ from rmq_spark.delta.files import LargeVersion, stored_share
 from rmq_spark.delta.reads import read_files
 from rmq_spark.model.errors import CorruptStoreError
 from rmq_spark.model.schema import COMMITLOG_SCHEMA, HALF_SCHEMA, TIMESTAMP
-from rmq_spark.store.context import StoreContext
+from rmq_spark.store.context import StoreConcept
 from rmq_spark.store.oplog import commits_in
 from rmq_spark.store.queues import assign_offsets
 from rmq_spark.store.reads import half_messages, published
@@ -39,18 +39,8 @@ PROGRESS_SECONDS = 30.0
 _ID_MILLIS_DIGITS = 12
 
 
-class Chunks:
-    """Reads the chunks a publisher commits (see the module docstring).
-
-    Parameters
-    ----------
-    context : StoreContext
-        The store's tables, settings, clock and recently prepared half messages.
-    """
-
-    def __init__(self, context: StoreContext) -> None:
-        self.tables, self.settings = context.tables, context.settings
-        self.clock, self.recent = context.clock, context.recent
+class Chunks(StoreConcept):
+    """Reads the chunks a publisher commits (see the module docstring)."""
 
     def next_chunk(
         self, op: DeltaTable, cursor: int, target: int, guard: int

@@ -14,8 +14,7 @@ from rmq_spark.store.recent import RecentHalves
 
 @dataclass(frozen=True)
 class StoreContext:
-    """One store's shared parts, handed to each concept (:class:`Decisions`, :class:`Chunks`,
-    :class:`Maintenance`).
+    """One store's shared parts, handed to each of its concepts (:class:`StoreConcept`).
 
     Parameters
     ----------
@@ -34,3 +33,18 @@ class StoreContext:
     settings: StoreSettings
     clock: Callable[[], datetime]
     recent: RecentHalves
+
+
+class StoreConcept:
+    """A concept of the store (decisions, publishing's chunks, maintenance), made with the
+    store's shared parts.
+
+    Parameters
+    ----------
+    context : StoreContext
+        The store's tables, settings, clock and recently prepared half messages.
+    """
+
+    def __init__(self, context: StoreContext) -> None:
+        self.tables, self.settings = context.tables, context.settings
+        self.clock, self.recent = context.clock, context.recent

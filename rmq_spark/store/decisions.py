@@ -37,7 +37,7 @@ from rmq_spark.model.messages import (
     validate_message,
 )
 from rmq_spark.model.schema import HALF_SCHEMA, OP_SCHEMA, WRITER_COLUMNS
-from rmq_spark.store.context import StoreContext
+from rmq_spark.store.context import StoreConcept
 from rmq_spark.store.oplog import COMMITS_KEY, DECIDED_BY_RECOVERY
 from rmq_spark.store.reads import decisions_of
 
@@ -115,18 +115,8 @@ class PreparedMessage:
     store_timestamp: datetime
 
 
-class Decisions:
-    """Half messages written and transactions decided in one store's ``half`` and ``op``.
-
-    Parameters
-    ----------
-    context : StoreContext
-        The store's tables, settings, clock and recently prepared half messages.
-    """
-
-    def __init__(self, context: StoreContext) -> None:
-        self.tables, self.settings = context.tables, context.settings
-        self.clock, self.recent = context.clock, context.recent
+class Decisions(StoreConcept):
+    """Half messages written and transactions decided in one store's ``half`` and ``op``."""
 
     def prepare(
         self,

@@ -25,7 +25,7 @@ from rmq_spark.model.errors import StoreError
 from rmq_spark.model.failpoints import failpoint
 from rmq_spark.model.messages import new_id
 from rmq_spark.model.schema import LOCKS_SCHEMA, TABLES, TIMESTAMP
-from rmq_spark.store.context import StoreContext
+from rmq_spark.store.context import StoreConcept, StoreContext
 from rmq_spark.store.queues import published_op_version
 from rmq_spark.store.reads import query
 
@@ -49,21 +49,16 @@ COMPACT_EVERY_COMMITS = 50
 _COMPACTION_LOCK_SECONDS = 600.0
 
 
-class Maintenance:
+class Maintenance(StoreConcept):
     """Compaction, log cleanup and locks of one store's tables.
 
     Once made, it asks for a compaction and log cleanup of a table after every
     :data:`COMPACT_EVERY_COMMITS` of its commits (a listener of the Delta layer's commits),
     run as the Delta layer runs chores: on the committing thread, or in the background.
-
-    Parameters
-    ----------
-    context : StoreContext
-        The store's tables, settings (``log_retention``) and clock.
     """
 
     def __init__(self, context: StoreContext) -> None:
-        self.tables, self.settings, self.clock = context.tables, context.settings, context.clock
+        super().__init__(context)
         self.tables.on_commit(self._after_commit)
 
     def _after_commit(self, name: str, version: int) -> None:
