@@ -6,6 +6,7 @@ Names follow RocketMQ's broker settings in snake_case (``transactionTimeOut`` be
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 import re
@@ -85,14 +86,40 @@ def split_storage_options(given: Mapping[str, str]) -> tuple[dict[str, str], dic
     return others, storage
 
 
+#: Option names of Spark's Kafka connector that ``format("rmqtx")`` names otherwise
+#: (lower-cased), and the rmq-spark option to use instead.
+KAFKA_OPTIONS = {
+    "subscribe": "topic",
+    "subscribepattern": "topic",
+    "assign": "topic",
+    "maxoffsetspertrigger": "maxMessagesPerTrigger",
+    "kafka.bootstrap.servers": "path",
+    "kafka.group.id": "consumerGroup",
+    "groupidprefix": "consumerGroup",
+    "startingoffsetsbytimestamp": "startingTimestamp",
+    "endingoffsetsbytimestamp": "endingTimestamp",
+}
+
+
 def reject_unknown(given: Iterable[str], allowed: Sequence[str], usage: str) -> None:
-    """Raise if a (lower-cased) option name is not one of ``allowed``, listing the valid ones."""
+    """Raise if a (lower-cased) option name is not one of ``allowed``, listing the valid ones,
+    and saying which one is meant for a Kafka connector option or a near miss."""
     unknown = sorted(set(given) - {o.lower() for o in allowed})
-    if unknown:
-        raise InvalidOptionError(
-            f"unknown option(s) {', '.join(repr(u) for u in unknown)} for {usage}; "
-            f"valid options: {', '.join(allowed)}."
-        )
+    if not unknown:
+        return
+    by_lower = {o.lower(): o for o in allowed}
+    hints = []
+    for name in unknown:
+        meant = KAFKA_OPTIONS.get(name)
+        if meant in allowed:
+            hints.append(f"{name!r} is Spark's Kafka option; use {meant!r}")
+        elif close := difflib.get_close_matches(name, by_lower, n=1, cutoff=0.8):
+            hints.append(f"{name!r}: did you mean {by_lower[close[0]]!r}?")
+    raise InvalidOptionError(
+        f"unknown option(s) {', '.join(repr(u) for u in unknown)} for {usage}"
+        + (f" ({'; '.join(hints)})" if hints else "")
+        + f"; valid options: {', '.join(allowed)}."
+    )
 
 
 @dataclass(frozen=True)
