@@ -19,16 +19,15 @@ took the version, its entry is read:
   removed one of the files it rewrites.
 
 A conflict raises ``CommitFailedError``: nothing landed, and ``Store``'s retry starts again
-from the latest snapshot. So does an entry gone before it could be read, and a base version
-whose own entry is gone (deltalake's own guard: once the log after a snapshot was cleaned,
-a version written on it could take a place the table has moved past).
+from the latest snapshot. So does an entry gone before it could be read.
 
 A put only if absent is sound only while no entry at or after its version can have been
-deleted. A writer stalled between its check of the base entry and its put (a GC or swap stall,
-a paused VM) can wake after others committed past a checkpoint and the log cleanup deleted the
-entries below it: its put then succeeds in the cleaned hole, below the checkpoint every reader
-starts from. So after the put the commit confirms it is reachable (:meth:`_Log.reachable`: no
-checkpoint at or after it, and the entry before it still there) and otherwise counts as lost:
+deleted. A writer whose base version is old (a stale snapshot; a GC or swap stall, a paused VM
+between reading the log and putting) can find that others committed past a checkpoint and
+the log cleanup deleted the entries below it: its put then succeeds in the cleaned hole, below
+the checkpoint every reader starts from. So after the put the commit confirms it is
+reachable (:meth:`_Log.reachable`: no checkpoint at or after it, and the entry before it still
+there) and otherwise counts as lost:
 ``CommitFailedError``, retried at the table's head. The stray entry is unreachable; the log
 cleanup deletes it with the others below the checkpoint. (A retried append adds the same files,
 which Delta reconciles by path; decisions and publishes record application ids, which conflict.)
@@ -160,8 +159,6 @@ def commit(
         cleaned. Retry from the latest snapshot.
     """
     log = _Log(uri, storage_options)
-    if not log.exists(after):
-        raise CommitFailedError(f"the log entry of version {after} of {uri} is gone")
     now = int(time.time() * 1000)
     ours = dict(app_ids or {})
     rewritten = {str(r["path"]) for r in removes}
@@ -270,9 +267,6 @@ class _Log:
 
     def name(self, version: int) -> str:
         return f"{self.path}/{version:020d}.json"
-
-    def exists(self, version: int) -> bool:
-        return self.fs.exists(self.name(version))
 
     def read(self, version: int) -> bytes:
         try:

@@ -31,6 +31,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as pads
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from deltalake import CommitProperties, DeltaTable
 from deltalake.transaction import AddAction
@@ -326,7 +327,7 @@ class _File:
         self.partition = None if partition is None else {partition: value}
         directory = "" if partition is None else f"{partition}={quote(str(value), safe='')}/"
         self.relative = f"{directory}part-{uuid.uuid4()}-c000.rmqtx.snappy.parquet"
-        if directory:
+        if directory and isinstance(fs, pafs.LocalFileSystem):  # object stores have no folders
             fs.create_dir(f"{base}/{directory}", recursive=True)  # type: ignore[attr-defined]
         self.stream = fs.open_output_stream(  # type: ignore[attr-defined]
             f"{base}/{self.relative}", buffer_size=STREAM_BUFFER_BYTES

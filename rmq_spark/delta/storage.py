@@ -82,6 +82,9 @@ def _arrow_s3(options: tuple[tuple[str, str], ...]) -> pafs.S3FileSystem:
     if endpoint:
         parts = urllib.parse.urlsplit(endpoint)
         kw |= {"endpoint_override": parts.netloc + parts.path, "scheme": parts.scheme}
+    # A file written whole before its first part fills goes up as one PUT, not three requests
+    # of a multipart upload (each an object store's round trip).
+    kw["allow_delayed_open"] = True
     return pafs.S3FileSystem(**{k: v for k, v in kw.items() if v is not None})
 
 
@@ -244,6 +247,11 @@ def fsspec_options(root: str, options: Mapping[str, str]) -> dict[str, Any]:
     region = opts.get("AWS_REGION") or opts.get("AWS_DEFAULT_REGION")
     if family == "s3" and region:
         kw["client_kwargs"] = {"region_name": region}
+    if family == "s3":
+        # A whole-file read is one GET. Otherwise s3fs first asks for the size (a HEAD, and
+        # for a missing file a LIST too) to cut large files into ranges read at once; what
+        # is read through fsspec (log entries, hints, markers) is small.
+        kw["max_concurrency"] = 1
     return kw
 
 

@@ -117,8 +117,8 @@ def follow(
     Returns None when one of those entries changes the table (``metaData`` or ``protocol``):
     load a snapshot instead. The caller must know that no entry after ``version`` can have
     been cleaned since: that ``version`` was the latest a short while ago (entries are kept
-    for at least ``UNNEEDED_LOG_SECONDS``; a commit on the result checks that its base entry
-    still exists and every entry after it).
+    for at least ``UNNEEDED_LOG_SECONDS``; a commit on the result checks every entry after it
+    and that it is reachable itself).
     """
     fs, log_path = filesystem(f"{uri.rstrip('/')}/_delta_log", storage_options)
     followed: dict[str, int] | None = None

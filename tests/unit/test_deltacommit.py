@@ -205,15 +205,22 @@ def test_a_compaction_loses_to_a_commit_that_removed_a_file_it_rewrites(any_stor
     assert any_store.half_messages([gone]).num_rows == 0
 
 
-def test_a_commit_whose_base_entry_was_cleaned_is_refused(store: Store) -> None:
-    """The log after a version may have been cleaned (its entry is gone): a commit on it
-    could take a version the table has moved past, so it is refused before it writes."""
+def test_a_commit_on_a_base_whose_log_was_cleaned_is_refused(store: Store) -> None:
+    """The log after a version may have been cleaned since a writer read it (others committed
+    past a checkpoint, the cleanup deleted the entries below): a commit on it takes the first
+    free version, a hole below the checkpoint that no reader sees. It must be refused, not
+    reported as landed."""
     uri = store.table_uri("half")
+    store.table("half").alter.set_table_properties({"delta.checkpointInterval": "10"})
     base = store.table("half").version()
-    os.unlink(Path(uri) / "_delta_log" / f"{base:020d}.json")
-    with pytest.raises(CommitFailedError, match="is gone"):
-        commit(uri, {}, base, half_files(store))
-    assert not (Path(uri) / "_delta_log" / f"{base + 1:020d}.json").exists()
+    for n in range(25):
+        store.prepare([Message("T", f"m{n}")], "pg")
+    _cleaned(store)
+    assert not (Path(uri) / "_delta_log" / f"{base:020d}.json").exists()
+    files = half_files(store, b"late")
+    with pytest.raises(CommitFailedError, match="below a newer checkpoint"):
+        commit(uri, {}, base, files)
+    assert b"late" not in DeltaTable(uri).to_pyarrow_table(columns=["body"]).column("body")
 
 
 def test_direct_commits_are_checkpointed_at_the_interval(store: Store) -> None:
@@ -368,8 +375,8 @@ def _cleaned(store: Store) -> None:
 def test_a_commit_paused_past_a_checkpoint_and_log_cleanup_is_not_lost(
     store: Store, tmp_path: Path
 ) -> None:
-    """A process stopped (SIGSTOP: a GC or swap stall, a paused VM) between checking its base
-    entry and putting its own, while others commit past a checkpoint and the log cleanup
+    """A process stopped (SIGSTOP: a GC or swap stall, a paused VM) between reading the log
+    and putting its entry, while others commit past a checkpoint and the log cleanup
     deletes the entries below it: its put-if-absent lands in the cleaned hole, where no reader
     looks. The commit must see that and go again at the table's head: the prepare that returns
     is readable, once."""

@@ -26,6 +26,7 @@ def test_s3fs_kwargs_have_no_aws_keys():
         "secret": "sk",
         "endpoint_url": "http://127.0.0.1:9000",
         "client_kwargs": {"region_name": "us-east-1"},
+        "max_concurrency": 1,
     }
 
 

@@ -1,0 +1,155 @@
+"""A TCP proxy on loopback that gives every HTTP request an object store's round trip, and
+counts requests by method: put in front of MinIO, it turns a disk-fast S3 server into one
+that costs what S3 costs (20-50 ms a request), so a benchmark shows how many sequential round
+trips a design needs.
+
+Each request (request line and headers, then ``Content-Length`` bytes of body) is held for
+``delay_ms`` once, when its headers arrive, then passed on; responses pass at once. Requests
+are counted by method (``GET``, ``PUT``, ``HEAD``, ``POST``, ``DELETE``), and ``LIST`` apart
+from ``GET`` (a GET with ``list-type=`` or on a bucket with a ``prefix=``).
+
+Usage as a program: python bench/latency_proxy.py LISTEN_PORT TARGET_PORT DELAY_MS
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+from collections import Counter
+from concurrent.futures import Future
+
+
+class LatencyProxy:
+    """A proxy on ``127.0.0.1:port`` to ``127.0.0.1:target`` that delays each request.
+
+    Parameters
+    ----------
+    target : int
+        The server's port.
+    delay_ms : float
+        The delay added to every request.
+    port : int, default 0
+        The port to listen on (0: a free one, see :attr:`port` after :meth:`start`).
+    record : bool, default False
+        Keep every request's method and target in :attr:`requests` (to see where they go).
+    """
+
+    def __init__(self, target: int, delay_ms: float, port: int = 0, record: bool = False) -> None:
+        self.target, self.delay, self.port = target, delay_ms / 1000, port
+        self.counts: Counter[str] = Counter()
+        self.requests: list[tuple[str, str]] | None = [] if record else None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._server: asyncio.AbstractServer | None = None
+
+    @property
+    def endpoint(self) -> str:
+        """``http://127.0.0.1:<port>``."""
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> LatencyProxy:
+        """Listen, on a thread of its own."""
+        self._thread.start()
+        started: Future[asyncio.AbstractServer] = asyncio.run_coroutine_threadsafe(
+            asyncio.start_server(self._handle, "127.0.0.1", self.port), self._loop
+        )
+        self._server = started.result(timeout=10)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    def stop(self) -> None:
+        """Stop listening and end the thread."""
+        if self._server is not None:
+            self._loop.call_soon_threadsafe(self._server.close)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+
+    def take_counts(self) -> Counter[str]:
+        """The requests counted since the last call, by method; the count starts again."""
+        counts = self.counts.copy()
+        self.counts.clear()
+        return counts
+
+    async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter):
+        try:
+            server_r, server_w = await asyncio.open_connection("127.0.0.1", self.target)
+        except OSError:
+            client_w.close()
+            return
+        await asyncio.gather(
+            self._requests(client_r, server_w), _pipe(server_r, client_w), return_exceptions=True
+        )
+
+    async def _requests(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                method, target, length = _parse(head)
+                kind = "LIST" if _is_list(method, target) else method
+                self.counts[kind] += 1
+                if self.requests is not None:
+                    self.requests.append((kind, target))
+                if self.delay:
+                    await asyncio.sleep(self.delay)
+                writer.write(head)
+                if length is None:
+                    await _forward_chunked(reader, writer)
+                else:
+                    writer.write(await reader.readexactly(length))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
+            pass
+        finally:
+            writer.close()
+
+
+def _parse(head: bytes) -> tuple[str, str, int | None]:
+    """A request's method, target and body length (None: a chunked body)."""
+    lines = head.decode("latin-1").split("\r\n")
+    method, target, *_ = lines[0].split(" ")
+    length: int | None = 0
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        name, value = name.strip().lower(), value.strip().lower()
+        if name == "content-length":
+            length = int(value)
+        elif name == "transfer-encoding" and "chunked" in value:
+            return method, target, None
+    return method, target, length
+
+
+async def _forward_chunked(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Pass on a chunked body: chunks up to the last (size 0), then trailers to a blank line."""
+    while True:
+        size_line = await reader.readuntil(b"\r\n")
+        writer.write(size_line)
+        size = int(size_line.split(b";")[0], 16)
+        if size == 0:
+            break
+        writer.write(await reader.readexactly(size + 2))
+    while (line := await reader.readuntil(b"\r\n")) != b"\r\n":
+        writer.write(line)
+    writer.write(line)
+
+
+def _is_list(method: str, target: str) -> bool:
+    return method == "GET" and ("list-type=" in target or "prefix=" in target)
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while data := await reader.read(1 << 16):
+            writer.write(data)
+            await writer.drain()
+    except ConnectionError:
+        pass
+    finally:
+        writer.close()
+
+
+if __name__ == "__main__":
+    listen, target, delay = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+    proxy = LatencyProxy(target, delay, listen).start()
+    print(f"{proxy.endpoint} -> 127.0.0.1:{target}, +{delay:g} ms a request", flush=True)
+    threading.Event().wait()

@@ -1,0 +1,182 @@
+"""Scale-out benchmark: transactional sends of N producer processes on one store, the way a
+deployment runs them, with an object store's round trip on every request.
+
+A MinIO server on loopback sits behind :mod:`latency_proxy` (``--delay-ms`` a request, 20 by
+default; real S3 is slower), and the store is on ``s3://`` through it (``--local``: on local
+disk instead, no proxy). For each run ``PxS`` of ``--runs``, P producer processes with S sender
+threads each start together and send for ``--seconds``: every sender, in a loop, sends a half
+message (``send_message_in_transaction``), and ends it with COMMIT (``end_transaction``, which
+returns once the decision is durable). Printed per run: transactions per second of all
+processes together, its ratio to the first run, the send latency (half durable, local
+transaction, decision durable) at p50 and p99, and the requests per transaction the proxy
+counted, by kind.
+
+Usage: python bench/scale_bench.py [--runs 1x4,16x4,1x64] [--seconds 20] [--delay-ms 20]
+                                   [--local]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent), str(HERE)]
+
+from latency_proxy import LatencyProxy  # noqa: E402
+
+from rmq_spark import (  # noqa: E402
+    LocalTransactionState,
+    Message,
+    Store,
+    TransactionListener,
+    TransactionMQProducer,
+)
+from rmq_spark.model.config import StoreSettings  # noqa: E402
+from tests import minio  # noqa: E402
+
+BODY = b"x" * 256
+
+
+class _Later(TransactionListener):
+    """The local transaction ends after the send returns: the sender ends it explicitly."""
+
+    def execute_local_transaction(self, msg, arg):  # noqa: ANN001, ANN201
+        return LocalTransactionState.UNKNOWN
+
+    def check_local_transaction(self, msg):  # noqa: ANN001, ANN201
+        return LocalTransactionState.COMMIT
+
+
+def worker(root: str, options: dict[str, str], senders: int, start: float, seconds: float):
+    """One producer process: ``senders`` threads send from ``start`` (wall clock) on for
+    ``seconds``; print ``{"count": n, "latencies": [...]}`` (seconds) on stdout."""
+    store = Store.open(settings=StoreSettings(path=root, storage_options=options))
+    latencies: list[float] = []
+    lock = threading.Lock()
+    group = f"bench-{os.getpid()}"
+    with TransactionMQProducer(group, store=store, listener=_Later()) as producer:
+        warm = producer.send_message_in_transaction(Message("bench", BODY))
+        producer.end_transaction(warm, LocalTransactionState.COMMIT)
+        time.sleep(max(0.0, start - time.time()))
+        end = start + seconds
+
+        def send() -> None:
+            mine = []
+            while time.time() < end:
+                t0 = time.perf_counter()
+                result = producer.send_message_in_transaction(Message("bench", BODY))
+                producer.end_transaction(result, LocalTransactionState.COMMIT)
+                if time.time() <= end:
+                    mine.append(time.perf_counter() - t0)
+            with lock:
+                latencies.extend(mine)
+
+        threads = [threading.Thread(target=send) for _ in range(senders)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    print(json.dumps({"count": len(latencies), "latencies": latencies}), flush=True)
+
+
+def run(
+    root: str,
+    options: dict[str, str],
+    processes: int,
+    senders: int,
+    seconds: float,
+    proxy: LatencyProxy | None,
+):
+    """Start ``processes`` workers together; return (transactions/s, latencies, requests
+    counted by the proxy from the start to the end of the sends)."""
+    start = time.time() + 10 + processes * 1.5  # every worker has opened the store by then
+    env = {**os.environ, "RMQ_BENCH_OPTIONS": json.dumps(options)}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--worker", root, str(senders), str(start), str(seconds)],
+            stdout=subprocess.PIPE,
+            env=env,
+        )
+        for _ in range(processes)
+    ]
+    time.sleep(max(0.0, start - time.time()))
+    if proxy is not None:
+        proxy.take_counts()
+    time.sleep(seconds)
+    counts = proxy.take_counts() if proxy is not None else {}
+    results = []
+    for p in procs:
+        out, _ = p.communicate(timeout=seconds + 600)
+        if p.returncode != 0:
+            raise SystemExit(f"a producer process failed (exit {p.returncode})")
+        results.append(json.loads(out.decode().strip().splitlines()[-1]))
+    latencies = np.array([x for r in results for x in r["latencies"]])
+    return sum(r["count"] for r in results) / seconds, latencies, counts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", default="1x4,16x4,1x64")
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--delay-ms", type=float, default=20.0)
+    parser.add_argument("--local", action="store_true")
+    args = parser.parse_args()
+    runs = [tuple(int(n) for n in r.split("x")) for r in args.runs.split(",")]
+    with tempfile.TemporaryDirectory(prefix="rmq-scale-") as tmp:
+        server = proxy = None
+        if args.local:
+            base, options, where = f"{tmp}/stores", {}, "local disk"
+        else:
+            server = minio.start(Path(tmp) / "minio" / "data")
+            proxy = LatencyProxy(int(server.endpoint.rsplit(":", 1)[1]), args.delay_ms).start()
+            options = dict(server.storage_options, AWS_ENDPOINT_URL=proxy.endpoint)
+            base, where = f"s3://{minio.BUCKET}", f"s3:// (MinIO, +{args.delay_ms:g} ms a request)"
+        print(f"scale-out on {where}, {args.seconds:g} s a run, 256 B bodies", flush=True)
+        print(
+            f"{'producers':>24} {'tx/s':>8} {'ratio':>6} {'p50 ms':>8} {'p99 ms':>8}  requests/tx"
+        )
+        first = None
+        try:
+            for i, (processes, senders) in enumerate(runs):
+                root = f"{base}/run{i}"
+                Store.open(settings=StoreSettings(path=root, storage_options=options), create=True)
+                rate, lat, counts = run(root, options, processes, senders, args.seconds, proxy)
+                first = first or rate
+                done = max(rate * args.seconds, 1)
+                per_tx = " ".join(f"{k} {v / done:.1f}" for k, v in sorted(counts.items()))
+                label = f"{processes} process(es) x {senders} senders"
+                p50, p99 = (np.percentile(lat, q) * 1000 if len(lat) else 0 for q in (50, 99))
+                print(
+                    f"{label:>24} {rate:8.0f} {rate / first:5.1f}x {p50:8.0f} {p99:8.0f}  "
+                    f"{per_tx or '-'}",
+                    flush=True,
+                )
+        finally:
+            if proxy is not None:
+                proxy.stop()
+            if server is not None:
+                server.stop()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        root, senders, start, seconds = sys.argv[2:6]
+        worker(
+            root,
+            json.loads(os.environ["RMQ_BENCH_OPTIONS"]),
+            int(senders),
+            float(start),
+            float(seconds),
+        )
+    else:
+        main()
