@@ -271,8 +271,11 @@ class DeltaTables:
         ``app_ids`` the commit may go after versions this process committed since
         ``snapshot`` (an append does not depend on what it read); with them, conflicts are
         checked from ``snapshot`` on, or from ``after``: a later version the caller read the
-        log up to (:meth:`head`), with no change of the table since ``snapshot``.
+        log up to (:meth:`head`), with no change of the table since ``snapshot``. A commit
+        right after this thread's head moves the head to it (the next :meth:`head` reads on
+        from there).
         """
+        started = time.monotonic()
         interval = self.direct_interval(name, snapshot)
         if interval is None:
             partitions = self.specs[name][1]
@@ -299,6 +302,10 @@ class DeltaTables:
             )
             with self._lock:
                 self._known[name] = max(version, self._known.get(name, version))
+            head: Head | None = getattr(self._heads, name, None)
+            if head is not None and head.version == version - 1 and not removes:
+                txns = {**head.txns, **(app_ids or {})}
+                setattr(self._heads, name, Head(head.snapshot, version, txns, started))
             if version % interval == 0:
                 self.soon("checkpoint", name, lambda: self._checkpoint(name, version))
         if not removes:
