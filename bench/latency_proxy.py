@@ -59,11 +59,18 @@ class LatencyProxy:
         return self
 
     def stop(self) -> None:
-        """Stop listening and end the thread."""
-        if self._server is not None:
-            self._loop.call_soon_threadsafe(self._server.close)
+        """Stop listening, close the connections and end the thread."""
+        asyncio.run_coroutine_threadsafe(self._close(), self._loop).result(timeout=10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
+
+    async def _close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def take_counts(self) -> Counter[str]:
         """The requests counted since the last call, by method; the count starts again."""
@@ -99,6 +106,8 @@ class LatencyProxy:
                     writer.write(await reader.readexactly(length))
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
+            pass
+        except asyncio.CancelledError:
             pass
         finally:
             writer.close()
@@ -142,7 +151,7 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
         while data := await reader.read(1 << 16):
             writer.write(data)
             await writer.drain()
-    except ConnectionError:
+    except (ConnectionError, asyncio.CancelledError):
         pass
     finally:
         writer.close()

@@ -75,18 +75,26 @@ _RELISTINGS = 5
 
 
 def relisting(action: Callable[[], _T]) -> _T:
-    """Run a deltalake action that lists a table's log, again when the listing had a hole.
+    """Run a deltalake action that lists a table's log, again when the listing was outdated
+    by the time it was read.
 
-    On a local filesystem a listing made while commits land can miss an entry made during it
-    and still see a later one (directory order is not name order), and deltalake refuses it
-    ("Expected contiguous commit files"). Seen about once in 20 s of one thread reading
-    ``half`` while another sent; listing again sees both entries.
+    * On a local filesystem a listing made while commits land can miss an entry made during
+      it and still see a later one (directory order is not name order), and deltalake refuses
+      it ("Expected contiguous commit files"). Seen about once in 20 s of one thread reading
+      ``half`` while another sent; listing again sees both entries.
+    * Another process's log cleanup can delete a checkpoint (or entry) after the listing named
+      it and before it was read ("Object at location .../_delta_log/... not found"): the torture
+      test saw a store fail to open so. Listing again finds the newer checkpoint.
     """
     for _ in range(_RELISTINGS - 1):
         try:
             return action()
         except DeltaError as exc:
-            if _LISTING_GAP not in str(exc):
+            if not _outdated_listing(str(exc)):
                 raise
-            log.debug("a log listing raced a commit (%s); listing again", exc)
+            log.debug("a log listing raced a commit or a log cleanup (%s); listing again", exc)
     return action()
+
+
+def _outdated_listing(message: str) -> bool:
+    return _LISTING_GAP in message or ("/_delta_log/" in message and " not found" in message)

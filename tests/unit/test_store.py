@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
+import textwrap
 import threading
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
@@ -623,6 +626,42 @@ def test_a_log_listing_that_raced_a_commit_is_listed_again(store: Store) -> None
     assert len(listings) == 2
     with pytest.raises(DeltaError):  # any other error is not listed again
         relisting(lambda: DeltaTable(store.table_uri("half"), version=99))
+
+
+def test_a_snapshot_is_loaded_while_another_process_cleans_the_log(tmp_path: Path) -> None:
+    """Another process writes checkpoints and cleans the log (retention 0) while this one
+    loads snapshots: a checkpoint the listing named can be deleted before it is read. Seen
+    in the torture test as a store that failed to open (CORRUPT_STORE, 'checkpoint ... not
+    found'); a load lists the log again instead. Before the fix, about 20 of these a second."""
+    from rmq_spark.delta.retry import relisting
+
+    uri = str(tmp_path / "t")
+    rows = pa.table({"a": [1]})
+    settings = {"delta.logRetentionDuration": "interval 0 seconds"}
+    write_deltalake(uri, rows, configuration=settings)
+    cleaner = textwrap.dedent(
+        f"""
+        import time
+        import pyarrow as pa
+        from deltalake import DeltaTable, write_deltalake
+        stop = time.monotonic() + 6
+        while time.monotonic() < stop:
+            write_deltalake({uri!r}, pa.table({{"a": [1]}}), mode="append")
+            table = DeltaTable({uri!r})
+            table.create_checkpoint()
+            table.cleanup_metadata()
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", cleaner], stderr=subprocess.PIPE)
+    loads = 0
+    try:
+        while proc.poll() is None:
+            relisting(lambda: DeltaTable(uri)).version()
+            loads += 1
+    finally:
+        proc.wait(timeout=60)
+    assert proc.returncode == 0, proc.stderr.read().decode()
+    assert loads > 20
 
 
 def test_a_compaction_changes_no_data_and_keeps_partitions(store: Store) -> None:
