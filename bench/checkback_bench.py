@@ -87,7 +87,7 @@ def main() -> None:
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     logging.basicConfig(level=logging.WARNING)
-    spark = get_spark("rmq-checkback-bench")
+    spark = get_spark("rmq-checkback-bench", extra_conf={"spark.ui.enabled": "false"})
     with tempfile.TemporaryDirectory(prefix="rmq-cb-bench-") as tmp:
         timed_run(spark, Path(tmp) / "warm-up", 20_000)  # JVM warm-up, not reported
         print(

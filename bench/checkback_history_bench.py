@@ -112,7 +112,7 @@ def main() -> None:
     parser.add_argument("--pending", type=int, default=10_000)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    spark = get_spark("rmq-checkback-history-bench")
+    spark = get_spark("rmq-checkback-history-bench", extra_conf={"spark.ui.enabled": "false"})
     pending = new_ids(args.pending).to_pylist()
     with tempfile.TemporaryDirectory(prefix="rmq-cb-history-") as tmp:
         timed_rounds(spark, Path(tmp) / "warm-up", 0, new_ids(1_000).to_pylist())  # JVM warm-up

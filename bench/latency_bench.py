@@ -75,7 +75,7 @@ def commit_to_visible(
     Measured in the steady state: one message is sent and awaited first, so that the first
     micro-batches, which start Spark's Python workers, are reported on their own.
     """
-    spark = get_spark("rmq-latency-bench")
+    spark = get_spark("rmq-latency-bench", extra_conf={"spark.ui.enabled": "false"})
     committed: dict[str, float] = {}
     seen: list[float] = []
 

@@ -32,7 +32,8 @@ from pyspark.sql.datasource import ReadAllAvailable
 from rmq_spark import Store
 from rmq_spark.model.schema import COMMITLOG_SCHEMA
 from rmq_spark.spark.offsets import latest_offsets
-from rmq_spark.spark.source import ReaderOptions, RmqTxStreamReader
+from rmq_spark.spark.source import RmqTxStreamReader
+from rmq_spark.spark.source_options import ReaderOptions
 from rmq_spark.store.maintenance import COMPACT_EVERY_COMMITS
 from rmq_spark.store.queues import OP_CURSOR_APP_ID, queue_app_id
 

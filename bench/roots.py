@@ -58,4 +58,4 @@ def spark_for(roots: list[Root], app: str) -> SparkSession:
     """One local SparkSession that reaches every root (S3A jars and settings for MinIO)."""
     last = roots[-1]
     store = StoreSettings(path=last.base, storage_options=last.storage_options)
-    return get_spark(app, settings=Settings(store=store))
+    return get_spark(app, settings=Settings(store=store), extra_conf={"spark.ui.enabled": "false"})

@@ -48,7 +48,13 @@ def main() -> None:
         )
 
         spark = get_spark(
-            "rmq-spark-demo", master=args.master, settings=settings, store_root=store.root
+            "rmq-spark-demo",
+            master=args.master,
+            settings=settings,
+            # A demo of seconds has no use for the UI; PYSPARK_SUBMIT_ARGS or spark-submit can
+            # still turn it on.
+            extra_conf={"spark.ui.enabled": "false"},
+            store_root=store.root,
         )
         run_ids = spark.createDataFrame(
             [(r.transaction_id,) for r in results], "transaction_id string"

@@ -13,6 +13,10 @@ import pytest
 from rmq_spark import Store
 from rmq_spark.model.config import Settings, StoreSettings
 
+# The Spark processes tests start (sink children, rmqtx check, notebooks) run without the UI,
+# turned off as a user would: many at once would run out of UI ports (4040 and 16 more).
+os.environ.setdefault("PYSPARK_SUBMIT_ARGS", "--conf spark.ui.enabled=false pyspark-shell")
+
 
 @pytest.fixture
 def store(tmp_path: Path) -> Store:
@@ -58,10 +62,14 @@ def any_store(request: pytest.FixtureRequest) -> Store:
 
 @pytest.fixture(scope="session")
 def spark() -> Iterator[object]:
-    """The session's one local[2] SparkSession, with Delta Lake."""
+    """The session's one local[2] SparkSession, with Delta Lake, without the UI."""
     from rmq_spark.spark.session import get_spark
 
-    session = get_spark("rmq-spark-tests")
+    session = get_spark(
+        "rmq-spark-tests",
+        master="local[2]",
+        extra_conf={"spark.ui.enabled": "false", "spark.sql.shuffle.partitions": "4"},
+    )
     yield session
     session.stop()
 

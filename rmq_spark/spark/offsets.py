@@ -4,15 +4,23 @@ An offset is the next ``queue_offset`` to read in a queue; in JSON, -2 means ear
 latest (Kafka's convention). Queue offsets are dense and only grow, and a queue's latest
 offset is the version of a Delta application transaction committed atomically with its rows,
 so reading up to it never skips or duplicates a message, whatever writers do meanwhile.
+
+Here too: what a subscription may name (the store's queues and topics), and how far a
+micro-batch goes (:func:`admit`: ``maxMessagesPerTrigger``, ``maxBytesPerTrigger``).
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
+import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 
+import numpy as np
+import pyarrow as pa
 from deltalake import DeltaTable
 
 from rmq_spark.model.errors import DataLossError, InvalidOptionError
@@ -22,10 +30,16 @@ log = logging.getLogger(__name__)
 
 #: Per-topic, per-queue offsets. Queue ids are strings in JSON, ints here.
 Offsets = dict[str, dict[int, int]]
+#: A queue: (topic, queue id).
+Queue = tuple[str, int]
 
 EARLIEST, LATEST = -2, -1
 _DIGITS = re.compile(r"[0-9]+", re.ASCII)
 OFFSETS_EXAMPLE = '{"OrderEvents": {"0": 42, "1": -2}}'
+#: The reader option that turns a missing topic from a warning into an error.
+FAIL_ON_MISSING_TOPIC = "failOnMissingTopic"
+#: Topics a missing-topic message names at most.
+_TOPICS_NAMED = 20
 
 
 def latest_offsets(
@@ -191,9 +205,216 @@ def check_queues(spec: str | Offsets, option: str, queue_nums: int, latest: Offs
                 )
 
 
+def check_topics(topics: Sequence[str], stored: Sequence[str], root: str, fail: bool) -> None:
+    """Warn (or with ``fail`` raise :class:`InvalidOptionError`) when one of ``topics`` has no
+    messages among the store's topics ``stored``, naming them and a close match (a case typo).
+
+    A topic exists once a message is published to it (the CommitLog's queues, read with the
+    latest offsets); reading one that does not would return no rows, silently, for ever.
+    """
+    missing = [t for t in topics if t not in stored]
+    if not missing:
+        return
+    by_lower: dict[str, str] = {}
+    for topic in stored:
+        by_lower.setdefault(topic.lower(), topic)
+    hints = [
+        f"{t!r}: did you mean {by_lower[close[0]]!r}?"
+        for t in missing
+        if (close := difflib.get_close_matches(t.lower(), by_lower, n=1, cutoff=0.8))
+    ]
+    named = ", ".join(stored[:_TOPICS_NAMED])
+    if len(stored) > _TOPICS_NAMED:
+        named += f" and {len(stored) - _TOPICS_NAMED} more"
+    text = (
+        f"topic(s) {', '.join(repr(t) for t in missing)} have no messages in the store at "
+        f"{root!r}"
+        + (f" ({'; '.join(hints)})" if hints else "")
+        + (f"; its topics: {named}." if stored else "; it has no messages yet.")
+    )
+    if fail:
+        raise InvalidOptionError(
+            f"{text} Name the store's topics in option 'topic' (names are case-sensitive), or "
+            f"set option {FAIL_ON_MISSING_TOPIC} to false to read them anyway (no rows until "
+            "messages are published there)."
+        )
+    log.warning(
+        "%s The read returns no rows from them until messages are published there (option "
+        "%s true makes this an error).",
+        text,
+        FAIL_ON_MISSING_TOPIC,
+    )
+
+
 def to_json(offsets: Offsets) -> dict[str, dict[str, int]]:
     """Offsets as Spark wants them: plain dicts, string keys, sorted for determinism."""
     return {
         topic: {str(q): offsets[topic][q] for q in sorted(offsets[topic])}
         for topic in sorted(offsets)
     }
+
+
+def admit(
+    begin: Offsets,
+    latest: Offsets,
+    max_messages: int | None = None,
+    max_bytes: int | None = None,
+    files: Callable[[], pa.Table] | None = None,
+) -> Offsets:
+    """The end of a micro-batch starting at ``begin``: as far towards ``latest`` as the caps allow.
+
+    Parameters
+    ----------
+    begin : Offsets
+        Where the batch starts.
+    latest : Offsets
+        The latest offsets it may reach (every queue with messages).
+    max_messages : int, optional
+        Most messages in the batch (``maxMessagesPerTrigger``).
+    max_bytes : int, optional
+        Soft cap on the batch's bytes (``maxBytesPerTrigger``), estimated by
+        :func:`stored_bytes` from ``files``.
+    files : callable, optional
+        Returns the CommitLog's add actions (:meth:`Store.data_files`); called only with
+        ``max_bytes`` and messages to admit.
+
+    Returns
+    -------
+    Offsets
+        ``begin`` moved forward by each queue's share (:func:`share`). Whichever cap is hit
+        first ends the batch, and a batch with messages available takes at least one, so a
+        stream always progresses.
+    """
+    available = {
+        (t, q): max(0, end - begin.get(t, {}).get(q, 0))
+        for t, queues in latest.items()
+        for q, end in queues.items()
+    }
+    cost = None
+    if max_bytes is not None and files is not None and any(available.values()):
+        starts = {k: begin.get(k[0], {}).get(k[1], 0) for k, n in available.items() if n}
+        cost = stored_bytes(files(), starts, {k: starts[k] + available[k] for k in starts})
+    grant = share(available, max_messages, max_bytes if cost is not None else None, cost)
+    end: Offsets = {t: dict(qs) for t, qs in begin.items()}
+    for (t, q), n in grant.items():
+        end.setdefault(t, {})[q] = begin.get(t, {}).get(q, 0) + n
+    return end
+
+
+def share(
+    available: Mapping[Queue, int],
+    max_messages: int | None,
+    max_bytes: int | None = None,
+    cost: Mapping[Queue, Callable[[float], float]] | None = None,
+) -> dict[Queue, int]:
+    """Split a micro-batch's caps fairly over queues (water-filling), in messages and bytes.
+
+    Every queue gets the same number of messages, up to what it has, as far as both caps allow;
+    what is left goes one message at a time to the queues in sorted order, each as long as its
+    next message fits. ``cost[queue](n)`` is the bytes of the queue's first ``n`` available
+    messages (needed with ``max_bytes``). With messages available and neither cap reachable by
+    one message, the first queue still gets one: the byte cap is soft, progress is sure.
+    """
+    if max_messages is None and max_bytes is None:
+        return dict(available)
+    grant = dict.fromkeys(available, 0)
+    rows_left = math.inf if max_messages is None else max_messages
+    bytes_left = math.inf if max_bytes is None else float(max_bytes)
+    size = cost if max_bytes is not None and cost is not None else {}
+
+    def more(key: Queue, n: int) -> float:
+        """Bytes of raising ``key``'s grant to ``n``."""
+        measure = size.get(key)
+        return 0.0 if measure is None else measure(n) - measure(grant[key])
+
+    def raise_to(level: int, keys: list[Queue]) -> tuple[dict[Queue, int], int, float]:
+        raised = {k: min(available[k], max(grant[k], level)) for k in keys}
+        rows = sum(n - grant[k] for k, n in raised.items())
+        return raised, rows, sum(more(k, n) for k, n in raised.items())
+
+    open_queues = sorted(k for k, n in available.items() if n > 0)
+    while open_queues:
+        low, high = 0, max(available[k] for k in open_queues)
+        while low < high:  # the highest level both caps allow
+            mid = (low + high + 1) // 2
+            _, rows, size_of = raise_to(mid, open_queues)
+            if rows <= rows_left and size_of <= bytes_left:
+                low = mid
+            else:
+                high = mid - 1
+        raised, rows, size_of = raise_to(low, open_queues)
+        grant.update(raised)
+        rows_left -= rows
+        bytes_left -= size_of
+        still_open = []
+        for key in open_queues:
+            if grant[key] < available[key] and rows_left >= 1:
+                extra = more(key, grant[key] + 1)
+                if extra <= bytes_left:
+                    grant[key] += 1
+                    rows_left -= 1
+                    bytes_left -= extra
+                    still_open.append(key)
+        open_queues = [k for k in still_open if grant[k] < available[k]]
+    waiting = sorted(k for k, n in available.items() if n > 0)
+    if waiting and not any(grant.values()):
+        grant[waiting[0]] = 1
+    return grant
+
+
+def stored_bytes(
+    files: pa.Table, begin: Mapping[Queue, int], end: Mapping[Queue, int]
+) -> dict[Queue, Callable[[float], float]]:
+    """Per queue, the estimated stored bytes of its first ``n`` messages from ``begin``, as a
+    function of ``n``, from the CommitLog's add actions alone (bodies are not read).
+
+    A message at an offset costs the bytes per row (size over row count) of the data file whose
+    statistics admit that queue and offset: the compressed bytes of all its columns, bodies
+    the bulk of them. Where several files admit an offset (a file holding several queues admits
+    their offset ranges together), their mean; offsets no file admits (removed by retention)
+    cost nothing.
+    """
+    topics = np.array(files.column("partition.topic").to_pylist(), dtype=object)
+    q_low, q_high = _stat(files, "min.queue_id", -np.inf), _stat(files, "max.queue_id", np.inf)
+    o_low = _stat(files, "min.queue_offset", -np.inf)
+    o_high = _stat(files, "max.queue_offset", np.inf)
+    rows = np.maximum(_stat(files, "num_records", 1.0), 1.0)
+    rate = _stat(files, "size_bytes", 0.0) / rows
+    costs: dict[Queue, Callable[[float], float]] = {}
+    for (topic, queue_id), first in begin.items():
+        stop = end[(topic, queue_id)]
+        admits = (
+            (topics == topic)
+            & (q_low <= queue_id)
+            & (queue_id <= q_high)
+            & (o_low < stop)
+            & (o_high >= first)
+        )
+        breaks = np.array([first, stop], dtype=float)
+        spent = np.zeros(2)
+        if admits.any():
+            lows = np.clip(o_low[admits], first, stop)
+            edges = np.concatenate([lows, np.clip(o_high[admits] + 1, first, stop)])
+            order = np.argsort(edges, kind="stable")
+            ones = np.ones(len(lows))
+            rates = np.concatenate([rate[admits], -rate[admits]])[order].cumsum()
+            counts = np.concatenate([ones, -ones])[order].cumsum()
+            breaks = np.unique(np.concatenate([breaks, edges]))
+            at = np.searchsorted(edges[order], breaks, "right") - 1
+            covering = np.where(at >= 0, counts[np.maximum(at, 0)], 0.0)
+            total = np.where(at >= 0, rates[np.maximum(at, 0)], 0.0)
+            each = np.divide(total, covering, out=np.zeros(len(breaks)), where=covering > 0.5)
+            spent = np.concatenate([[0.0], np.cumsum(each[:-1] * np.diff(breaks))])
+        costs[(topic, queue_id)] = partial(_interpolate, breaks - first, spent)
+    return costs
+
+
+def _interpolate(xs: np.ndarray, ys: np.ndarray, x: float) -> float:
+    """The piecewise linear function through (``xs``, ``ys``) at ``x``."""
+    return float(np.interp(x, xs, ys))
+
+
+def _stat(files: pa.Table, column: str, missing: float) -> np.ndarray:
+    """A column of the add actions as floats, ``missing`` where it is null."""
+    values = files.column(column).to_pylist()
+    return np.array([missing if v is None else v for v in values], dtype=float)

@@ -5,7 +5,9 @@ statistics overlap the offset ranges, then cuts them, in offset order, into task
 ``TASK_BYTES``. Each file is read by one task only. A task reads
 its files with pyarrow (multi-threaded, row groups pruned by statistics), keeps the rows in
 its offset ranges, and returns them with every queue's rows in offset order, as Arrow record
-batches (files as the publisher writes them already are; others are sorted).
+batches (files as the publisher writes them already are; others are sorted). Timestamps become
+offsets by reading the same files, pruned by their ``store_timestamp`` statistics
+(:func:`timestamp_offsets`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from functools import partial, reduce
 from itertools import groupby
 
@@ -42,6 +45,8 @@ BATCH_BYTES = 2 * 1024 * 1024
 BATCH_ROWS = 10_000
 #: The CommitLog's data file schema: ``topic`` is the partition column, not in the files.
 FILE_SCHEMA = pa.schema([f for f in COMMITLOG_SCHEMA if f.name != "topic"])
+#: The columns :func:`timestamp_offsets` reads.
+TIMESTAMP_COLUMNS = ("queue_id", "queue_offset", "store_timestamp")
 #: The columns that say where a message is (:func:`_check_stored` reads only these).
 _ROUTING = pa.schema([FILE_SCHEMA.field("queue_id"), FILE_SCHEMA.field("queue_offset")])
 
@@ -233,3 +238,30 @@ def _in_queue_order(rows: pa.Table) -> pa.Table:
     if np.all(np.diff(offsets[grouped])[same_queue] > 0):
         return rows
     return rows.combine_chunks().take(np.lexsort((offsets, queues)))  # one chunk: far faster
+
+
+def timestamp_offsets(store: Store, topics: tuple[str, ...], millis: int, end: Offsets) -> Offsets:
+    """Per queue, the first offset stored at or after ``millis`` (capped at ``end``).
+
+    Only files whose newest ``store_timestamp`` reaches ``millis`` are read, three columns each.
+    """
+    since = datetime.fromtimestamp(millis / 1000, UTC)
+    files: dict[str, list[str]] = {}
+    for f in store.data_files("commitlog").to_pylist():
+        newest = f["max.store_timestamp"]
+        if f["partition.topic"] in topics and (newest is None or newest >= since):
+            files.setdefault(f["partition.topic"], []).append(f["uri"])
+    columns = pa.schema([FILE_SCHEMA.field(c) for c in TIMESTAMP_COLUMNS])
+    since_scalar = pa.scalar(since, columns.field("store_timestamp").type)
+    result: Offsets = {}
+    for topic, queues in end.items():
+        rows = read_files(
+            files.get(topic, []),
+            columns,
+            store.settings.storage_options,
+            lambda t: pc.greater_equal(t.column("store_timestamp"), since_scalar),
+        )
+        first = rows.group_by("queue_id").aggregate([("queue_offset", "min")]).to_pylist()
+        found = {r["queue_id"]: r["queue_offset_min"] for r in first}
+        result[topic] = {q: min(found.get(q, stop), stop) for q, stop in queues.items()}
+    return result

@@ -18,7 +18,8 @@ Streaming:
 ...           .option("maxMessagesPerTrigger", 10000)
 ...           .load())
 
-Options (case-insensitive; an unknown option is an error listing the valid ones):
+Options (case-insensitive; an unknown option is an error listing the valid ones, raised by
+``load()``):
 
 =====================  ==========  =========  ==================================================
 option                 required    default    meaning
@@ -34,6 +35,11 @@ option                 required    default    meaning
 ``tags``               no          ``*``      RocketMQ subscription: ``*`` or ``TagA || TagB``
 ``maxMessagesPerTrigger`` no       none       streaming only: most messages per micro-batch,
                                               shared fairly over queues (AvailableNow honours it)
+``maxBytesPerTrigger`` no          none       streaming only: soft cap on a micro-batch's bytes
+                                              (``64m``, ``1g``; stored bytes, estimated from the
+                                              CommitLog files' sizes and row counts); at least
+                                              one message a batch; with ``maxMessagesPerTrigger``
+                                              the cap hit first wins
 ``consumerGroup``      no                     streaming only: record the group's progress in
                                               the ``consumer_offsets`` table (for lag) after
                                               each micro-batch, the last of a run included
@@ -41,6 +47,9 @@ option                 required    default    meaning
                                               (retention removed messages it had not read)
                                               fails naming the lost ranges; ``false``: warn
                                               and read on from the earliest offset
+``failOnMissingTopic`` no          false      a topic with no messages in the store fails
+                                              ``load()``; ``false``: a warning naming the
+                                              store's topics (and a close match)
 ``storage.<KEY>``      no          conf       a storage option over ``[store] storage_options``
                                               (e.g. ``storage.AWS_ENDPOINT_URL``)
 =====================  ==========  =========  ==================================================
@@ -58,10 +67,18 @@ finished), and in :meth:`RmqTxStreamReader.commit`. An idle query asks at every 
 only a query stopped between a batch and its next trigger leaves that batch unrecorded until
 the query runs again. The progress is for lag only, never read back.
 
+Options are checked at ``load()`` (:meth:`RmqTxDataSource.schema`; they are parsed in
+:mod:`rmq_spark.spark.source_options`), with the store: it must exist, and a topic with no
+messages is a warning (or an error). Spark does not tell a source at ``load()`` whether it is a
+batch or a stream, so what only the kind decides is checked when the query runs:
 ``endingOffsets`` and ``endingTimestamp`` are batch-only (an error on a stream);
-``maxMessagesPerTrigger`` on a batch read is ignored with a warning. Streaming offsets carry a
-format version and the CommitLog's table id, so a checkpoint restarted against another store
-fails instead of misreading.
+``maxMessagesPerTrigger``, ``maxBytesPerTrigger`` and ``consumerGroup`` on a batch read are
+ignored with a warning. A schema given to the read (``.schema(...)``) is refused unless it is
+the source's own, at the first action of a batch (the query start of a stream): Spark runs no
+code of the source at ``load()`` then. Streaming offsets carry a format version and the
+CommitLog's table id, so a checkpoint restarted against another store fails instead of
+misreading. The source's ``latestOffset`` in ``StreamingQueryProgress`` holds the latest offsets
+and ``messagesBehindLatest``, the backlog after the batch.
 
 Only committed messages exist in the CommitLog, so nothing pending or rolled back can appear.
 Offsets are per (topic, queue) and dense. Tasks split the CommitLog by data file (each file is
@@ -78,13 +95,11 @@ committed since.
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
+from typing import NoReturn
 
 import pyarrow as pa
-import pyarrow.compute as pc
 from pyspark.sql import SparkSession
 from pyspark.sql.datasource import (
     DataSource,
@@ -95,249 +110,115 @@ from pyspark.sql.datasource import (
 from pyspark.sql.streaming.datasource import (
     ReadAllAvailable,
     ReadLimit,
+    ReadMaxBytes,
     ReadMaxRows,
     SupportsTriggerAvailableNow,
 )
-from pyspark.sql.types import StructType
-
-from rmq_spark.delta.reads import read_files
-from rmq_spark.model.config import (
-    StoreSettings,
-    load_settings,
-    parse_int,
-    reject_unknown,
-    split_storage_options,
+from pyspark.sql.types import (
+    BinaryType,
+    IntegerType,
+    LongType,
+    MapType,
+    StringType,
+    StructField,
+    StructType,
+    TimestampType,
 )
-from rmq_spark.model.errors import InvalidMessageError, InvalidOptionError
-from rmq_spark.model.messages import check_group, check_topic, is_tag
+
+from rmq_spark.model.errors import InvalidOptionError, RmqSparkError
 from rmq_spark.model.schema import CONSUMER_OFFSETS_SCHEMA
 from rmq_spark.spark.offsets import (
     Offsets,
+    admit,
     check_queues,
+    check_topics,
     earliest_offsets,
     latest_offsets,
-    parse_offsets,
     resolve,
     to_json,
 )
-from rmq_spark.spark.reading import FILE_SCHEMA, CommitLogSlice, plan_slices, read_slice
+from rmq_spark.spark.reading import CommitLogSlice, plan_slices, read_slice, timestamp_offsets
 from rmq_spark.spark.sink import RmqTxBatchWriter, RmqTxStreamWriter
 from rmq_spark.spark.sink_options import WriterOptions
+from rmq_spark.spark.source_options import ENDING_OFFSETS, STARTING_OFFSETS, ReaderOptions
 from rmq_spark.store.facade import Store
 
-#: The source's output schema, as Spark DDL (nullability as in the CommitLog).
-SOURCE_SCHEMA = (
-    "topic string not null, queue_id int not null, queue_offset bigint not null, "
-    "msg_id string not null, transaction_id string, producer_group string, keys string, "
-    "tags string, body binary not null, properties map<string,string>, "
-    "born_timestamp timestamp not null, store_timestamp timestamp not null"
+#: The source's output schema (nullability as in the CommitLog).
+SOURCE_SCHEMA = StructType(
+    [
+        StructField("topic", StringType(), False),
+        StructField("queue_id", IntegerType(), False),
+        StructField("queue_offset", LongType(), False),
+        StructField("msg_id", StringType(), False),
+        StructField("transaction_id", StringType()),
+        StructField("producer_group", StringType()),
+        StructField("keys", StringType()),
+        StructField("tags", StringType()),
+        StructField("body", BinaryType(), False),
+        StructField("properties", MapType(StringType(), StringType())),
+        StructField("born_timestamp", TimestampType(), False),
+        StructField("store_timestamp", TimestampType(), False),
+    ]
 )
 
-log = logging.getLogger(__name__)
-
-PATH, TOPIC, STARTING_OFFSETS, ENDING_OFFSETS, STARTING_TIMESTAMP, TAGS = (
-    "path",
-    "topic",
-    "startingOffsets",
-    "endingOffsets",
-    "startingTimestamp",
-    "tags",
-)
-ENDING_TIMESTAMP = "endingTimestamp"
-MAX_MESSAGES_PER_TRIGGER, CONSUMER_GROUP = "maxMessagesPerTrigger", "consumerGroup"
-FAIL_ON_DATA_LOSS = "failOnDataLoss"
-BATCH_OPTIONS = (
-    PATH,
-    TOPIC,
-    STARTING_OFFSETS,
-    ENDING_OFFSETS,
-    STARTING_TIMESTAMP,
-    ENDING_TIMESTAMP,
-    TAGS,
-    FAIL_ON_DATA_LOSS,
-)
-STREAM_OPTIONS = (
-    PATH,
-    TOPIC,
-    STARTING_OFFSETS,
-    STARTING_TIMESTAMP,
-    TAGS,
-    MAX_MESSAGES_PER_TRIGGER,
-    CONSUMER_GROUP,
-    FAIL_ON_DATA_LOSS,
-)
 #: Version of the offset format this source writes into checkpoints.
 OFFSET_FORMAT_VERSION = 1
-TIMESTAMP_COLUMNS = ("queue_id", "queue_offset", "store_timestamp")
 
 
-@dataclass(frozen=True)
-class ReaderOptions:
-    """Validated options of an ``rmqtx`` read."""
+def check_at_load(options: ReaderOptions, store: Store | None = None) -> None:
+    """What ``load()`` checks in the store: it exists, the offsets name its queues, and the
+    topics have messages (see :func:`check_topics`).
 
-    path: str
-    topics: tuple[str, ...]
-    starting: str | Offsets
-    ending: str | Offsets
-    starting_timestamp: int | None
-    #: Batch only: stop before the first message stored at or after it (ms since epoch).
-    ending_timestamp: int | None
-    #: None means every tag (``*``).
-    tags: frozenset[str] | None
-    #: Streaming admission control; None means no limit.
-    max_messages_per_trigger: int | None = None
-    #: Streaming only: record this group's progress for lag reporting.
-    consumer_group: str | None = None
-    #: The store settings (queues per topic, storage options) of the settings file.
-    settings: StoreSettings = field(default_factory=StoreSettings)
-    #: Fail a read that starts below a queue's earliest offset (retention removed messages it
-    #: has not read); when false, warn and read on from the earliest offset.
-    fail_on_data_loss: bool = True
-
-    def open_store(self) -> Store:
-        """The store read, opened with the configured settings (its storage options too)."""
-        return Store.open(self.path, settings=self.settings, create=False)
-
-    @classmethod
-    def parse(cls, options: Mapping[str, str], *, streaming: bool = False) -> ReaderOptions:
-        """Validate the options of a batch or streaming read (keys are case-insensitive)."""
-        given, storage = split_storage_options({k.lower(): v for k, v in options.items()})
-        allowed = STREAM_OPTIONS if streaming else BATCH_OPTIONS
-        for batch_only in (ENDING_OFFSETS, ENDING_TIMESTAMP):
-            if streaming and batch_only.lower() in given:
-                raise InvalidOptionError(
-                    f"option {batch_only!r} is for batch reads only; a stream reads on as "
-                    "messages are committed (use Trigger.AvailableNow to stop at the latest "
-                    "offsets)."
-                )
-        for stream_only in (MAX_MESSAGES_PER_TRIGGER, CONSUMER_GROUP):
-            if not streaming and stream_only.lower() in given:
-                log.warning("option %r only applies to streaming reads; ignored", stream_only)
-                given.pop(stream_only.lower())
-        reject_unknown(given, allowed, "format('rmqtx')")
-        topic_text = given.get(TOPIC.lower())
-        if not topic_text or not topic_text.strip():
-            raise InvalidOptionError(
-                "option 'topic' is required: one topic, or several separated by commas "
-                "(e.g. .option('topic', 'OrderEvents'))."
-            )
-        topics = tuple(
-            _option_value(check_topic, t.strip(), prefix="option 'topic': ")
-            for t in topic_text.split(",")
-        )
-        starting = parse_offsets(
-            given.get(STARTING_OFFSETS.lower(), "earliest"), STARTING_OFFSETS, topics
-        )
-        ending = parse_offsets(given.get(ENDING_OFFSETS.lower(), "latest"), ENDING_OFFSETS, topics)
-        if ending == "earliest":
-            raise InvalidOptionError(
-                "option 'endingOffsets' cannot be 'earliest'; use 'latest' or per-queue offsets."
-            )
-        store_settings = load_settings().store.with_storage_options(storage)
-        return cls(
-            path=given.get(PATH.lower()) or store_settings.path,
-            settings=store_settings,
-            topics=topics,
-            starting=starting,
-            ending=ending,
-            starting_timestamp=_timestamp(given, STARTING_TIMESTAMP),
-            ending_timestamp=_timestamp(given, ENDING_TIMESTAMP),
-            tags=parse_tags(given.get(TAGS.lower(), "*")),
-            max_messages_per_trigger=None
-            if MAX_MESSAGES_PER_TRIGGER.lower() not in given
-            else parse_int(given[MAX_MESSAGES_PER_TRIGGER.lower()], MAX_MESSAGES_PER_TRIGGER, 1),
-            consumer_group=None
-            if CONSUMER_GROUP.lower() not in given
-            else _option_value(
-                check_group, given[CONSUMER_GROUP.lower()], CONSUMER_GROUP, prefix="option "
-            ),
-            fail_on_data_loss=_boolean(given, FAIL_ON_DATA_LOSS, default=True),
-        )
-
-
-def _boolean(given: Mapping[str, str], option: str, *, default: bool) -> bool:
-    value = str(given.get(option.lower(), default)).strip().lower()
-    if value not in ("true", "false"):
-        raise InvalidOptionError(f"option {option!r} needs 'true' or 'false' but got {value!r}.")
-    return value == "true"
-
-
-def _timestamp(given: Mapping[str, str], option: str) -> int | None:
-    value = given.get(option.lower())
-    if value is None:
-        return None
-    millis = parse_int(value, option, 0)
-    if millis > _MAX_MILLIS:
-        raise InvalidOptionError(
-            f"option {option!r} is {millis} ms since the epoch, after the year 9999; give "
-            "milliseconds since 1970-01-01 UTC, e.g. 1767225600000 for 2026-01-01."
-        )
-    return millis
-
-
-#: The last millisecond a timestamp can name (9999-12-31T23:59:59.999 UTC).
-_MAX_MILLIS = 253_402_300_799_999
-
-
-def _option_value(check: Callable[..., str], value: str, *args: str, prefix: str) -> str:
-    """Run a message-model check on an option's value; its error becomes an option error."""
-    try:
-        return check(value, *args)
-    except InvalidMessageError as exc:
-        raise InvalidOptionError(f"{prefix}{exc.message}") from exc
-
-
-def parse_tags(expression: str) -> frozenset[str] | None:
-    """A RocketMQ subscription expression: ``*`` (all) or ``TagA || TagB``."""
-    text = expression.strip()
-    if text in ("", "*"):
-        return None
-    tags = [t.strip() for t in text.split("||")]
-    if not all(is_tag(t) for t in tags):
-        raise InvalidOptionError(
-            f"option 'tags' {expression!r} is not a subscription expression; use '*' or "
-            "'TagA || TagB'."
-        )
-    return frozenset(tags)
-
-
-def timestamp_offsets(store: Store, topics: tuple[str, ...], millis: int, end: Offsets) -> Offsets:
-    """Per queue, the first offset stored at or after ``millis`` (capped at ``end``).
-
-    Only files whose newest ``store_timestamp`` reaches ``millis`` are read, two columns each.
+    Raises
+    ------
+    NotAStoreError
+        ``path`` holds no store.
+    InvalidOptionError
+        An offset names a queue the store does not have, or (``failOnMissingTopic``) a topic
+        has no messages.
     """
-    since = datetime.fromtimestamp(millis / 1000, UTC)
-    files: dict[str, list[str]] = {}
-    for f in store.data_files("commitlog").to_pylist():
-        newest = f["max.store_timestamp"]
-        if f["partition.topic"] in topics and (newest is None or newest >= since):
-            files.setdefault(f["partition.topic"], []).append(f["uri"])
-    columns = pa.schema([FILE_SCHEMA.field(c) for c in TIMESTAMP_COLUMNS])
-    since_scalar = pa.scalar(since, columns.field("store_timestamp").type)
-    result: Offsets = {}
-    for topic, queues in end.items():
-        rows = read_files(
-            files.get(topic, []),
-            columns,
-            store.settings.storage_options,
-            lambda t: pc.greater_equal(t.column("store_timestamp"), since_scalar),
+    store = store or options.open_store()
+    stored = store.next_offsets()
+    latest = {t: {q: o for (topic, q), o in stored.items() if topic == t} for t in options.topics}
+    check_queues(options.starting, STARTING_OFFSETS, options.settings.queue_nums, latest)
+    check_queues(options.ending, ENDING_OFFSETS, options.settings.queue_nums, latest)
+    check_topics(
+        options.topics, sorted({t for t, _ in stored}), store.root, options.fail_on_missing_topic
+    )
+
+
+def check_schema(schema: StructType) -> None:
+    """Refuse a schema given to the read (``.schema(...)``) that is not the source's own."""
+    if _columns(schema) != _columns(SOURCE_SCHEMA):
+        raise InvalidOptionError(
+            "format('rmqtx') has a fixed schema and cannot be set with a custom one; remove "
+            f".schema(...) from the read (got {_ddl(schema)!r}). Its schema is: "
+            f"{_ddl(SOURCE_SCHEMA)}. Select, rename or cast columns after load()."
         )
-        first = rows.group_by("queue_id").aggregate([("queue_offset", "min")]).to_pylist()
-        found = {r["queue_id"]: r["queue_offset_min"] for r in first}
-        result[topic] = {q: min(found.get(q, stop), stop) for q, stop in queues.items()}
-    return result
+
+
+def _columns(schema: StructType) -> list[tuple[str, object, bool]]:
+    return [(f.name, f.dataType, f.nullable) for f in schema.fields]
+
+
+def _ddl(schema: StructType) -> str:
+    """A schema as Spark DDL (``name type [not null], ...``)."""
+    return ", ".join(
+        f"{f.name} {f.dataType.simpleString()}{'' if f.nullable else ' not null'}"
+        for f in schema.fields
+    )
 
 
 class RmqTxBatchReader(DataSourceReader):
     """Batch reader: resolves offsets once on the driver, then reads only the CommitLog files
     whose statistics overlap them (``topic``, offsets and timestamps prune files)."""
 
-    def __init__(self, options: ReaderOptions) -> None:
+    def __init__(self, options: ReaderOptions, *, checked: bool = True) -> None:
         self.options = options
         store = options.open_store()
+        if not checked:
+            check_at_load(options, store)
         latest = latest_offsets(store, options.topics)
-        check_queues(options.starting, STARTING_OFFSETS, options.settings.queue_nums, latest)
-        check_queues(options.ending, ENDING_OFFSETS, options.settings.queue_nums, latest)
         self.end = resolve(options.ending, latest)
         if options.ending_timestamp is not None:
             self.end = timestamp_offsets(store, options.topics, options.ending_timestamp, self.end)
@@ -367,19 +248,25 @@ class RmqTxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     store fails instead of reading wrong offsets. Queues that appear later start at offset 0,
     unless ``startingOffsets`` names them: a named offset is honoured as given, also for a
     queue with no messages yet (or fewer than the offset yet).
+
+    The store is opened at Spark's first call, not here: Spark also makes a reader to plan
+    each micro-batch's tasks, which only needs :meth:`read`. ``checked=False``: the checks of
+    ``load()`` (:func:`check_at_load`) have not run yet (the read was given a schema); they run
+    with that first call.
     """
 
-    def __init__(self, options: ReaderOptions) -> None:
+    def __init__(self, options: ReaderOptions, *, checked: bool = True) -> None:
         self.options = options
         self.max_per_trigger = options.max_messages_per_trigger
+        self.max_bytes_per_trigger = options.max_bytes_per_trigger
         self._target: Offsets | None = None
         self._opened: Store | None = None
+        self._store_id: str | None = None
+        self._unchecked = not checked
         #: The consumer group's progress this reader recorded last (see _record_progress).
         self._recorded: Offsets | None = None
-        self._store_id = self._store().table("commitlog").metadata().id
-        check_queues(
-            options.starting, STARTING_OFFSETS, options.settings.queue_nums, self._latest()
-        )
+        #: What :meth:`reportLatestOffset` reports (set by :meth:`latestOffset`).
+        self._reported: dict | None = None
 
     def __getstate__(self) -> dict:
         # Spark pickles the reader for its read tasks; they open the store themselves.
@@ -388,13 +275,19 @@ class RmqTxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def _store(self) -> Store:
         """The store, opened once per reader: every trigger reads only what changed since."""
         if self._opened is None:
-            self._opened = self.options.open_store()
+            store = self.options.open_store()
+            if self._unchecked:
+                check_at_load(self.options, store)
+                self._unchecked = False
+            self._store_id = store.table("commitlog").metadata().id
+            self._opened = store
         return self._opened
 
     def _latest(self) -> Offsets:
         return latest_offsets(self._store(), self.options.topics)
 
     def _encode(self, offsets: Offsets) -> dict:
+        self._store()
         return {
             "version": OFFSET_FORMAT_VERSION,
             "store": self._store_id,
@@ -402,6 +295,7 @@ class RmqTxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         }
 
     def _decode(self, offset: dict) -> Offsets:
+        self._store()
         if offset.get("version") != OFFSET_FORMAT_VERSION or offset.get("store") != self._store_id:
             raise InvalidOptionError(
                 f"the checkpoint's offset {offset!r} was written for another store or offset "
@@ -422,9 +316,18 @@ class RmqTxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return self._encode(start)
 
     def getDefaultReadLimit(self) -> ReadLimit:
-        if self.max_per_trigger is None:
-            return ReadAllAvailable()
-        return ReadMaxRows(self.max_per_trigger)
+        """``maxMessagesPerTrigger`` as ``ReadMaxRows``, else ``maxBytesPerTrigger`` as
+        ``ReadMaxBytes``, else ``ReadAllAvailable``.
+
+        PySpark 4.2 passes only one ReadLimit (it has no composite one, as Scala's
+        ``ReadLimit.compositeLimit``), so with both options the byte cap is applied from the
+        option next to the ``ReadMaxRows`` Spark hands back (:meth:`latestOffset`).
+        """
+        if self.max_per_trigger is not None:
+            return ReadMaxRows(self.max_per_trigger)
+        if self.max_bytes_per_trigger is not None:
+            return ReadMaxBytes(self.max_bytes_per_trigger)
+        return ReadAllAvailable()
 
     def prepareForTriggerAvailableNow(self) -> None:
         self._target = self._latest()
@@ -436,17 +339,34 @@ class RmqTxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         # leave a caught-up group showing that batch as lag.
         self._record_progress(begin)
         latest = self._target if self._target is not None else self._latest()
-        available = {
-            (t, q): max(0, end - begin.get(t, {}).get(q, 0))
-            for t, queues in latest.items()
-            for q, end in queues.items()
-        }
-        budget = limit.max_rows if isinstance(limit, ReadMaxRows) else None
-        grant = _share(available, budget)
-        end: Offsets = {t: dict(qs) for t, qs in begin.items()}
-        for (t, q), n in grant.items():
-            end.setdefault(t, {})[q] = begin.get(t, {}).get(q, 0) + n
+        max_messages, max_bytes = self._caps(limit)
+        end = admit(
+            begin, latest, max_messages, max_bytes, lambda: self._store().data_files("commitlog")
+        )
+        behind = sum(
+            max(0, o - end.get(t, {}).get(q, 0)) for t, qs in latest.items() for q, o in qs.items()
+        )
+        self._reported = {**self._encode(latest), "messagesBehindLatest": behind}
         return self._encode(end)
+
+    def _caps(self, limit: ReadLimit) -> tuple[int | None, int | None]:
+        """(most messages, most bytes) of the next batch under Spark's ``limit``: the limit
+        :meth:`getDefaultReadLimit` gave, with the other option's cap beside it; no cap at all
+        for ``ReadAllAvailable``, which Spark passes for Trigger.Once (a source obeys it)."""
+        if isinstance(limit, ReadAllAvailable):
+            return None, None
+        if isinstance(limit, ReadMaxRows):
+            return limit.max_rows, self.max_bytes_per_trigger
+        if isinstance(limit, ReadMaxBytes):
+            return self.max_per_trigger, limit.max_bytes
+        return self.max_per_trigger, self.max_bytes_per_trigger
+
+    def reportLatestOffset(self) -> dict | None:
+        """The latest offsets the last :meth:`latestOffset` saw (under Trigger.AvailableNow:
+        its target), with ``messagesBehindLatest``: the messages after the end of the batch it
+        planned (the backlog). Spark shows them as the source's ``latestOffset`` in
+        ``StreamingQueryProgress``; they are never read back."""
+        return self._reported
 
     def partitions(self, start: dict, end: dict) -> list[CommitLogSlice]:
         return plan_slices(
@@ -503,28 +423,6 @@ def _read(partition: InputPartition) -> Iterator[pa.RecordBatch]:
     return read_slice(partition) if isinstance(partition, CommitLogSlice) else iter(())
 
 
-def _share(available: Mapping[tuple[str, int], int], budget: int | None) -> dict:
-    """Split a row budget fairly over queues (water-filling); None means everything."""
-    if budget is None:
-        return dict(available)
-    grant = dict.fromkeys(available, 0)
-    left = budget
-    open_queues = sorted(k for k, n in available.items() if n > 0)
-    while left > 0 and open_queues:
-        share = max(1, left // len(open_queues))
-        still_open = []
-        for key in open_queues:
-            take = min(share, available[key] - grant[key], left)
-            grant[key] += take
-            left -= take
-            if grant[key] < available[key]:
-                still_open.append(key)
-            if left == 0:
-                break
-        open_queues = still_open
-    return grant
-
-
 class RmqTxDataSource(DataSource):
     """The ``rmqtx`` data source: reads committed messages (see the module docstring for
     schema and options) and writes transactionally (see :mod:`rmq_spark.spark.sink`)."""
@@ -533,20 +431,80 @@ class RmqTxDataSource(DataSource):
     def name(cls) -> str:
         return "rmqtx"
 
-    def schema(self) -> str:
+    def schema(self) -> StructType:
+        """The fixed output schema (:data:`SOURCE_SCHEMA`); the read's options are checked here.
+
+        Spark calls this at ``load()`` (``spark.read`` and ``spark.readStream`` alike), the one
+        hook it runs then, so a bad option fails ``load()`` with its own message, before any
+        query. Spark does not tell the data source yet whether it is read as a batch or a
+        stream: options of either kind pass here
+        (:data:`~rmq_spark.spark.source_options.READ_OPTIONS`), and :meth:`reader` /
+        :meth:`streamReader` check what only the kind decides (``endingOffsets`` on a stream is
+        an error; ``maxMessagesPerTrigger`` on a batch, a warning). The store is checked too
+        (:func:`check_at_load`): it exists, named queues exist, topics have messages.
+
+        Spark skips this when the read was given a schema (``.schema(...)``): then nothing of
+        the source runs at ``load()``, and the factories check the schema and all the above.
+        """
+        check_at_load(ReaderOptions.parse(self.options, streaming=None))
+        self._checked_at_load = True
         return SOURCE_SCHEMA
 
-    def reader(self, schema: object) -> RmqTxBatchReader:
-        return RmqTxBatchReader(ReaderOptions.parse(self.options))
+    def reader(self, schema: StructType) -> RmqTxBatchReader:
+        check_schema(schema)
+        return RmqTxBatchReader(ReaderOptions.parse(self.options), checked=self._checked())
 
-    def streamReader(self, schema: object) -> RmqTxStreamReader:
-        return RmqTxStreamReader(ReaderOptions.parse(self.options, streaming=True))
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        try:
+            check_schema(schema)
+            options = ReaderOptions.parse(self.options, streaming=True)
+        except RmqSparkError as exc:
+            return _RefusedStreamReader(exc)
+        return RmqTxStreamReader(options, checked=self._checked())
+
+    def _checked(self) -> bool:
+        """Whether :meth:`schema` checked this read at ``load()`` (Spark pickles this object
+        with what :meth:`schema` set, and calls the factories on that copy)."""
+        return getattr(self, "_checked_at_load", False)
 
     def writer(self, schema: StructType, overwrite: bool) -> RmqTxBatchWriter:
         return RmqTxBatchWriter(_writer_options(self.options, schema, overwrite))
 
     def streamWriter(self, schema: StructType, overwrite: bool) -> RmqTxStreamWriter:
         return RmqTxStreamWriter(_writer_options(self.options, schema, overwrite))
+
+
+class _RefusedStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """A stream reader that raises ``error`` (a bad option of the stream) at Spark's first call.
+
+    PySpark 4.2's streaming runner calls ``stop()`` on the reader even when the factory that
+    makes it raised, and reports that ``UnboundLocalError`` in place of the factory's error;
+    raised from a reader's method, the error reaches the user as it is.
+    """
+
+    def __init__(self, error: RmqSparkError) -> None:
+        self.error = error
+
+    def _refuse(self) -> NoReturn:
+        raise self.error
+
+    def initialOffset(self) -> dict:
+        self._refuse()
+
+    def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
+        self._refuse()
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        self._refuse()
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        self._refuse()
+
+    def partitions(self, start: dict, end: dict) -> list[InputPartition]:
+        self._refuse()
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        self._refuse()
 
 
 def _writer_options(

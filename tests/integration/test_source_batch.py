@@ -93,16 +93,73 @@ def test_starting_timestamp(spark, store: Store) -> None:
         ({"topic": "Orders", "tags": "A || "}, "not a subscription expression"),
     ],
 )
-def test_bad_options_are_clear_errors(spark, store: Store, options, match) -> None:
-    with pytest.raises(Exception, match=match):
-        read(spark, store, **options).collect()
+def test_bad_options_are_clear_errors_of_load(spark, store: Store, options, match) -> None:
+    """Raised by load() itself (as Spark's Kafka source does), with the source's message."""
+    with pytest.raises(Exception, match=match) as raised:
+        read(spark, store, **options)
+    assert "UnboundLocalError" not in str(raised.value)
+
+
+def test_a_user_schema_is_refused_unless_it_is_the_source_schema(spark, store: Store) -> None:
+    """Spark runs no code of a Python data source at load() when the read is given a schema,
+    so the first action is the earliest point: before any task, with the fixed schema named
+    (not DATA_SOURCE_RETURN_SCHEMA_MISMATCH from inside a task)."""
+    from rmq_spark.spark.source import SOURCE_SCHEMA
+
+    publish(store, "Orders", ["a"])
+    custom = (
+        spark.read.format("rmqtx")
+        .schema("topic string, body binary")
+        .option("path", store.root)
+        .option("topic", "Orders")
+        .load()
+    )
+    with pytest.raises(Exception, match="has a fixed schema and cannot be set") as raised:
+        custom.collect()
+    assert "topic string not null, queue_id int not null" in str(raised.value)
+    assert "RETURN_SCHEMA_MISMATCH" not in str(raised.value)
+
+    def own(**options):
+        reader = spark.read.format("rmqtx").schema(SOURCE_SCHEMA).option("path", store.root)
+        return reader.options(**options).load()
+
+    assert bodies(own(topic="Orders")) == [b"a"]
+    with pytest.raises(Exception, match="have no messages in the store"):  # checked all the same
+        own(topic="Orders2", failOnMissingTopic="true").collect()
 
 
 def test_not_a_store(spark, tmp_path) -> None:
     with pytest.raises(Exception, match="no rmq-spark store"):
         spark.read.format("rmqtx").option("path", str(tmp_path / "x")).option(
             "topic", "Orders"
-        ).load().collect()
+        ).load()
+
+
+def test_a_missing_topic_is_a_warning_at_load(store: Store, caplog) -> None:
+    """The check load() runs (RmqTxDataSource.schema, in Spark's Python worker; called here
+    in-process to see its log): a topic the store has no messages of, a case typo among them."""
+    from rmq_spark.spark.source import RmqTxDataSource
+
+    publish(store, "OrderEvents", ["a"])
+    publish(store, "Payments", ["p"])
+    with caplog.at_level("WARNING", logger="rmq_spark"):
+        RmqTxDataSource({"path": store.root, "topic": "orderevents, Payments"}).schema()
+    assert "topic(s) 'orderevents' have no messages in the store" in caplog.text
+    assert "did you mean 'OrderEvents'?" in caplog.text
+    assert "its topics: OrderEvents, Payments" in caplog.text
+    assert "failOnMissingTopic" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="rmq_spark"):
+        RmqTxDataSource({"path": store.root, "topic": "OrderEvents"}).schema()
+    assert caplog.text == ""
+
+
+def test_a_missing_topic_fails_load_with_fail_on_missing_topic(spark, store: Store) -> None:
+    publish(store, "OrderEvents", ["a"])
+    with pytest.raises(Exception, match=r"'Orderevents' have no messages.*did you mean 'OrderEv"):
+        read(spark, store, topic="Orderevents", failOnMissingTopic="true")
+    assert bodies(read(spark, store, topic="Orderevents")) == []  # a warning only
+    assert bodies(read(spark, store, topic="OrderEvents", failOnMissingTopic="true")) == [b"a"]
 
 
 def test_ending_timestamp_and_a_time_window(spark, store: Store) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from pathlib import Path
@@ -126,24 +127,119 @@ def test_concurrent_producer_while_streaming_loses_nothing(spark, store: Store, 
 @pytest.mark.parametrize(
     ("options", "match"),
     [
-        ({"endingOffsets": "latest"}, "'endingOffsets' is for batch reads only"),
-        ({"endingTimestamp": "0"}, "'endingTimestamp' is for batch reads only"),
         ({"maxMessagesPerTrigger": "0"}, "maxMessagesPerTrigger needs to be an integer >= 1"),
-        ({"maxOffsetsPerTrigger": "5"}, r"unknown option\(s\) 'maxoffsetspertrigger'"),
+        ({"maxBytesPerTrigger": "lots"}, "'maxBytesPerTrigger' needs a size .* such as '1048576'"),
+        (
+            {"maxOffsetsPerTrigger": "5"},
+            r"unknown option\(s\) 'maxoffsetspertrigger'.*use 'maxMessagesPerTrigger'.*"
+            "valid options: path",
+        ),
+        ({"startingOffset": "earliest"}, "did you mean 'startingOffsets'"),
+        ({"consumerGroup": "bad group!"}, "option consumerGroup 'bad group!' is not valid"),
     ],
 )
-def test_bad_stream_options(spark, store: Store, options, match) -> None:
-    with pytest.raises(Exception, match=match):
-        query = (
-            stream(spark, store, **options)
-            .writeStream.format("memory")
-            .queryName(f"rmqtx_{uuid.uuid4().hex}")
-            .start()
-        )
-        try:
-            query.processAllAvailable()
-        finally:
-            query.stop()
+def test_bad_stream_options_fail_at_load(spark, store: Store, options, match) -> None:
+    """Raised by readStream...load() itself, as Spark's Kafka source does: no query starts."""
+    from pyspark.errors import StreamingQueryException
+
+    with pytest.raises(Exception, match=match) as raised:
+        stream(spark, store, **options)
+    assert not isinstance(raised.value, StreamingQueryException)
+    assert "STREAM_FAILED" not in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"endingOffsets": "latest"}, "'endingOffsets' is for batch reads only"),
+        ({"endingTimestamp": "0"}, "'endingTimestamp' is for batch reads only"),
+    ],
+)
+def test_batch_only_options_fail_when_the_stream_starts(
+    spark, store: Store, tmp_path, options, match
+) -> None:
+    """Spark does not tell a source at load() whether it is read as a stream; these fail at
+    the query's start, with the source's message (not PySpark's UnboundLocalError)."""
+    df = stream(spark, store, **options)  # a batch read takes them
+    with pytest.raises(Exception, match=match) as raised:
+        run_batches(df, tmp_path / "cp")
+    assert "UnboundLocalError" not in str(raised.value)
+
+
+def test_a_user_schema_fails_when_the_stream_starts(spark, store: Store, tmp_path) -> None:
+    df = (
+        spark.readStream.format("rmqtx")
+        .schema("body binary")
+        .option("path", store.root)
+        .option("topic", "Orders")
+        .load()
+    )
+    with pytest.raises(Exception, match="has a fixed schema and cannot be set") as raised:
+        run_batches(df, tmp_path / "cp")
+    assert "UnboundLocalError" not in str(raised.value)
+
+
+def test_a_missing_topic_fails_stream_load_with_fail_on_missing_topic(spark, store) -> None:
+    commit(store, ["a"])
+    with pytest.raises(Exception, match=r"'orders' have no messages.*did you mean 'Orders'"):
+        stream(spark, store, topic="orders", failOnMissingTopic="true")
+    stream(spark, store, topic="orders")  # a warning only: the topic may get messages later
+
+
+def run_sized(df, checkpoint: Path) -> tuple[list[list[tuple[str, int]]], list]:
+    """Run to the latest offsets with Trigger.AvailableNow; return each batch's (msg id, body
+    size) and the query's progress reports."""
+    batches: list[list[tuple[str, int]]] = []
+
+    def collect(batch_df, batch_id: int) -> None:
+        batches.append([(r["msg_id"], len(r["body"])) for r in batch_df.collect()])
+
+    query = (
+        df.writeStream.foreachBatch(collect)
+        .option("checkpointLocation", str(checkpoint))
+        .trigger(availableNow=True)
+        .start()
+    )
+    try:
+        assert query.awaitTermination(300)
+        progress = query.recentProgress
+    finally:
+        query.stop()
+    return [b for b in batches if b], progress
+
+
+def test_max_bytes_per_trigger_bounds_batches(spark, store: Store, tmp_path) -> None:
+    """10 messages of 1 KiB, at most 3 KiB a batch: bounded batches, none lost or repeated.
+    Sizes are estimated from the CommitLog files (stored bytes, about 1.4 KiB a message
+    here), so batches hold 2 messages (2 KiB of bodies)."""
+    import os
+
+    prepared = store.prepare(
+        [Message("Orders", os.urandom(1024), keys=f"k{i}") for i in range(10)], "pg"
+    )
+    store.end_transactions([Decision(p.transaction_id, "pg", COMMIT) for p in prepared])
+    ids = sorted(p.msg_id for p in prepared)
+    batches, progress = run_sized(stream(spark, store, maxBytesPerTrigger="3k"), tmp_path / "a")
+    assert len(batches) >= 4
+    assert all(1 <= len(b) <= 3 and sum(size for _, size in b) <= 3 * 1024 for b in batches)
+    assert sorted(i for b in batches for i, _ in b) == ids  # nothing lost, nothing twice
+    # The backlog after each batch, in the progress the source reports (reportLatestOffset).
+    latest = [json.loads(p.sources[0].latestOffset) for p in progress if p.numInputRows]
+    behind = [offset["messagesBehindLatest"] for offset in latest]
+    assert behind == [10 - sum(len(b) for b in batches[: i + 1]) for i in range(len(batches))]
+    assert latest[0]["offsets"] == {
+        "Orders": {str(q): n for q, n in sorted(_per_queue(store).items())}
+    }
+    # Combined with maxMessagesPerTrigger, the cap hit first wins.
+    both = stream(spark, store, maxBytesPerTrigger="1m", maxMessagesPerTrigger="4")
+    assert [len(b) for b in run_sized(both, tmp_path / "b")[0]] == [4, 4, 2]
+    # A cap below one message still reads one a batch: progress is guaranteed.
+    tiny = run_sized(stream(spark, store, maxBytesPerTrigger="1"), tmp_path / "c")[0]
+    assert [len(b) for b in tiny] == [1] * 10
+
+
+def _per_queue(store: Store) -> dict[int, int]:
+    return {q: n for (t, q), n in store.next_offsets().items() if t == "Orders"}
 
 
 def test_delta_streaming_source_sees_the_same_messages(spark, store: Store, tmp_path) -> None:

@@ -215,6 +215,7 @@ max_check_age = "72h"
 "spark.driver.memory" = "1g"
 "spark.sql.shuffle.partitions" = "2"
 "spark.default.parallelism" = "2"
+"spark.ui.enabled" = "false"
 
 [logging]
 level = "INFO"

@@ -285,6 +285,7 @@ def spark_session(run: dict, app: str):
             "spark.driver.memory": "1g",
             "spark.sql.shuffle.partitions": "2",
             "spark.default.parallelism": "2",
+            "spark.ui.enabled": "false",
         },
     )
     check_imports(run, spark)

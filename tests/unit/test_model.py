@@ -150,7 +150,7 @@ def test_keys_from_a_generator_are_kept() -> None:
 
 @pytest.mark.parametrize("tag", ["TagA", "Tag A", "*", "a-b_c.d", "标签"])
 def test_tags_a_subscription_can_name_pass(tag: str) -> None:
-    from rmq_spark.spark.source import parse_tags
+    from rmq_spark.spark.source_options import parse_tags
 
     validate_message(Message("Orders", b"x", tags=tag))
     assert tag in parse_tags(f"Other || {tag}")

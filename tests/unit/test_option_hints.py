@@ -8,7 +8,7 @@ from pyspark.sql.types import BinaryType, StringType, StructField, StructType
 
 from rmq_spark.model.errors import InvalidOptionError
 from rmq_spark.spark.sink_options import WriterOptions
-from rmq_spark.spark.source import ReaderOptions
+from rmq_spark.spark.source_options import ReaderOptions
 
 
 @pytest.mark.parametrize(
@@ -38,3 +38,31 @@ def test_writer_option_names_from_kafka_and_typos() -> None:
         )
     with pytest.raises(InvalidOptionError, match="did you mean 'producerGroup'"):
         WriterOptions.parse({"topic": "T", "producerGrop": "g"}, schema)
+
+
+@pytest.mark.parametrize(
+    ("value", "size"), [("1", 1), ("3k", 3072), ("3 KB", 3072), ("64m", 64 << 20), ("1g", 1 << 30)]
+)
+def test_max_bytes_per_trigger_takes_spark_byte_strings(value, size) -> None:
+    options = ReaderOptions.parse({"topic": "Orders", "maxBytesPerTrigger": value}, streaming=True)
+    assert options.max_bytes_per_trigger == size
+
+
+@pytest.mark.parametrize("value", ["0", "lots", "-1k", "1.5m", "3 kilobytes"])
+def test_a_bad_max_bytes_per_trigger_shows_examples(value) -> None:
+    with pytest.raises(InvalidOptionError, match="'maxBytesPerTrigger' needs a size.*'64m'"):
+        ReaderOptions.parse({"topic": "Orders", "maxBytesPerTrigger": value}, streaming=True)
+
+
+def test_load_accepts_the_options_of_both_kinds_and_checks_their_values() -> None:
+    """At load() Spark does not say whether the read is a batch or a stream (streaming=None)."""
+    both = {"topic": "Orders", "endingOffsets": "latest", "maxMessagesPerTrigger": "5"}
+    assert ReaderOptions.parse(both, streaming=None).max_messages_per_trigger == 5
+    with pytest.raises(InvalidOptionError, match="'endingOffsets' is for batch reads only"):
+        ReaderOptions.parse(both, streaming=True)
+    assert ReaderOptions.parse(both).max_messages_per_trigger is None  # a batch: a warning
+    with pytest.raises(InvalidOptionError, match="maxMessagesPerTrigger needs to be an integer"):
+        ReaderOptions.parse({"topic": "Orders", "maxMessagesPerTrigger": "0"}, streaming=None)
+    with pytest.raises(InvalidOptionError, match="did you mean 'failOnMissingTopic'"):
+        ReaderOptions.parse({"topic": "Orders", "failOnMissingTopics": "true"}, streaming=None)
+    assert ReaderOptions.parse({"topic": "O", "failOnMissingTopic": "TRUE"}).fail_on_missing_topic

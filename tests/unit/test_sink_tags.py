@@ -9,7 +9,7 @@ from pyspark.sql.types import StringType, StructField, StructType
 from rmq_spark import InvalidMessageError, Message, Store
 from rmq_spark.model.messages import validate_message
 from rmq_spark.spark.sink_options import WriterOptions
-from rmq_spark.spark.source import parse_tags
+from rmq_spark.spark.source_options import parse_tags
 from rmq_spark.spark.staging import stage
 
 SCHEMA = StructType([StructField(c, StringType()) for c in ("body", "keys", "tags")])
