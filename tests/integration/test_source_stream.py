@@ -29,12 +29,13 @@ def commit(store: Store, bodies: list[str], state=COMMIT) -> list[str]:
     return [p.msg_id for p in prepared]
 
 
-def run_batches(df, checkpoint: Path) -> list[tuple[int, list[str]]]:
-    """Run to the latest offsets with Trigger.AvailableNow; return (batch id, msg ids)."""
-    batches: list[tuple[int, list[str]]] = []
+def run_available(df, checkpoint: Path, row) -> tuple[list[tuple[int, list]], list]:
+    """Run to the latest offsets with Trigger.AvailableNow; return each batch's id and
+    ``row(r)`` of its rows, and the query's progress reports."""
+    batches: list[tuple[int, list]] = []
 
     def collect(batch_df, batch_id: int) -> None:
-        batches.append((batch_id, sorted(r["msg_id"] for r in batch_df.collect())))
+        batches.append((batch_id, [row(r) for r in batch_df.collect()]))
 
     query = (
         df.writeStream.foreachBatch(collect)
@@ -44,9 +45,16 @@ def run_batches(df, checkpoint: Path) -> list[tuple[int, list[str]]]:
     )
     try:
         assert query.awaitTermination(300)
+        progress = query.recentProgress
     finally:
         query.stop()
-    return batches
+    return batches, progress
+
+
+def run_batches(df, checkpoint: Path) -> list[tuple[int, list[str]]]:
+    """Run to the latest offsets with Trigger.AvailableNow; return (batch id, msg ids)."""
+    batches, _ = run_available(df, checkpoint, lambda r: r["msg_id"])
+    return [(batch_id, sorted(ids)) for batch_id, ids in batches]
 
 
 def test_only_committed_and_later_commits_arrive(spark, store: Store) -> None:
@@ -187,25 +195,10 @@ def test_a_missing_topic_fails_stream_load_with_fail_on_missing_topic(spark, sto
 
 
 def run_sized(df, checkpoint: Path) -> tuple[list[list[tuple[str, int]]], list]:
-    """Run to the latest offsets with Trigger.AvailableNow; return each batch's (msg id, body
-    size) and the query's progress reports."""
-    batches: list[list[tuple[str, int]]] = []
-
-    def collect(batch_df, batch_id: int) -> None:
-        batches.append([(r["msg_id"], len(r["body"])) for r in batch_df.collect()])
-
-    query = (
-        df.writeStream.foreachBatch(collect)
-        .option("checkpointLocation", str(checkpoint))
-        .trigger(availableNow=True)
-        .start()
-    )
-    try:
-        assert query.awaitTermination(300)
-        progress = query.recentProgress
-    finally:
-        query.stop()
-    return [b for b in batches if b], progress
+    """Run to the latest offsets with Trigger.AvailableNow; return each non-empty batch's
+    (msg id, body size) and the query's progress reports."""
+    batches, progress = run_available(df, checkpoint, lambda r: (r["msg_id"], len(r["body"])))
+    return [rows for _, rows in batches if rows], progress
 
 
 def test_max_bytes_per_trigger_bounds_batches(spark, store: Store, tmp_path) -> None:
