@@ -564,7 +564,10 @@ class TransactionMQProducer:
         normal = [i for i in items if isinstance(i, Message)]
         ended = iter(self.store.end_transactions(decisions, publish=False) if decisions else [])
         try:
-            published = self.store.publish([(m, self.producer_group) for m in normal])
+            # Up to the decisions just recorded (no listing of op's log when there are some).
+            published = self.store.publish(
+                [(m, self.producer_group) for m in normal], latest=not decisions
+            )
         except Exception as exc:
             if not decisions:
                 raise

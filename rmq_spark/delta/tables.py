@@ -127,6 +127,14 @@ class DeltaTables:
         refreshed[name] = now
         return table
 
+    def known_version(self, name: str) -> int:
+        """The newest version of a table this thread's snapshot holds or this process
+        committed, without a look at the log unless the snapshot is older than
+        :attr:`fresh_seconds`."""
+        with self._lock:
+            known = self._known.get(name, -1)
+        return max(self.snapshot(name, latest=False).version(), known)
+
     def at_version(self, name: str, version: int) -> DeltaTable:
         """A table as of ``version``."""
         return DeltaTable(self.uri(name), version=version, storage_options=self.deltalake_options)

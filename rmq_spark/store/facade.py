@@ -205,7 +205,7 @@ class Store:
         """
         results = self._decisions.end(decisions)
         if publish:
-            self.publish()
+            self.publish(latest=False)
         return results
 
     def write_decisions(self, op: DeltaTable, decisions: Sequence[Decision]) -> int:
@@ -229,11 +229,14 @@ class Store:
         return reads.discarded(self._tables, transaction_ids)
 
     # ------------------------------------------------------------------ publishing
-    def publish(self, normal: Sequence[tuple[Message, str]] = ()) -> PublishResult:
+    def publish(
+        self, normal: Sequence[tuple[Message, str]] = (), *, latest: bool = True
+    ) -> PublishResult:
         """Move committed messages into ``commitlog``, and send normal messages (already
         validated, as ``(message, producer_group)``) in its last commit; see
-        :meth:`Publisher.publish`."""
-        return self._publisher.publish(normal)
+        :meth:`Publisher.publish` (``latest=False``: up to the decisions this thread has just
+        made)."""
+        return self._publisher.publish(normal, latest=latest)
 
     def send(self, messages: Sequence[Message], producer_group: str) -> PublishResult:
         """Send normal (non-transactional) messages: visible at once, in one commit."""

@@ -81,17 +81,21 @@ def commits_in(tables: DeltaTables, op: DeltaTable, first: int, last: int) -> tu
     (a RESTORE re-adding files a compaction replaced, which the change feed reports as
     inserts; a DELETE; an append) is logged and not applied.
     """
+
+    def changed(start: int, end: int) -> pa.Table:  # on a snapshot that holds ``end``
+        return _changed_commits(op if op.version() >= end else tables.snapshot("op"), start, end)
+
     try:
         infos = commit_infos(tables.uri("op"), tables.storage_options, first, last)
     except LookupError:
-        return _changed_commits(op, first, last), 0
+        return changed(first, last), 0
     parts, foreign = [_COMMITTED.empty_table()], 0
     for version, info in infos.items():
         if COMMITS_KEY in info:
             ids = json.loads(info[COMMITS_KEY])
             parts.append(pa.table([ids, [version] * len(ids)], schema=_COMMITTED))
         elif _legacy_decisions(info):
-            parts.append(_changed_commits(op, version, version))
+            parts.append(changed(version, version))
         elif foreign_change(info):
             log.error(
                 "op version %d was not written by rmq-spark (%s by %s): its rows are not "

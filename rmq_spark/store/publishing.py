@@ -82,7 +82,9 @@ class Publisher:
         self.clock = chunks.clock
         self.queue_nums = chunks.settings.queue_nums
 
-    def publish(self, normal: Sequence[tuple[Message, str]] = ()) -> PublishResult:
+    def publish(
+        self, normal: Sequence[tuple[Message, str]] = (), *, latest: bool = True
+    ) -> PublishResult:
         """Move committed messages into ``commitlog``, and send normal messages.
 
         Publishes every COMMIT recorded in ``op`` before the call (by anyone) that no publisher
@@ -95,6 +97,10 @@ class Publisher:
         normal : sequence of (Message, producer_group)
             Non-transactional messages to send (already validated), all in one commit: the
             last one, after the committed messages.
+        latest : bool, default True
+            False: publish up to the ``op`` version this thread just read or wrote (it has
+            just decided transactions: every decision that concerns them is at or before it),
+            without listing ``op``'s log again; later decisions are their deciders' to publish.
 
         Returns
         -------
@@ -115,7 +121,7 @@ class Publisher:
         go on from where that one stopped.
         """
         unsent = self._normal_rows(normal)  # ids and timestamps fixed for every attempt
-        target = self.tables.snapshot("op").version()
+        target = self.tables.snapshot("op").version() if latest else self.tables.known_version("op")
         published, sent = 0, []
         while True:
             result, done = self._publish_chunk(target, unsent)
