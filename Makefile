@@ -20,7 +20,7 @@ MINIO_VERSION := v0.0.0-20260212201848-7aac2a2c5b7c
 CACHE         ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/rmq-spark
 export RMQ_SPARK_MINIO := $(abspath $(TOOLS))/bin/minio
 
-.PHONY: setup objectstore demo test torture lint bench bench-objectstore bench-peers check-back notebooks clean
+.PHONY: setup objectstore demo test torture lint bench bench-objectstore bench-scale bench-peers check-back notebooks clean
 setup: $(VENV)/.installed $(JARS)/.fetched
 
 $(VENV)/.installed: setup.py
@@ -86,6 +86,11 @@ lint: setup
 
 bench: setup
 	$(PY) bench/run_all.py
+
+# N producer processes on one s3:// store behind a proxy that adds an object store's round trip
+# (MinIO from make objectstore), e.g. make bench-scale ARGS="--runs 1x4,16x4 --delay-ms 30".
+bench-scale: objectstore
+	$(PY) bench/scale_bench.py $(ARGS)
 
 # rmq-spark beside a RocketMQ broker and Spark's Kafka connector, in one run (the peers come
 # from ../shared/anchors when present; each fetches its own jars from Maven Central).

@@ -14,6 +14,7 @@ Usage as a program: python bench/latency_proxy.py LISTEN_PORT TARGET_PORT DELAY_
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import threading
 from collections import Counter
@@ -84,9 +85,12 @@ class LatencyProxy:
         except OSError:
             client_w.close()
             return
-        await asyncio.gather(
-            self._requests(client_r, server_w), _pipe(server_r, client_w), return_exceptions=True
-        )
+        with contextlib.suppress(asyncio.CancelledError):  # stop() ends every connection
+            await asyncio.gather(
+                self._requests(client_r, server_w),
+                _pipe(server_r, client_w),
+                return_exceptions=True,
+            )
 
     async def _requests(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         try:
