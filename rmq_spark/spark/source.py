@@ -107,6 +107,7 @@ from pyspark.sql.datasource import (
     DataSourceStreamReader,
     InputPartition,
 )
+from pyspark.sql.pandas.types import from_arrow_schema
 from pyspark.sql.streaming.datasource import (
     ReadAllAvailable,
     ReadLimit,
@@ -114,19 +115,10 @@ from pyspark.sql.streaming.datasource import (
     ReadMaxRows,
     SupportsTriggerAvailableNow,
 )
-from pyspark.sql.types import (
-    BinaryType,
-    IntegerType,
-    LongType,
-    MapType,
-    StringType,
-    StructField,
-    StructType,
-    TimestampType,
-)
+from pyspark.sql.types import StructType
 
 from rmq_spark.model.errors import InvalidOptionError, RmqSparkError
-from rmq_spark.model.schema import CONSUMER_OFFSETS_SCHEMA
+from rmq_spark.model.schema import COMMITLOG_SCHEMA, CONSUMER_OFFSETS_SCHEMA
 from rmq_spark.spark.offsets import (
     Offsets,
     admit,
@@ -143,23 +135,8 @@ from rmq_spark.spark.sink_options import WriterOptions
 from rmq_spark.spark.source_options import ENDING_OFFSETS, STARTING_OFFSETS, ReaderOptions
 from rmq_spark.store.facade import Store
 
-#: The source's output schema (nullability as in the CommitLog).
-SOURCE_SCHEMA = StructType(
-    [
-        StructField("topic", StringType(), False),
-        StructField("queue_id", IntegerType(), False),
-        StructField("queue_offset", LongType(), False),
-        StructField("msg_id", StringType(), False),
-        StructField("transaction_id", StringType()),
-        StructField("producer_group", StringType()),
-        StructField("keys", StringType()),
-        StructField("tags", StringType()),
-        StructField("body", BinaryType(), False),
-        StructField("properties", MapType(StringType(), StringType())),
-        StructField("born_timestamp", TimestampType(), False),
-        StructField("store_timestamp", TimestampType(), False),
-    ]
-)
+#: The source's output schema: the CommitLog's, as the reader yields its rows.
+SOURCE_SCHEMA: StructType = from_arrow_schema(COMMITLOG_SCHEMA)
 
 #: Version of the offset format this source writes into checkpoints.
 OFFSET_FORMAT_VERSION = 1
