@@ -1,7 +1,7 @@
 # The project's own setup: everything a fresh machine needs comes from here.
 #   make demo   - set up (first time only) and run the end-to-end demo on storage/
 #   make test   - set up (first time only) and run the test suite
-#   make torture SEED=42 MINUTES=10 - the torture test, on demand (SEED: default a new one)
+#   make torture SEED=42 MINUTES=10 PRODUCERS=4 - the torture test, on demand (SEED: default a new one)
 #   make objectstore - what the object-store and cluster tests add (make test runs it)
 PYTHON ?= python3.11
 VENV   := .venv
@@ -66,7 +66,7 @@ test: objectstore
 SEED    ?=
 MINUTES ?= 10
 torture: setup
-	$(PY) -m tests.torture.run $(if $(SEED),--seed $(SEED)) --minutes $(MINUTES)
+	$(PY) -m tests.torture.run $(if $(SEED),--seed $(SEED)) --minutes $(MINUTES) $(if $(PRODUCERS),--producers $(PRODUCERS))
 
 # The check-back job through spark-submit, e.g. make check-back ARGS="--once".
 check-back: setup

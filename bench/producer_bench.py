@@ -10,10 +10,10 @@ Baselines measured in the same run:
 that slows down as its store grows shows it there (run enough messages for that to show).
 
 "CPU per send" splits the process's CPU time by who spent it: the senders' threads, the
-group committers of half messages (prepare) and of decisions (publish), the background
-maintenance (compaction, log cleanup, checkpoints) and the native thread pools of deltalake
-and Arrow. On two cores, sends/s can be at most 2 s / (CPU per send), and the Python threads
-share one interpreter lock.
+group committers of half messages (prepare) and of decisions, the publisher lease's loop
+(publish), the background maintenance (compaction, log cleanup, checkpoints) and the native
+thread pools of deltalake and Arrow. On two cores, sends/s can be at most 2 s / (CPU per
+send), and the Python threads share one interpreter lock.
 
 Usage: python bench/producer_bench.py [--messages 4000] [--body-bytes 256]
 """
@@ -104,7 +104,8 @@ def tenths(done: list[float]) -> tuple[float, float]:
 #: Python thread names (prefixes) of the producer's and the store's threads, by role.
 ROLES = {
     "rmqtx-prepare-": "prepare",
-    "rmqtx-publish-": "publish",
+    "rmqtx-end-": "decisions",
+    "rmqtx-publisher": "publish",
     "rmqtx-maintain-": "maintenance",
     "rmqtx-checkpoint-": "maintenance",
 }

@@ -42,12 +42,13 @@ from rmq_spark.model.messages import (
 )
 from rmq_spark.store.decisions import Decision, EndTransactionResult, PreparedMessage
 from rmq_spark.store.facade import Store
+from rmq_spark.store.publish_loop import BackgroundPublisher
 
 log = logging.getLogger(__name__)
 
 #: End-transactions are oneway (asynchronous) for senders, so their commits can wait a little
 #: to gather more decisions per Delta commit, leaving CPU to the half-message commits.
-_PUBLISH_LINGER_SECONDS = 0.05
+_END_LINGER_SECONDS = 0.003
 #: Concurrent senders come back in waves (all of one commit's senders at once); waiting this
 #: long for the wave merges it into the next commit instead of splitting senders into two
 #: alternating half-size batches.
@@ -115,7 +116,7 @@ class TransactionSendResult:
 
     ``local_transaction_state`` is what the listener answered. The end-transaction request
     is sent asynchronously, as RocketMQ's oneway ``endTransaction`` is; call
-    :meth:`TransactionMQProducer.flush` to wait until it is recorded.
+    :meth:`TransactionMQProducer.flush` to wait until it is recorded and published.
     """
 
     send_status: SendStatus
@@ -302,7 +303,8 @@ class TransactionMQProducer:
         self.store = store or Store.open(path, settings=settings or load_settings())
         self._max_batch = max_batch
         self._prepare: _GroupCommitter[Message, PreparedMessage] | None = None
-        self._publish: _GroupCommitter[Decision | Message, Any] | None = None
+        self._end: _GroupCommitter[Decision | Message, Any] | None = None
+        self._publisher: BackgroundPublisher | None = None
         self._pending: set[_Slot[Any]] = set()
         #: Guards the committers, ``_pending``, ``_in_flight`` and ``_closing``; never held
         #: while waiting on a committer, whose completion callbacks take it.
@@ -325,20 +327,21 @@ class TransactionMQProducer:
                     self._max_batch,
                     linger=_PREPARE_LINGER_SECONDS,
                 )
-                self._publish = _GroupCommitter(
-                    f"rmqtx-publish-{self.producer_group}",
-                    self._publish_batch,
+                self._end = _GroupCommitter(
+                    f"rmqtx-end-{self.producer_group}",
+                    self._end_batch,
                     self._max_batch,
-                    linger=_PUBLISH_LINGER_SECONDS,
+                    linger=_END_LINGER_SECONDS,
                 )
+                self._publisher = BackgroundPublisher(self.store)
         return self
 
     def shutdown(self) -> None:
         """Finish the sends under way, then stop the background committers.
 
         Sends that have started complete normally: their half message is written, their
-        local transaction runs, and their COMMIT or ROLLBACK is recorded (and published)
-        before ``shutdown`` returns, as are the compactions their commits asked for (done on
+        local transaction runs, and their COMMIT or ROLLBACK is recorded and published before
+        ``shutdown`` returns, as are the compactions their commits asked for (done on
         a background thread, so that no send waits for one). Sends that start after
         ``shutdown`` was called raise :class:`ProducerStateError` before anything is written,
         so retrying them elsewhere is safe. A no-op on a producer that is not started.
@@ -355,20 +358,22 @@ class TransactionMQProducer:
             )
         with self._lock:
             self._lock.wait_for(lambda: not self._closing)
-            if self._prepare is None or self._publish is None:
+            if self._prepare is None or self._end is None or self._publisher is None:
                 return
             self._closing = True
             self._lock.wait_for(lambda: self._in_flight == 0)
-            committers = (self._prepare, self._publish)
+            committers, publisher = (self._prepare, self._end), self._publisher
         try:
             # Nothing can be submitted any more: closing drains what is queued, decisions
             # included, and completion callbacks can take the lock meanwhile.
             for committer in committers:
                 committer.close()
+            publisher.stop()
+            self._publish_own()
             self.store.finish_maintenance()
         finally:
             with self._lock:
-                self._prepare = self._publish = None
+                self._prepare = self._end = self._publisher = None
                 self._closing = False
                 self._lock.notify_all()
 
@@ -379,13 +384,27 @@ class TransactionMQProducer:
         self.shutdown()
 
     def flush(self, timeout: float | None = None) -> None:
-        """Block until every end-transaction sent so far is recorded (and published)."""
+        """Block until every end-transaction sent so far is recorded and what it committed is
+        published (visible to consumers), or ``timeout`` seconds went by."""
         with self._lock:
             pending = list(self._pending)
         deadline = None if timeout is None else time.monotonic() + timeout
         for slot in pending:
             if not slot.wait(None if deadline is None else deadline - time.monotonic()):
                 return
+        self._publish_own()
+
+    def _publish_own(self) -> None:
+        """Publish up to this process's last decision (the publisher lease's holder may be
+        another process, or none right now)."""
+        try:
+            self.store.publish(latest=False)
+        except Exception as exc:
+            log.warning(
+                "publishing this producer's COMMITs failed (%s); they are recorded, and the "
+                "holder of the publisher lease or the check-back job publishes them",
+                exc,
+            )
 
     @contextmanager
     def _admitted(
@@ -393,8 +412,8 @@ class TransactionMQProducer:
     ) -> Iterator[tuple[_GroupCommitter[Message, PreparedMessage], _GroupCommitter[Any, Any]]]:
         """Admit one operation: the committers stay up until it ends (``shutdown`` waits)."""
         with self._lock:
-            prepare, publish = self._prepare, self._publish
-            if self._closing or prepare is None or publish is None:
+            prepare, end = self._prepare, self._end
+            if self._closing or prepare is None or end is None:
                 state = "shutting down" if self._closing else "not started (or shut down)"
                 raise ProducerStateError(
                     f"producer {self.producer_group!r} is {state}; nothing was sent. Call "
@@ -403,7 +422,7 @@ class TransactionMQProducer:
             self._in_flight += 1
         self._local.depth = getattr(self._local, "depth", 0) + 1
         try:
-            yield prepare, publish
+            yield prepare, end
         finally:
             self._local.depth -= 1
             with self._lock:
@@ -441,13 +460,13 @@ class TransactionMQProducer:
                 "TransactionMQProducer(...) to send transactional messages."
             )
         validate_message(msg, self.store.settings.max_body_bytes)
-        with self._admitted() as (prepare, publish):
-            return self._send_in_transaction(prepare, publish, msg, arg)
+        with self._admitted() as (prepare, end):
+            return self._send_in_transaction(prepare, end, msg, arg)
 
     def _send_in_transaction(
         self,
         prepare: _GroupCommitter[Message, PreparedMessage],
-        publish: _GroupCommitter[Any, Any],
+        end: _GroupCommitter[Any, Any],
         msg: Message,
         arg: Any,
     ) -> TransactionSendResult:
@@ -475,7 +494,7 @@ class TransactionMQProducer:
             state,
         )
         if state is not LocalTransactionState.UNKNOWN:
-            self._end_async(publish, result, state)
+            self._end_async(end, result, state)
         return result
 
     def _run_local_transaction(self, view: MessageExt, arg: Any) -> LocalTransactionState:
@@ -502,11 +521,11 @@ class TransactionMQProducer:
 
     def _end_async(
         self,
-        publish: _GroupCommitter[Any, Any],
+        end: _GroupCommitter[Any, Any],
         result: TransactionSendResult,
         state: LocalTransactionState,
     ) -> None:
-        future = publish.submit(self._decision(result, state))
+        future = end.submit(self._decision(result, state))
         with self._lock:
             self._pending.add(future)
         # Outside the lock: on a future already done, the callback runs here and takes it.
@@ -530,9 +549,13 @@ class TransactionMQProducer:
         Useful when the local transaction finishes after ``send_message_in_transaction``
         returned UNKNOWN. The first decision recorded wins: a conflicting late request comes
         back with status ``REFUSED`` and the decision in force.
+
+        Returns once the decision is durable. A COMMIT becomes visible to consumers when the
+        store's publisher moves it into the CommitLog, within about ``store.publish_interval``
+        (:mod:`rmq_spark.store.publish_loop`); :meth:`flush` waits for it.
         """
-        with self._admitted() as (_, publish):
-            return publish.submit(self._decision(result, state)).result()
+        with self._admitted() as (_, end):
+            return end.submit(self._decision(result, state)).result()
 
     def _decision(self, result: TransactionSendResult, state: LocalTransactionState) -> Decision:
         if not isinstance(result, TransactionSendResult):
@@ -552,33 +575,31 @@ class TransactionMQProducer:
     def send(self, msg: Message) -> SendResult:
         """Send a normal (non-transactional) message; it is visible when this returns."""
         validate_message(msg, self.store.settings.max_body_bytes)
-        with self._admitted() as (_, publish):
-            return publish.submit(msg).result()
+        with self._admitted() as (_, end):
+            return end.submit(msg).result()
 
     # -------------------------------------------------------------- batch handlers
     def _prepare_batch(self, messages: list[Message]) -> list[PreparedMessage]:
         return self.store.prepare(messages, self.producer_group, validated=True)
 
-    def _publish_batch(self, items: list[Decision | Message]) -> list[Any]:
+    def _end_batch(self, items: list[Decision | Message]) -> list[Any]:
         decisions = [i for i in items if isinstance(i, Decision)]
         normal = [i for i in items if isinstance(i, Message)]
         ended = iter(self.store.end_transactions(decisions, publish=False) if decisions else [])
+        if self._publisher is not None and any(
+            d.state is LocalTransactionState.COMMIT for d in decisions
+        ):
+            self._publisher.wake()
+        if not normal:
+            return [next(ended) for _ in items]
         try:
-            # Up to the decisions just recorded (no listing of op's log when there are some).
-            published = self.store.publish(
-                [(m, self.producer_group) for m in normal], latest=not decisions
-            )
+            # Normal messages are sent by publishing them (with what was committed up to the
+            # op version this thread knows: no listing of op's log).
+            published = self.store.publish([(m, self.producer_group) for m in normal], latest=False)
         except Exception as exc:
             if not decisions:
                 raise
-            # The decisions are recorded: their callers succeeded, and the next publish (of
-            # any process) publishes what they committed. The normal messages were not sent.
-            log.warning(
-                "publishing after %d recorded decision(s) failed (%s); the next publish "
-                "publishes them",
-                len(decisions),
-                exc,
-            )
+            # The decisions are recorded: their callers succeeded. The normal messages failed.
             return [next(ended) if isinstance(i, Decision) else exc for i in items]
         sent = iter(
             SendResult(SendStatus.SEND_OK, mid, m.topic, qid, offset)

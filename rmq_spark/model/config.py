@@ -49,6 +49,14 @@ def parse_duration(value: object, name: str) -> float:
     return seconds
 
 
+def parse_positive_duration(value: object, name: str) -> float:
+    """:func:`parse_duration`, refusing zero."""
+    seconds = parse_duration(value, name)
+    if seconds == 0:
+        raise InvalidOptionError(f"{name} needs a duration above zero such as '1s' but got 0.")
+    return seconds
+
+
 def parse_uris(value: object, name: str) -> tuple[str, ...]:
     """Parse a list of table URIs (or URI prefixes)."""
     if not isinstance(value, list | tuple) or not all(isinstance(v, str) and v for v in value):
@@ -143,6 +151,12 @@ class StoreSettings:
     #: Most body bytes in one publish commit (a single decision larger than either limit is
     #: published in one commit of its own).
     publish_max_bytes: int = 64 * 1024 * 1024
+    #: How often a producer process holding the publisher lease publishes every producer's
+    #: COMMITs (and at once after one of its own): about how long a COMMIT takes to be visible.
+    publish_interval: float = 0.1
+    #: The publisher lease: held by one producer process at a time, renewed every third of it,
+    #: taken over by another this long after its holder stopped renewing it.
+    publish_lease: float = 10.0
     #: How long the Delta log entries of the internal tables (all but the CommitLog) that a
     #: lagging check-back job still needs are kept (15 min); entries nobody needs go after ten
     #: seconds. On a local filesystem every commit lists the whole log, so its cost would grow
@@ -281,6 +295,8 @@ def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
             "max_body_bytes": lambda v, n: parse_int(v, n, 1),
             "publish_max_messages": lambda v, n: parse_int(v, n, 1),
             "publish_max_bytes": lambda v, n: parse_int(v, n, 1),
+            "publish_interval": parse_positive_duration,
+            "publish_lease": parse_positive_duration,
             "log_retention": parse_duration,
             "path": lambda v, n: str(v),
             "storage_options": lambda v, n: {str(k): str(x) for k, x in dict(v).items()},

@@ -312,6 +312,10 @@ class Store:
         when free, expired, or ``holder``'s already; exactly one of racing takers gets it."""
         return self._maintenance.lock(name, holder, seconds)
 
+    def lock_holder(self, name: str) -> str | None:
+        """Who holds the lock ``name`` (None: nobody, or the lock expired)."""
+        return self._maintenance.holder(name)
+
     def maintain_in_background(self) -> None:
         """Write checkpoints, compact and clean tables after their commits on background
         threads of this process from now on, so that no commit waits for them (a producer's

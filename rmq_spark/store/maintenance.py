@@ -171,6 +171,15 @@ class Maintenance(StoreConcept):
         )
         return held.num_rows > 0
 
+    def holder(self, name: str) -> str | None:
+        """Who holds the lock ``name`` (None: nobody, or the lock expired)."""
+        rows = query(
+            self.tables,
+            "locks",
+            f"name = {sql_string(name)} AND expires > {sql_time(self.clock())}",
+        )
+        return next(iter(rows.column("holder").to_pylist()), None)
+
     def _pending_cursors(self) -> dict[str, int]:
         """The ``half`` and ``op`` versions the pending list covers (none before its first
         update)."""

@@ -19,6 +19,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", help="run directory (default: a new temporary directory)")
     parser.add_argument("--kill-every", type=float, default=12.0, help="mean seconds between kills")
     parser.add_argument(
+        "--producers", type=int, default=2, help="producer processes (2 threads each)"
+    )
+    parser.add_argument(
         "--no-compactor",
         action="store_true",
         help="no compactor process (the store still compacts every 50 commits of a table)",
@@ -33,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         args.root,
         kill_every=args.kill_every,
         compactor=not args.no_compactor,
+        producers=args.producers,
     )
     print(report, flush=True)
     return 1 if result["violations"] else 0

@@ -1,0 +1,134 @@
+"""Publishing in the background: one process at a time moves every producer's COMMITs into the
+CommitLog.
+
+A producer's end-transaction returns once its decision is durable in ``op`` (RocketMQ's
+end-transaction is a one-way request too); moving the committed messages into ``commitlog`` is
+left to a :class:`BackgroundPublisher`. Producers on many hosts that each published their own
+COMMITs would race for ``commitlog``'s log, and every loser re-reads the winners' entries: on
+an object store, adding producers made the store slower. So the loop of one process, the holder
+of the lease :data:`LEASE` in ``locks``, publishes everything committed (by anyone) every
+``store.publish_interval``, and at once after a COMMIT of its own process. The others only
+check the lease now and then; one of them takes it over when the holder stops renewing it
+(killed, stalled, cut off from the store). A COMMIT is visible after about
+``publish_interval`` and one publish, or ``store.publish_lease`` more when the holder died.
+
+The lease is about cost, not correctness (rules 2, 4 and 5 hold without it): publishing is
+safe with any number of publishers at once (:mod:`rmq_spark.store.publishing`), so two holders
+for a moment (clocks apart, a stalled holder waking up) publish nothing twice, and a COMMIT
+nobody published yet goes out with the next publish of anyone, the check-back job's included.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+import weakref
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rmq_spark.store.facade import Store
+
+log = logging.getLogger(__name__)
+
+#: The name of the publisher's lease in ``locks``.
+LEASE = "publish:commitlog"
+
+
+class BackgroundPublisher:
+    """Publishes a store's COMMITs on a background thread while this process holds the
+    publisher lease (see the module docstring).
+
+    Parameters
+    ----------
+    store : Store
+        The store; ``store.settings.publish_interval`` and ``publish_lease`` set the pace.
+    """
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.interval = store.settings.publish_interval
+        self.lease = store.settings.publish_lease
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._holding = False
+        self._lease_due = 0.0  # time.monotonic() of the next look at the lease
+        self._thread = threading.Thread(target=self._run, name="rmqtx-publisher", daemon=True)
+        _running.add(self)
+        self._thread.start()
+
+    @property
+    def holding(self) -> bool:
+        """Whether this process held the lease when it last looked."""
+        return self._holding
+
+    def wake(self) -> None:
+        """Publish now if this process holds the lease (it has just recorded a COMMIT)."""
+        self._wake.set()
+
+    def stop(self) -> None:
+        """Stop the loop (waiting for a publish under way) and give the lease back."""
+        self._stopping.set()
+        self._wake.set()
+        self._thread.join()
+        _running.discard(self)
+        if self._holding:
+            self._holding = False
+            try:
+                self.store.lock(LEASE, self.holder, 0.0)
+            except Exception as exc:  # it expires by itself
+                log.warning("could not give the publisher lease back (%s); it expires", exc)
+
+    def _run(self) -> None:
+        failures = 0
+        while not self._stopping.is_set():
+            woken = self._wake.wait(self.interval * (1 + min(failures, 50)))
+            self._wake.clear()
+            if self._stopping.is_set():
+                return
+            try:
+                if self._leased():
+                    # Woken by this process's COMMITs: up to the op version it wrote, with no
+                    # listing of op's log; every interval: up to the latest (anyone's).
+                    self.store.publish(latest=not woken)
+                failures = 0
+            except Exception as exc:
+                failures += 1
+                # Another holder, the check-back job or this loop's next turn publishes it.
+                log.warning("background publish failed (%s); trying again", exc)
+                log.debug("background publish traceback", exc_info=True)
+
+    def _leased(self) -> bool:
+        """Whether this process holds the lease: looked at every third of it, taken when free
+        or expired, renewed while held."""
+        now = time.monotonic()
+        if now < self._lease_due:
+            return self._holding
+        self._lease_due = now + self.lease / 3
+        held_by = self.store.lock_holder(LEASE)
+        was = self._holding
+        self._holding = held_by in (None, self.holder) and self.store.lock(
+            LEASE, self.holder, self.lease
+        )
+        if self._holding != was:
+            log.info(
+                "%s the publisher lease of %s",
+                "took" if self._holding else "lost",
+                self.store.root,
+            )
+        return self._holding
+
+
+_running: weakref.WeakSet[BackgroundPublisher] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    # A daemon thread stopped by the interpreter's exit inside pyarrow aborts the process.
+    for publisher in list(_running):
+        publisher.stop()

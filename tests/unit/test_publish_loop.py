@@ -1,0 +1,118 @@
+"""The publisher lease: one producer process publishes every producer's COMMITs, and another
+takes over when it dies (a real process, killed with SIGKILL)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from rmq_spark import LocalTransactionState, Message, Store, TransactionMQProducer
+from rmq_spark.model.config import Settings, StoreSettings
+from rmq_spark.store.publish_loop import LEASE
+from tests.conftest import commitlog
+from tests.unit.test_producer import ScriptedListener
+
+REPO = Path(__file__).resolve().parents[2]
+LEASE_SECONDS = 2.0
+COMMIT = LocalTransactionState.COMMIT
+
+
+def _settings(root: Path) -> Settings:
+    return Settings(
+        store=StoreSettings(
+            path=str(root), queue_nums=2, publish_interval=0.05, publish_lease=LEASE_SECONDS
+        )
+    )
+
+
+def _visible(store: Store, msg_ids: set[str], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not msg_ids <= set(commitlog(store).column("msg_id").to_pylist()):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _commit(producer: TransactionMQProducer) -> str:
+    """A transaction ended by an explicit COMMIT, which returns once it is recorded."""
+    sent = producer.send_message_in_transaction(Message("T", b"x"), LocalTransactionState.UNKNOWN)
+    producer.end_transaction(sent, COMMIT)
+    return sent.msg_id
+
+
+@pytest.fixture
+def holder(tmp_path: Path):
+    """A producer process that took the publisher lease, sent one COMMIT, and waits."""
+    child = textwrap.dedent(
+        f"""
+        import sys, time
+        from rmq_spark import Store, TransactionMQProducer
+        from tests.unit.test_publish_loop import _commit, _settings
+        from tests.unit.test_producer import ScriptedListener
+        from pathlib import Path
+        store = Store.open(settings=_settings(Path({str(tmp_path / "store")!r})))
+        producer = TransactionMQProducer("pg", ScriptedListener(), store=store).start()
+        while not producer._publisher.holding:
+            time.sleep(0.02)
+        print(_commit(producer), flush=True)
+        time.sleep(600)
+        """
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", child],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        yield proc, proc.stdout.readline().strip()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_the_lease_holder_publishes_every_producers_commits_and_another_takes_over(
+    tmp_path: Path, holder: tuple[subprocess.Popen, str]
+) -> None:
+    proc, first = holder
+    store = Store.open(settings=_settings(tmp_path / "store"))
+    assert store.lock_holder(LEASE).split(":")[1] == str(proc.pid)
+    with TransactionMQProducer("pg", ScriptedListener(), store=store) as producer:
+        # Published by the other process's loop: this one holds no lease and never flushes.
+        mine = _commit(producer)
+        assert _visible(store, {first, mine}, 10)
+        assert not producer._publisher.holding
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        later = _commit(producer)
+        # Nobody renews the lease: this process takes it over and publishes its COMMIT.
+        assert _visible(store, {later}, LEASE_SECONDS + 10)
+        assert producer._publisher.holding
+        assert store.lock_holder(LEASE) == producer._publisher.holder
+    # A clean shutdown gives the lease back; every message is there once.
+    assert store.lock_holder(LEASE) is None
+    assert sorted(commitlog(store).column("msg_id").to_pylist()) == sorted([first, mine, later])
+
+
+def test_end_transaction_returns_once_recorded_and_flush_waits_for_the_publish(
+    tmp_path: Path,
+) -> None:
+    """With another holder of the lease that does not publish (stalled), a COMMIT is recorded
+    but not visible; ``flush`` publishes it."""
+    store = Store.open(settings=_settings(tmp_path / "store"))
+    assert store.lock(LEASE, "stalled-host:1:x", 600)
+    with TransactionMQProducer("pg", ScriptedListener(), store=store) as producer:
+        msg_id = _commit(producer)
+        assert store.read("op").column("decision").to_pylist() == ["COMMIT"]
+        assert not _visible(store, {msg_id}, 1.0)
+        producer.flush()
+        assert _visible(store, {msg_id}, 0)
+    assert commitlog(store).column("msg_id").to_pylist() == [msg_id]
