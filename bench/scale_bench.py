@@ -8,8 +8,10 @@ threads each start together and send for ``--seconds``: every sender, in a loop,
 message (``send_message_in_transaction``), and ends it with COMMIT (``end_transaction``, which
 returns once the decision is durable). Printed per run: transactions per second of all
 processes together, its ratio to the first run, the send latency (half durable, local
-transaction, decision durable) at p50 and p99, and the requests per transaction the proxy
-counted, by kind.
+transaction, decision durable) at p50 and p99, the time from a COMMIT's decision to its
+publish (the ``op`` row's ``decided_timestamp`` to the CommitLog row's ``store_timestamp``,
+taken as the publish commit is built: add one commit for the time until a reader sees it) at
+p50 and p99, and the requests per transaction the proxy counted, by kind.
 
 Usage: python bench/scale_bench.py [--runs 1x4,16x4,1x64] [--seconds 20] [--delay-ms 20]
                                    [--local]
@@ -28,6 +30,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
@@ -89,6 +93,16 @@ def worker(root: str, options: dict[str, str], senders: int, start: float, secon
     print(json.dumps({"count": len(latencies), "latencies": latencies}), flush=True)
 
 
+def publish_lags(root: str, options: dict[str, str]) -> np.ndarray:
+    """Seconds from each COMMIT's decision to its publish, from the store's own tables."""
+    store = Store.open(settings=StoreSettings(path=root, storage_options=options), create=False)
+    op = store.read("op", ["transaction_id", "decided_timestamp"])
+    published = store.read("commitlog", ["transaction_id", "store_timestamp"])
+    both = published.join(op, "transaction_id")
+    lag = pc.subtract(both["store_timestamp"], both["decided_timestamp"]).cast(pa.int64())
+    return lag.to_numpy() / 1e6
+
+
 def run(
     root: str,
     options: dict[str, str],
@@ -143,7 +157,8 @@ def main() -> None:
             base, where = f"s3://{minio.BUCKET}", f"s3:// (MinIO, +{args.delay_ms:g} ms a request)"
         print(f"scale-out on {where}, {args.seconds:g} s a run, 256 B bodies", flush=True)
         print(
-            f"{'producers':>24} {'tx/s':>8} {'ratio':>6} {'p50 ms':>8} {'p99 ms':>8}  requests/tx"
+            f"{'producers':>24} {'tx/s':>8} {'ratio':>6} {'p50 ms':>8} {'p99 ms':>8}  "
+            f"{'published p50/p99 ms':>20}  requests/tx"
         )
         first = None
         try:
@@ -156,9 +171,11 @@ def main() -> None:
                 per_tx = " ".join(f"{k} {v / done:.1f}" for k, v in sorted(counts.items()))
                 label = f"{processes} process(es) x {senders} senders"
                 p50, p99 = (np.percentile(lat, q) * 1000 if len(lat) else 0 for q in (50, 99))
+                lags = publish_lags(root, options) * 1000
+                published = "/".join(f"{np.percentile(lags, q):.0f}" for q in (50, 99))
                 print(
                     f"{label:>24} {rate:8.0f} {rate / first:5.1f}x {p50:8.0f} {p99:8.0f}  "
-                    f"{per_tx or '-'}",
+                    f"{published:>20}  {per_tx or '-'}",
                     flush=True,
                 )
         finally:
