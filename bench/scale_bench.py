@@ -1,7 +1,7 @@
 """Scale-out benchmark: transactional sends of N producer processes on one store, the way a
 deployment runs them, with an object store's round trip on every request.
 
-A MinIO server on loopback sits behind :mod:`latency_proxy` (``--delay-ms`` a request, 20 by
+A MinIO server on loopback sits behind :mod:`tests.latency_proxy` (``--delay-ms`` a request, 20 by
 default; real S3 is slower), and the store is on ``s3://`` through it (``--local``: on local
 disk instead, no proxy). For each run ``PxS`` of ``--runs``, P producer processes with S sender
 threads each start together and send for ``--seconds``: every sender, in a loop, sends a half
@@ -36,8 +36,6 @@ import pyarrow.compute as pc
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
-from latency_proxy import LatencyProxy  # noqa: E402
-
 from rmq_spark import (  # noqa: E402
     LocalTransactionState,
     Message,
@@ -47,6 +45,7 @@ from rmq_spark import (  # noqa: E402
 )
 from rmq_spark.model.config import StoreSettings  # noqa: E402
 from tests import minio  # noqa: E402
+from tests.latency_proxy import LatencyProxy  # noqa: E402
 
 BODY = b"x" * 256
 

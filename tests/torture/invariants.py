@@ -20,6 +20,7 @@ Read with deltalake (no Spark), after quiescence:
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,7 +55,7 @@ class Results:
     facts: dict = field(default_factory=dict)
 
 
-def _rows(path: Path, columns: list[str] | None = None) -> list[dict]:
+def _rows(path: str, columns: list[str] | None = None) -> list[dict]:
     return read_delta(path, columns).to_pylist()
 
 
@@ -67,9 +68,9 @@ def _props(value) -> dict:
 class _Store:
     """The store's tables as Python rows, indexed for diagnostics."""
 
-    def __init__(self, root: Path, removed: Path) -> None:
+    def __init__(self, root: str, removed: Path) -> None:
         self.commitlog = _rows(
-            root / "commitlog",
+            f"{root}/commitlog",
             ["topic", "queue_id", "queue_offset", "msg_id", "transaction_id", "keys"],
         )
         # Published messages another Delta writer removed, and not added back by a RESTORE.
@@ -81,19 +82,19 @@ class _Store:
             {r["msg_id"]: r for r in recorded if r["msg_id"] not in visible}.values()
         )
         self.half = _rows(
-            root / "half",
+            f"{root}/half",
             ["transaction_id", "msg_id", "producer_group", "topic", "keys", "properties",
              "sink_id", "epoch", "generation"],
         )  # fmt: skip
-        self.op = {r["transaction_id"]: r for r in _rows(root / "op")}
+        self.op = {r["transaction_id"]: r for r in _rows(f"{root}/op")}
         self.discard = _rows(
-            root / "discard",
+            f"{root}/discard",
             ["transaction_id", "msg_id", "keys", "producer_group", "check_count",
              "redriven_transaction_id"],
         )  # fmt: skip
-        self.check_runs = _rows(root / "check_runs", ["status", "discarded", "message"])
+        self.check_runs = _rows(f"{root}/check_runs", ["status", "discarded", "message"])
         try:
-            self.epochs = _rows(root / "epochs")
+            self.epochs = _rows(f"{root}/epochs")
         except Exception:  # another layout: diagnostics only
             self.epochs = []
         self.epoch_of: dict[str, str] = {}
@@ -187,14 +188,14 @@ def _exactly_once(
     }
 
 
-def _data_loss_reported(results: Results, root: Path, removed: list[dict]) -> int:
+def _data_loss_reported(results: Results, root: str, removed: list[dict]) -> int:
     """Check that a read of each queue another Delta writer removed messages from fails with
     :class:`DataLossError` naming that queue (the reader plans as a query does, from offset 0
     to the store's next offset); returns how many queues did."""
     from rmq_spark import DataLossError, Store
     from rmq_spark.spark.reading import plan_slices
 
-    store = Store.open(str(root), create=False)
+    store = Store.open(root, create=False)
     next_offsets = store.next_offsets()
     reported = 0
     for topic, queue in sorted({(r["topic"], r["queue_id"]) for r in removed}):
@@ -214,15 +215,25 @@ def _data_loss_reported(results: Results, root: Path, removed: list[dict]) -> in
     return reported
 
 
-def _commits(table: Path) -> dict[int, list[dict]]:
-    commits = {}
-    for path in sorted((table / "_delta_log").glob("*.json")):
-        with open(path) as src:
-            commits[int(path.stem)] = [json.loads(line) for line in src if line.strip()]
-    return commits
+#: A log entry's name (not a staged one, a checkpoint or a hint), with its version.
+_ENTRY = re.compile(r"/(\d{20})\.json$")
 
 
-def _files_removed_twice(table: Path) -> list[tuple[str, list[int]]]:
+def _commits(table: str) -> dict[int, list[dict]]:
+    """Every log entry of a table (local or on an object store), by version."""
+    from rmq_spark.delta.storage import filesystem
+
+    fs, path = filesystem(table, {})
+    names = [n for n in fs.ls(f"{path}/_delta_log", detail=False) if _ENTRY.search(n)]
+    return {
+        int(_ENTRY.search(name).group(1)): [
+            json.loads(line) for line in entry.decode().splitlines() if line.strip()
+        ]
+        for name, entry in fs.cat(names).items()
+    }
+
+
+def _files_removed_twice(table: str) -> list[tuple[str, list[int]]]:
     """Data files that two commits both removed with no commit adding them back in between
     (e.g. two compactions that both committed; a RESTORE that re-adds a file makes its next
     removal a new one)."""
@@ -239,19 +250,17 @@ def _files_removed_twice(table: Path) -> list[tuple[str, list[int]]]:
     return list(twice.items())
 
 
-def _operations(table: Path, versions: list[int]) -> list[str]:
-    names = []
+def _operations(table: str, versions: list[int]) -> list[str]:
+    commits, names = _commits(table), []
     for version in versions:
-        path = table / "_delta_log" / f"{version:020d}.json"
-        with open(path) as src:
-            info = [json.loads(line).get("commitInfo") for line in src if "commitInfo" in line]
+        info = [a["commitInfo"] for a in commits.get(version, []) if "commitInfo" in a]
         names.append(f"v{version} {(info[0] or {}).get('operation') if info else '?'}")
     return names
 
 
-def check_invariants(run: dict, root: Path) -> Results:
+def check_invariants(run: dict, root: str) -> Results:
     results = Results()
-    store = _Store(Path(root), Path(run["foreign_removed"]))
+    store = _Store(root, Path(run["foreign_removed"]))
     facts = results.facts
 
     # ---- producers: the SQLite databases are the truth
@@ -448,12 +457,12 @@ def check_invariants(run: dict, root: Path) -> Results:
             )
         )
     for name in ("half", "op", "commitlog", "check_state", "discard", "epochs", "locks"):
-        for path, versions in _files_removed_twice(Path(root) / name)[:MAX_DETAILS]:
+        for path, versions in _files_removed_twice(f"{root}/{name}")[:MAX_DETAILS]:
             results.violations.append(
                 Violation(
                     "data file removed by two commits (rows duplicated)",
                     f"{name}: {path} removed by versions {versions} "
-                    f"({', '.join(_operations(Path(root) / name, versions))}): two rewrites of "
+                    f"({', '.join(_operations(f'{root}/{name}', versions))}): two rewrites of "
                     "the same file both committed, so its rows now exist twice",
                 )
             )
@@ -499,6 +508,6 @@ def check_invariants(run: dict, root: Path) -> Results:
             ).most_common(5)
         ),
     }
-    facts["epochs closed"] = dict(Counter(e["closed_by"] for e in store.epochs))
+    facts["epochs closed"] = dict(Counter(e["closed_by"] or "(open)" for e in store.epochs))
     facts["epochs by state"] = dict(Counter(e.get("state") or "CLOSED" for e in store.epochs))
     return results

@@ -22,6 +22,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from tests import minio
+from tests.latency_proxy import LatencyProxy
 from tests.lifetime import die_with_parent
 from tests.torture import local_db
 from tests.torture.invariants import Violation, check_invariants
@@ -65,6 +67,9 @@ class Options:
     meddle_every: float = 8.0
     #: Print the timeline (starts, kills, ...) as it happens.
     verbose: bool = True
+    #: A store on ``s3://`` (MinIO behind tests.latency_proxy) instead of local disk: the
+    #: storage options of the server, given to every process in its environment.
+    storage_options: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -159,7 +164,11 @@ class Orchestrator:
         self.rng = random.Random(options.seed)
         self.root = options.root
         self.run_dir = self.root
-        self.store = self.root / "store"
+        self.store = (
+            f"s3://{minio.BUCKET}/torture-{options.seed}"
+            if options.storage_options
+            else str(self.root / "store")
+        )
         self.logs = self.root / "logs"
         self.stats = Stats()
         self.violations: list[Violation] = []
@@ -198,11 +207,14 @@ class Orchestrator:
                 f'\n[checkers.{BROKEN_GROUP}]\nkind = "table"\ntable = "{missing}"\n'
                 'column = "key"\n'
             )
+        # Check-back opens a business table off the store's filesystem only when it is listed.
+        business = f'delta_tables = ["{self.root / "business"}"]' if o.storage_options else ""
         self.conf.write_text(
             f"""# written by the torture test (seed {o.seed})
 [store]
 path = "{self.store}"
 queue_nums = 4
+{business}
 
 [transaction]
 transaction_timeout = "{o.transaction_timeout}s"
@@ -228,6 +240,7 @@ level = "INFO"
             ),
             CONF_ENV: str(self.conf),
             "PYTHONUNBUFFERED": "1",
+            **o.storage_options,
         }
         self.env.pop("RMQ_SPARK_FAILPOINT", None)
         self.env.setdefault("RMQ_SPARK_JARS", str(REPO / ".jars"))
@@ -235,7 +248,7 @@ level = "INFO"
         Store.open(self.store, settings=load_settings(self.conf))
         self.run = {
             "seed": o.seed,
-            "root": str(self.store),
+            "root": self.store,
             "run_dir": str(self.run_dir),
             "producers": producers,
             "producer_threads": o.producer_threads,
@@ -330,7 +343,7 @@ level = "INFO"
     def argv(self, w: Worker) -> list[str]:
         if w.kind == "check-back":
             return [
-                PYTHON, "-m", "rmq_spark.ops.cli", "--path", str(self.store), "check",
+                PYTHON, "-m", "rmq_spark.ops.cli", "--path", self.store, "check",
                 "--interval", f"{self.o.check_interval}s",
             ]  # fmt: skip
         return [PYTHON, "-m", "tests.torture.workers", str(self.run_json), w.kind, w.name,
@@ -474,7 +487,7 @@ level = "INFO"
         self.stats.resumes += n
         self.stats.resumes_concurrent += n == 2
         for i in range(n):
-            argv = [PYTHON, "-m", "rmq_spark.ops.cli", "--path", str(self.store), "resume"]
+            argv = [PYTHON, "-m", "rmq_spark.ops.cli", "--path", self.store, "resume"]
             proc, log = self.spawn(f"resume-{self.stats.resumes}-{i}", argv)
             self.transient.append((f"resume-{self.stats.resumes}-{i}", proc, log))
             self.stats.started["resume"] += 1
@@ -520,7 +533,7 @@ level = "INFO"
             self.note(f"SIGSTOP {w.name}#{w.incarnation} for {seconds:.0f} s")
         else:
             try:
-                delta = DeltaTable(str(self.store / table))
+                delta = DeltaTable(f"{self.store}/{table}")
                 if act == "optimize":
                     delta.optimize.compact()
                 elif act == "checkpoint":
@@ -602,16 +615,16 @@ level = "INFO"
 
         try:
             state = read_delta(
-                self.store / "check_state", ["transaction_id", "check_count", "first_seen"]
+                f"{self.store}/check_state", ["transaction_id", "check_count", "first_seen"]
             )
             # Read after check_state: a transaction decided before that read is in op. Only
             # pending ones count (a decided one's row may be forgotten and, by a job with an
             # older snapshot, started again; that spends nobody's budget).
             decided, staged = (
-                set(read_delta(self.store / name, ["transaction_id"]).column(0).to_pylist())
+                set(read_delta(f"{self.store}/{name}", ["transaction_id"]).column(0).to_pylist())
                 for name in ("op", "half")
             )
-            commitlog = DeltaTable(str(self.store / "commitlog"))
+            commitlog = DeltaTable(f"{self.store}/commitlog")
         except Exception as exc:  # a snapshot read racing a writer: try next time
             self.note(f"sample failed: {exc!r}"[:300])
             return
@@ -790,8 +803,9 @@ level = "INFO"
 
 
 def run(seed: int | None = None, seconds: float = 120.0, root: str | Path | None = None,
-        **overrides) -> tuple[dict, str]:  # fmt: skip
-    """One torture run; returns (result, printable report)."""
+        delay_ms: float | None = None, **overrides) -> tuple[dict, str]:  # fmt: skip
+    """One torture run; returns (result, printable report). With ``delay_ms``, the store is on
+    ``s3://`` (a MinIO server of its own) behind a proxy adding that delay to every request."""
     import rmq_spark
 
     if not str(Path(rmq_spark.__file__).resolve()).startswith(str(REPO) + os.sep):
@@ -803,19 +817,38 @@ def run(seed: int | None = None, seconds: float = 120.0, root: str | Path | None
     seed = seed if seed is not None else random.SystemRandom().randrange(1, 10**9)
     root = Path(root) if root else Path(tempfile.mkdtemp(prefix=f"rmq-torture-{seed}-"))
     root.mkdir(parents=True, exist_ok=True)
-    orchestrator = Orchestrator(Options(seed=seed, chaos_seconds=seconds, root=root, **overrides))
-    print(f"rmq-spark torture: seed {seed}, chaos {seconds:.0f} s, run dir {root}", flush=True)
-    from rmq_spark.model.config import CONF_ENV
 
-    conf = os.environ.get(CONF_ENV)
+    saved = dict(os.environ)
+    server = proxy = None
     try:
+        if delay_ms is not None:
+            # The store on s3://, every request an object store's round trip; every process
+            # (this one's own reads and meddling too) finds the server in its environment.
+            server = minio.start(root / "minio" / "data")
+            proxy = LatencyProxy(int(server.endpoint.rsplit(":", 1)[1]), delay_ms).start()
+            overrides["storage_options"] = {
+                **server.storage_options,
+                "AWS_ENDPOINT_URL": proxy.endpoint,
+            }
+            os.environ.update(overrides["storage_options"])
+        orchestrator = Orchestrator(
+            Options(seed=seed, chaos_seconds=seconds, root=root, **overrides)
+        )
+        print(
+            f"rmq-spark torture: seed {seed}, chaos {seconds:.0f} s, run dir {root}, store "
+            f"{orchestrator.store}" + (f" (+{delay_ms:g} ms a request)" if proxy else ""),
+            flush=True,
+        )
         result = orchestrator.run_all()
     finally:
-        # The run points this process at its own settings file; the caller gets its own back.
-        if conf is None:
-            os.environ.pop(CONF_ENV, None)
-        else:
-            os.environ[CONF_ENV] = conf
+        # The run points this process at its own settings file (and server); the caller gets
+        # its own environment back.
+        os.environ.clear()
+        os.environ.update(saved)
+        if proxy is not None:
+            proxy.stop()
+        if server is not None:
+            server.stop()
     report = format_report(result)
     (root / "report.txt").write_text(report)
     (root / "report.json").write_text(json.dumps(jsonable(result), indent=1))

@@ -22,6 +22,12 @@ def main(argv: list[str] | None = None) -> int:
         "--producers", type=int, default=2, help="producer processes (2 threads each)"
     )
     parser.add_argument(
+        "--s3-delay-ms",
+        type=float,
+        help="the store on s3:// (MinIO, from make objectstore) behind a proxy adding this many "
+        "ms to every request",
+    )
+    parser.add_argument(
         "--no-compactor",
         action="store_true",
         help="no compactor process (the store still compacts every 50 commits of a table)",
@@ -37,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         kill_every=args.kill_every,
         compactor=not args.no_compactor,
         producers=args.producers,
+        delay_ms=args.s3_delay_ms,
     )
     print(report, flush=True)
     return 1 if result["violations"] else 0

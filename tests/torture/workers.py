@@ -509,6 +509,9 @@ def hostile_sink(run: dict, spark, tag: str) -> None:
             .option("path", run["root"])
             .option("topic", HOSTILE_TOPIC)
             .option("producerGroup", "hostile-sink")
+            # Killed before its abort rolled the good task back, the epoch waits for its lease
+            # (10 min by default) before check-back abandons it: longer than the finisher waits.
+            .option("leaseTimeout", "30s")
             .save()
         )
     except Exception as exc:

@@ -8,7 +8,7 @@ Each request (request line and headers, then ``Content-Length`` bytes of body) i
 are counted by method (``GET``, ``PUT``, ``HEAD``, ``POST``, ``DELETE``), and ``LIST`` apart
 from ``GET`` (a GET with ``list-type=`` or on a bucket with a ``prefix=``).
 
-Usage as a program: python bench/latency_proxy.py LISTEN_PORT TARGET_PORT DELAY_MS
+Usage as a program: python tests/latency_proxy.py LISTEN_PORT TARGET_PORT DELAY_MS
 """
 
 from __future__ import annotations
