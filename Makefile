@@ -21,7 +21,7 @@ MINIO_VERSION := v0.0.0-20260212201848-7aac2a2c5b7c
 CACHE         ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/rmq-spark
 export RMQ_SPARK_MINIO := $(abspath $(TOOLS))/bin/minio
 
-.PHONY: setup objectstore demo test torture lint bench bench-objectstore bench-scale bench-peers check-back notebooks clean
+.PHONY: setup objectstore demo test torture lint bench bench-objectstore bench-scale bench-peers check-back notebooks notebook-outputs clean
 setup: $(VENV)/.installed $(JARS)/.fetched
 
 $(VENV)/.installed: setup.py
@@ -80,6 +80,10 @@ check-back: setup
 notebooks: setup
 	$(PY) -m pip install --quiet -e '.[notebooks]'
 	$(VENV)/bin/jupyter lab notebooks/
+
+# Run the notebooks and store them with their outputs (the suite checks that they are current).
+notebook-outputs: setup
+	$(PY) -m tests.notebook_outputs
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -10,7 +10,8 @@ of the lease :data:`LEASE` in ``locks``, publishes everything committed (by anyo
 ``store.publish_interval``, and at once after a COMMIT of its own process. The others only
 check the lease now and then; one of them takes it over when the holder stops renewing it
 (killed, stalled, cut off from the store). A COMMIT is visible after about
-``publish_interval`` and one publish, or ``store.publish_lease`` more when the holder died.
+``publish_interval`` and one publish (up to :data:`IDLE_PAUSE` after a quiet spell: the loop
+of an idle store looks less often), or ``store.publish_lease`` more when the holder died.
 
 The lease is about cost, not correctness (rules 2, 4 and 5 hold without it): publishing is
 safe with any number of publishers at once (:mod:`rmq_spark.store.publishing`), so two holders
@@ -37,6 +38,8 @@ log = logging.getLogger(__name__)
 
 #: The name of the publisher's lease in ``locks``.
 LEASE = "publish:commitlog"
+#: The longest pause of a holder's loop on an idle store (its own COMMITs wake it at once).
+IDLE_PAUSE = 1.0
 
 
 class BackgroundPublisher:
@@ -85,20 +88,24 @@ class BackgroundPublisher:
                 log.warning("could not give the publisher lease back (%s); it expires", exc)
 
     def _run(self) -> None:
-        failures = 0
+        pause = self.interval
         while not self._stopping.is_set():
-            woken = self._wake.wait(self.interval * (1 + min(failures, 50)))
+            woken = self._wake.wait(pause)
             self._wake.clear()
             if self._stopping.is_set():
                 return
             try:
+                published = 0
                 if self._leased():
                     # Woken by this process's COMMITs: up to the op version it wrote, with no
                     # listing of op's log; every interval: up to the latest (anyone's).
-                    self.store.publish(latest=not woken)
-                failures = 0
+                    published = self.store.publish(latest=not woken).published
+                # An idle store is looked at less and less often (each look lists op's log: a
+                # request, billed on an object store), down to once every IDLE_PAUSE.
+                idle = not woken and not published
+                pause = max(self.interval, min(pause * 2, IDLE_PAUSE)) if idle else self.interval
             except Exception as exc:
-                failures += 1
+                pause = min(pause * 2, self.lease / 3)
                 # Another holder, the check-back job or this loop's next turn publishes it.
                 log.warning("background publish failed (%s); trying again", exc)
                 log.debug("background publish traceback", exc_info=True)
