@@ -20,17 +20,17 @@ throughput grows with concurrency instead of collapsing to one commit per messag
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any
 
+from rmq_spark.group_commit import GroupCommitter, Slot
 from rmq_spark.model.config import Settings, load_settings
 from rmq_spark.model.errors import InvalidOptionError, ProducerStateError
 from rmq_spark.model.messages import (
@@ -46,19 +46,10 @@ from rmq_spark.store.publish_loop import BackgroundPublisher
 
 log = logging.getLogger(__name__)
 
-#: End-transactions are oneway (asynchronous) for senders, so their commits can wait a little
-#: to gather more decisions per Delta commit, leaving CPU to the half-message commits.
-_END_LINGER_SECONDS = 0.003
-#: Concurrent senders come back in waves (all of one commit's senders at once); waiting this
-#: long for the wave merges it into the next commit instead of splitting senders into two
-#: alternating half-size batches.
-_PREPARE_LINGER_SECONDS = 0.003
-
-#: How often a lingering committer looks whether the whole wave is back.
-_WAVE_POLL_SECONDS = 0.0002
-
-T = TypeVar("T")
-R = TypeVar("R")
+#: Concurrent senders come back in waves (all of one commit's senders at once, for their half
+#: messages and then for their decisions); waiting this long for the wave merges it into the
+#: next commit instead of splitting senders into two alternating half-size batches.
+_LINGER_SECONDS = 0.003
 
 
 class SendStatus(StrEnum):
@@ -127,135 +118,6 @@ class TransactionSendResult:
     local_transaction_state: LocalTransactionState
 
 
-class _Slot(Generic[R]):
-    """One caller's result of a batch: a ``concurrent.futures.Future`` cut down to what the
-    producer uses. Each send makes two (its half message, its decision). With 64 senders,
-    Futures (a Condition and an RLock each, made, notified and waited on in Python) took about
-    a third of the samples that held the GIL; a bare lock, released once, is all C."""
-
-    __slots__ = ("_callbacks", "_done", "_error", "_value")
-
-    def __init__(self) -> None:
-        self._done = threading.Lock()
-        self._done.acquire()  # released when the result is in
-        self._value: R | None = None
-        self._error: BaseException | None = None
-        self._callbacks: list[Callable[[_Slot[R]], None]] | None = []
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Wait for the result; False when ``timeout`` seconds went first."""
-        if not self._done.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
-            return False
-        self._done.release()
-        return True
-
-    def result(self) -> R:
-        """The result, or the handler's exception raised."""
-        self.wait()
-        if self._error is not None:
-            raise self._error
-        return self._value  # type: ignore[return-value]
-
-    def exception(self) -> BaseException | None:
-        """The handler's exception (after the result is in), or None."""
-        return self._error
-
-    def add_done_callback(self, callback: Callable[[_Slot[R]], None]) -> None:
-        """Call ``callback(self)`` once the result is in (now, if it is)."""
-        with _SLOT_CALLBACKS:
-            if self._callbacks is not None:
-                self._callbacks.append(callback)
-                return
-        callback(self)
-
-    def _settle(self, value: R | None, error: BaseException | None) -> None:
-        self._value, self._error = value, error
-        with _SLOT_CALLBACKS:
-            callbacks, self._callbacks = self._callbacks, None
-        self._done.release()
-        for callback in callbacks or ():
-            callback(self)
-
-
-#: Guards every slot's callback list (held for a list operation only).
-_SLOT_CALLBACKS = threading.Lock()
-
-
-class _GroupCommitter(Generic[T, R]):
-    """Hands items submitted from many threads to ``handler`` in batches, on one thread.
-
-    ``handler`` gets a list of items and returns one result per item, in order (an exception
-    as an item's result fails that item's caller alone; one raised fails them all). When the
-    last batch had several items (callers are concurrent), the committer waits ``linger``
-    seconds after the first item so the callers that are about to submit share the batch;
-    a lone caller never waits.
-    """
-
-    _STOP = object()
-
-    def __init__(
-        self,
-        name: str,
-        handler: Callable[[list[T]], Sequence[R]],
-        max_batch: int,
-        linger: float = 0.0,
-    ) -> None:
-        self._handler = handler
-        self._max_batch = max_batch
-        self._linger = linger
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, item: T) -> _Slot[R]:
-        slot: _Slot[R] = _Slot()
-        self._queue.put((item, slot))
-        return slot
-
-    def close(self) -> None:
-        self._queue.put(self._STOP)
-        self._thread.join()
-
-    def _await_wave(self, size: int) -> None:
-        """Wait up to ``linger`` seconds for ``size`` items (the last batch's callers coming
-        back) to be queued."""
-        deadline = time.monotonic() + self._linger
-        while self._queue.qsize() + 1 < size and time.monotonic() < deadline:
-            time.sleep(_WAVE_POLL_SECONDS)
-
-    def _run(self) -> None:
-        stopping = False
-        last_batch_size = 0
-        while not stopping:
-            first = self._queue.get()
-            if first is self._STOP:
-                return
-            if self._linger and last_batch_size > 1:
-                self._await_wave(last_batch_size)
-            batch = [first]
-            while len(batch) < self._max_batch:
-                try:
-                    nxt = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is self._STOP:
-                    stopping = True
-                    break
-                batch.append(nxt)
-            last_batch_size = len(batch)
-            try:
-                results = self._handler([item for item, _ in batch])
-            except BaseException as exc:  # handed to every waiting caller
-                for _, slot in batch:
-                    slot._settle(None, exc)
-                continue
-            for (_, slot), result in zip(batch, results, strict=True):
-                if isinstance(result, BaseException):  # this item failed, the others did not
-                    slot._settle(None, result)
-                else:
-                    slot._settle(result, None)
-
-
 class TransactionMQProducer:
     """A transactional producer bound to a producer group and a store.
 
@@ -302,10 +164,10 @@ class TransactionMQProducer:
         self.listener = listener
         self.store = store or Store.open(path, settings=settings or load_settings())
         self._max_batch = max_batch
-        self._prepare: _GroupCommitter[Message, PreparedMessage] | None = None
-        self._end: _GroupCommitter[Decision | Message, Any] | None = None
+        self._prepare: GroupCommitter[Message, PreparedMessage] | None = None
+        self._end: GroupCommitter[Decision | Message, Any] | None = None
         self._publisher: BackgroundPublisher | None = None
-        self._pending: set[_Slot[Any]] = set()
+        self._pending: set[Slot[Any]] = set()
         #: Guards the committers, ``_pending``, ``_in_flight`` and ``_closing``; never held
         #: while waiting on a committer, whose completion callbacks take it.
         self._lock = threading.Condition()
@@ -321,17 +183,17 @@ class TransactionMQProducer:
             self._lock.wait_for(lambda: not self._closing)
             if self._prepare is None:
                 self.store.maintain_in_background()
-                self._prepare = _GroupCommitter(
+                self._prepare = GroupCommitter(
                     f"rmqtx-prepare-{self.producer_group}",
                     self._prepare_batch,
                     self._max_batch,
-                    linger=_PREPARE_LINGER_SECONDS,
+                    linger=_LINGER_SECONDS,
                 )
-                self._end = _GroupCommitter(
+                self._end = GroupCommitter(
                     f"rmqtx-end-{self.producer_group}",
                     self._end_batch,
                     self._max_batch,
-                    linger=_END_LINGER_SECONDS,
+                    linger=_LINGER_SECONDS,
                 )
                 self._publisher = BackgroundPublisher(self.store)
         return self
@@ -409,7 +271,7 @@ class TransactionMQProducer:
     @contextmanager
     def _admitted(
         self,
-    ) -> Iterator[tuple[_GroupCommitter[Message, PreparedMessage], _GroupCommitter[Any, Any]]]:
+    ) -> Iterator[tuple[GroupCommitter[Message, PreparedMessage], GroupCommitter[Any, Any]]]:
         """Admit one operation: the committers stay up until it ends (``shutdown`` waits)."""
         with self._lock:
             prepare, end = self._prepare, self._end
@@ -465,8 +327,8 @@ class TransactionMQProducer:
 
     def _send_in_transaction(
         self,
-        prepare: _GroupCommitter[Message, PreparedMessage],
-        end: _GroupCommitter[Any, Any],
+        prepare: GroupCommitter[Message, PreparedMessage],
+        end: GroupCommitter[Any, Any],
         msg: Message,
         arg: Any,
     ) -> TransactionSendResult:
@@ -521,7 +383,7 @@ class TransactionMQProducer:
 
     def _end_async(
         self,
-        end: _GroupCommitter[Any, Any],
+        end: GroupCommitter[Any, Any],
         result: TransactionSendResult,
         state: LocalTransactionState,
     ) -> None:
@@ -531,7 +393,7 @@ class TransactionMQProducer:
         # Outside the lock: on a future already done, the callback runs here and takes it.
         future.add_done_callback(self._end_done)
 
-    def _end_done(self, future: _Slot[Any]) -> None:
+    def _end_done(self, future: Slot[Any]) -> None:
         with self._lock:
             self._pending.discard(future)
         if future.exception() is not None:
