@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from rmq_spark.model.errors import InvalidOptionError
-from rmq_spark.model.messages import DEFAULT_MAX_BODY_BYTES
+from rmq_spark.model.messages import DEFAULT_MAX_BODY_BYTES, MAX_SHARDS, SHARD_QUEUE_STRIDE
 
 log = logging.getLogger(__name__)
 
@@ -66,14 +66,15 @@ def parse_uris(value: object, name: str) -> tuple[str, ...]:
     return tuple(value)
 
 
-def parse_int(value: object, name: str, minimum: int) -> int:
-    """Parse an integer option that must be at least ``minimum``."""
+def parse_int(value: object, name: str, minimum: int, maximum: int | None = None) -> int:
+    """Parse an integer option that must be at least ``minimum`` (and at most ``maximum``)."""
     try:
         number = int(str(value).strip()) if not isinstance(value, bool) else None
     except ValueError:
         number = None
-    if number is None or number < minimum:
-        raise InvalidOptionError(f"{name} needs to be an integer >= {minimum} but got {value!r}.")
+    if number is None or number < minimum or (maximum is not None and number > maximum):
+        bounds = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
+        raise InvalidOptionError(f"{name} needs to be an integer {bounds} but got {value!r}.")
     return number
 
 
@@ -136,8 +137,14 @@ class StoreSettings:
 
     #: Store root: a local path, ``file://`` URI, or object store URI (``s3://...``).
     path: str = "storage"
-    #: Queues per topic (RocketMQ ``defaultTopicQueueNums``).
+    #: Queues per topic (RocketMQ ``defaultTopicQueueNums``), per shard; at most 1000.
     queue_nums: int = 4
+    #: Shards of the store (``rmq_spark.store.shards``): complete stores under the root, so
+    #: that producer processes on many hosts each append to logs of their own. A process
+    #: opening the store with more shards than it has creates the missing ones; a store never
+    #: loses a shard. One per producer process (host) that sends at the same time is a good
+    #: count on an object store.
+    shards: int = 1
     #: Body size limit (RocketMQ ``maxMessageSize``).
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     #: Object-store settings in deltalake's vocabulary (``AWS_ENDPOINT_URL``, ``AWS_REGION``,
@@ -291,7 +298,8 @@ def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
         StoreSettings,
         "store",
         {
-            "queue_nums": lambda v, n: parse_int(v, n, 1),
+            "queue_nums": lambda v, n: parse_int(v, n, 1, SHARD_QUEUE_STRIDE),
+            "shards": lambda v, n: parse_int(v, n, 1, MAX_SHARDS),
             "max_body_bytes": lambda v, n: parse_int(v, n, 1),
             "publish_max_messages": lambda v, n: parse_int(v, n, 1),
             "publish_max_bytes": lambda v, n: parse_int(v, n, 1),

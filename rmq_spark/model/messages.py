@@ -361,6 +361,33 @@ def _tag_problem(tag: object) -> str:
     return "it has leading or trailing whitespace"
 
 
+#: Queue ids of shard ``k`` of a store are ``k * SHARD_QUEUE_STRIDE + 0 .. queue_nums - 1``:
+#: every queue lives in one shard's CommitLog, and shard 3's queue 2 reads as 3002.
+SHARD_QUEUE_STRIDE = 1000
+#: The most shards a store may have.
+MAX_SHARDS = 1000
+
+_SHARD_SUFFIX = re.compile(r"[0-9A-F]{32}\.([1-9][0-9]*)", re.ASCII)
+
+
+def shard_of(transaction_id: str) -> int:
+    """The shard of the store that holds a transaction: ``k`` for an id made by shard ``k``
+    (:func:`shard_transaction_id`: 32 hex digits, a dot and ``k``), 0 for any other id."""
+    found = _SHARD_SUFFIX.fullmatch(transaction_id)
+    return int(found.group(1)) if found else 0
+
+
+def shard_transaction_id(shard: int) -> str:
+    """A new transaction id of shard ``shard`` (:func:`new_id`, with ``.<shard>`` after it
+    beyond shard 0), so that every decider finds the transaction's shard in its id."""
+    return f"{new_id()}.{shard}" if shard else new_id()
+
+
+def shard_of_queue(queue_id: int) -> int:
+    """The shard whose CommitLog holds a queue (see :data:`SHARD_QUEUE_STRIDE`)."""
+    return queue_id // SHARD_QUEUE_STRIDE
+
+
 def queue_for(keys: str | None, queue_nums: int) -> int:
     """Pick a queue: messages with the same keys share a queue (and so keep their order)."""
     if keys:

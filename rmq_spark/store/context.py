@@ -9,6 +9,7 @@ from datetime import datetime
 
 from rmq_spark.delta.tables import DeltaTables
 from rmq_spark.model.config import StoreSettings
+from rmq_spark.model.messages import SHARD_QUEUE_STRIDE
 from rmq_spark.store.recent import RecentHalves
 
 
@@ -27,12 +28,20 @@ class StoreContext:
     recent : RecentHalves
         Half messages this process prepared, until they are published (a publisher that
         finds a whole chunk here does not read ``half`` back).
+    shard : int
+        Which shard of its store these tables are (0: the root; :mod:`rmq_spark.store.shards`).
     """
 
     tables: DeltaTables
     settings: StoreSettings
     clock: Callable[[], datetime]
     recent: RecentHalves
+    shard: int = 0
+
+    @property
+    def queue_base(self) -> int:
+        """The first queue id of this shard: its queues are ``queue_base + 0 .. queue_nums - 1``."""
+        return self.shard * SHARD_QUEUE_STRIDE
 
 
 class StoreConcept:
@@ -48,3 +57,4 @@ class StoreConcept:
     def __init__(self, context: StoreContext) -> None:
         self.tables, self.settings = context.tables, context.settings
         self.clock, self.recent = context.clock, context.recent
+        self.shard, self.queue_base = context.shard, context.queue_base

@@ -34,6 +34,8 @@ from rmq_spark.model.messages import (
     check_group,
     new_id,
     queue_for,
+    shard_of,
+    shard_transaction_id,
     validate_message,
 )
 from rmq_spark.model.schema import HALF_SCHEMA, OP_SCHEMA, WRITER_COLUMNS
@@ -156,7 +158,7 @@ class Decisions(StoreConcept):
                 validate_message(message, self.settings.max_body_bytes)
         fresh_ids = transaction_ids is None
         if transaction_ids is None:
-            transaction_ids = [new_id() for _ in messages]
+            transaction_ids = [shard_transaction_id(self.shard) for _ in messages]
         if len(transaction_ids) != len(messages):
             raise RmqSparkError("transaction_ids must have one entry per message.")
         if not messages:
@@ -165,7 +167,7 @@ class Decisions(StoreConcept):
         stored = self.clock()
         msg_ids = [new_id() for _ in messages]
         keys = [m.keys_string for m in messages]
-        queue_ids = [queue_for(k, self.settings.queue_nums) for k in keys]
+        queue_ids = [self.queue_base + queue_for(k, self.settings.queue_nums) for k in keys]
         half = pa.Table.from_pydict(
             {
                 "transaction_id": list(transaction_ids),
@@ -266,6 +268,15 @@ class Decisions(StoreConcept):
         ``CommitFailedError`` (nothing landed) when a commit after ``op``'s version decided one
         of them, or another transaction of the same bucket: the caller reads again and retries.
         """
+        strangers = [
+            d.transaction_id for d in decisions if shard_of(d.transaction_id) != self.shard
+        ]
+        if strangers:
+            raise RmqSparkError(
+                f"transaction {strangers[0]!r} belongs to shard {shard_of(strangers[0])} of the "
+                f"store, not to shard {self.shard}: decide it there (Store.end_transactions on "
+                "the store's root routes each decision to its shard)."
+            )
         decided_at = self.clock()
         rows = pa.Table.from_pydict(
             {

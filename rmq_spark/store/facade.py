@@ -32,16 +32,23 @@ from deltalake.table import TableMerger
 from rmq_spark.delta.tables import DeltaTables
 from rmq_spark.model.config import Settings, StoreSettings
 from rmq_spark.model.errors import StoreError
-from rmq_spark.model.messages import LocalTransactionState, Message, check_group, validate_message
+from rmq_spark.model.messages import (
+    LocalTransactionState,
+    Message,
+    check_group,
+    shard_of,
+    validate_message,
+)
 from rmq_spark.model.schema import TABLES
 from rmq_spark.store import queues, reads
 from rmq_spark.store.chunks import Chunks
 from rmq_spark.store.context import StoreContext
 from rmq_spark.store.decisions import Decision, Decisions, EndTransactionResult, PreparedMessage
-from rmq_spark.store.layout import normalise_root, open_or_create
+from rmq_spark.store.layout import normalise_root, open_or_create, shard_uri
 from rmq_spark.store.maintenance import UNNEEDED_LOG_SECONDS, Maintenance
 from rmq_spark.store.publishing import Publisher, PublishResult
 from rmq_spark.store.recent import RecentHalves
+from rmq_spark.store.shards import Shards
 
 
 def _now() -> datetime:
@@ -65,18 +72,27 @@ class Store:
     """
 
     def __init__(
-        self, root: str, settings: StoreSettings, clock: Callable[[], datetime] | None = None
+        self,
+        root: str,
+        settings: StoreSettings,
+        clock: Callable[[], datetime] | None = None,
+        *,
+        shard: int = 0,
+        shards: Shards | None = None,
     ) -> None:
         self.root = root
         self.settings = settings
         self.clock = clock or _now
+        #: Which shard of its store this is (0: the root; :mod:`rmq_spark.store.shards`).
+        self.shard = shard
         fresh = min(UNNEEDED_LOG_SECONDS, settings.log_retention) / 2
         self._tables = DeltaTables(root, TABLES, settings.storage_options, fresh)
-        context = StoreContext(self._tables, settings, self.clock, RecentHalves())
+        context = StoreContext(self._tables, settings, self.clock, RecentHalves(), shard)
         self._recent = context.recent
         self._decisions = Decisions(context)
         self._publisher = Publisher(Chunks(context))
         self._maintenance = Maintenance(context)
+        self._shards = shards or Shards(self, self._make_shard)
 
     @classmethod
     def open(
@@ -115,7 +131,35 @@ class Store:
         store_settings = store_settings or StoreSettings()
         store = cls(normalise_root(str(path or store_settings.path)), store_settings, clock)
         open_or_create(store._tables, create)
+        if store_settings.shards > 1:
+            store._shards.grow(store_settings.shards)
         return store
+
+    # ------------------------------------------------------------------ shards
+    def _make_shard(self, shard: int) -> Store:
+        return Store(
+            shard_uri(self.root, shard), self.settings, self.clock, shard=shard, shards=self._shards
+        )
+
+    @property
+    def queue_base(self) -> int:
+        """The first queue id of this shard: its queues are ``queue_base + 0 .. queue_nums - 1``
+        (:data:`rmq_spark.model.messages.SHARD_QUEUE_STRIDE`)."""
+        return self._decisions.queue_base
+
+    def shards(self, *, refresh: bool = False) -> list[Store]:
+        """Every shard of this store, by index (the root, shard 0, first; ``[self]`` for a
+        store of one shard). ``refresh`` looks for shards made since the last look (one
+        listing); the stores are opened once and kept."""
+        return self._shards.all(refresh=refresh)
+
+    def shard_store(self, shard: int) -> Store:
+        """Shard ``shard`` of this store (0: the root)."""
+        return self._shards.get(shard)
+
+    def for_transaction(self, transaction_id: str) -> Store:
+        """The shard that holds a transaction (named in its id: :func:`shard_of`)."""
+        return self._shards.get(shard_of(transaction_id))
 
     # ------------------------------------------------------------------ tables
     def table_uri(self, name: str) -> str:
@@ -203,10 +247,21 @@ class Store:
         list of EndTransactionResult
             One per decision, in order.
         """
-        results = self._decisions.end(decisions)
-        if publish:
-            self.publish(latest=False)
-        return results
+        by_shard: dict[int, list[int]] = {}
+        for i, d in enumerate(decisions):
+            by_shard.setdefault(shard_of(d.transaction_id), []).append(i)
+        if set(by_shard) <= {self.shard}:
+            results = self._decisions.end(decisions)
+            if publish:
+                self.publish(latest=False)
+            return results
+        ended: dict[int, EndTransactionResult] = {}
+        for shard, indexes in by_shard.items():
+            part = self.shard_store(shard).end_transactions(
+                [decisions[i] for i in indexes], publish=publish
+            )
+            ended.update(zip(indexes, part, strict=True))
+        return [ended[i] for i in range(len(decisions))]
 
     def write_decisions(self, op: DeltaTable, decisions: Sequence[Decision]) -> int:
         """Append ``decisions``, undecided in the ``op`` snapshot ``op``, in one commit that

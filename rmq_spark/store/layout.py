@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Collection
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -33,9 +34,16 @@ from rmq_spark.model.schema import COLUMNS_ADDED_LATER, TABLES
 
 log = logging.getLogger(__name__)
 
-LAYOUT_VERSION = 1
+#: The newest layout this rmq-spark reads. Layout 2 is a store of several shards
+#: (:mod:`rmq_spark.store.shards`): its root says so, so that a release that reads one shard
+#: only refuses it instead of missing messages.
+LAYOUT_VERSION = 2
+#: The layout of a store of one shard (any release since layout 1 reads it).
+ONE_SHARD_LAYOUT = 1
 
 MARKER_FILE = "_rmqtx_store.json"
+#: The folder under a store's root that holds its shards 1, 2, ... (``shards/<k>/``).
+SHARDS_DIR = "shards"
 
 STORE_FORMAT = "rmq-spark-store"
 
@@ -44,14 +52,14 @@ STORE_FORMAT = "rmq-spark-store"
 TABLES_ADDED_LATER = ("consumer_offsets", "epochs", "locks", "pending")
 
 
-def open_or_create(tables: DeltaTables, create: bool) -> None:
-    """Check the store at ``tables.root`` and bring it up to date, or create it (``create``)
-    when the root is empty or missing."""
+def open_or_create(tables: DeltaTables, create: bool, shard: int = 0) -> None:
+    """Check the store at ``tables.root`` (shard ``shard`` of a store: 0 for its root) and
+    bring it up to date, or create it (``create``) when the root is empty or missing."""
     check_conditional_writes(tables.storage_options)
     fs, root = filesystem(tables.root, tables.storage_options)
     marker = f"{root.rstrip('/')}/{MARKER_FILE}"
     if _reached(fs, marker, tables.root):
-        _check_marker(tables.root, fs, marker)
+        _check_shard(tables.root, _check_marker(tables.root, fs, marker), shard)
         for name in TABLES_ADDED_LATER:
             if not fs.exists(f"{root.rstrip('/')}/{name}"):
                 tables.create(name)
@@ -84,19 +92,63 @@ def open_or_create(tables: DeltaTables, create: bool) -> None:
         tables.create(name)
         _check_table(tables, name)
     # The marker is written last: a store is complete once it exists.
-    with fs.open(marker, "w") as out:
-        json.dump(
-            {
-                "format": STORE_FORMAT,
-                "layout_version": LAYOUT_VERSION,
-                "created": str(datetime.now(UTC)),
-            },
-            out,
-        )
+    meta = {"format": STORE_FORMAT, "layout_version": ONE_SHARD_LAYOUT}
+    if shard:
+        meta = {**meta, "layout_version": LAYOUT_VERSION, "shard": shard}
+    _write_marker(fs, marker, {**meta, "created": str(datetime.now(UTC))})
     log.info("created rmq-spark store at %s", tables.root)
 
 
-def _check_marker(root: str, fs: fsspec.AbstractFileSystem, marker: str) -> None:
+def _write_marker(fs: fsspec.AbstractFileSystem, marker: str, meta: dict) -> None:
+    with fs.open(marker, "w") as out:
+        json.dump(meta, out)
+
+
+def mark_sharded(tables: DeltaTables) -> None:
+    """Raise the root marker of a store to :data:`LAYOUT_VERSION` before its first shard
+    beyond the root is made (idempotent): from then on an older rmq-spark, which would read
+    the root's tables only, refuses the store."""
+    fs, root = filesystem(tables.root, tables.storage_options)
+    marker = f"{root.rstrip('/')}/{MARKER_FILE}"
+    meta = _check_marker(tables.root, fs, marker)
+    if int(meta["layout_version"]) < LAYOUT_VERSION:
+        _write_marker(fs, marker, {**meta, "layout_version": LAYOUT_VERSION})
+        log.info("store %s: layout version %d (shards)", tables.root, LAYOUT_VERSION)
+
+
+def shard_uri(root: str, shard: int) -> str:
+    """The root of shard ``shard`` (1, 2, ...) of the store at ``root``."""
+    return f"{root.rstrip('/')}/{SHARDS_DIR}/{shard}"
+
+
+def shards_found(tables: DeltaTables, known: Collection[int]) -> list[int]:
+    """The shards beyond the root of the store at ``tables.root`` that exist and are not in
+    ``known``: one listing of ``shards/`` (a request on an object store), then a look at the
+    marker of each new one (a shard exists once its marker, written last, does)."""
+    fs, root = filesystem(tables.root, tables.storage_options)
+    folder = f"{root.rstrip('/')}/{SHARDS_DIR}"
+    fs.invalidate_cache(folder)
+    try:
+        names = [Path(p.rstrip("/")).name for p in fs.ls(folder, detail=False)]
+    except FileNotFoundError:
+        return []
+    new = sorted(int(n) for n in names if n.isdigit() and int(n) > 0 and int(n) not in known)
+    return [k for k in new if fs.exists(f"{folder}/{k}/{MARKER_FILE}")]
+
+
+def _check_shard(root: str, meta: dict, shard: int) -> None:
+    found = int(meta.get("shard", 0))
+    if found == shard:
+        return
+    if shard == 0:
+        raise NotAStoreError(
+            f"{root!r} is shard {found} of the rmq-spark store at "
+            f"{root.rstrip('/').rsplit('/', 2)[0]!r}, not a store of its own; open that root."
+        )
+    raise CorruptStoreError(f"{root!r} should be shard {shard} of its store, but says {found}.")
+
+
+def _check_marker(root: str, fs: fsspec.AbstractFileSystem, marker: str) -> dict:
     try:
         with fs.open(marker, "r") as src:
             meta = json.load(src)
@@ -113,6 +165,7 @@ def _check_marker(root: str, fs: fsspec.AbstractFileSystem, marker: str) -> None
             f"the store at {root!r} has layout version {version}, but this rmq-spark "
             f"reads layout version {LAYOUT_VERSION} at most; upgrade rmq-spark."
         )
+    return meta
 
 
 def _check_table(tables: DeltaTables, name: str) -> None:

@@ -81,6 +81,7 @@ class Publisher:
         self.tables = chunks.tables
         self.clock = chunks.clock
         self.queue_nums = chunks.settings.queue_nums
+        self.queue_base = chunks.queue_base
 
     def publish(
         self, normal: Sequence[tuple[Message, str]] = (), *, latest: bool = True
@@ -267,7 +268,7 @@ class Publisher:
         return pa.Table.from_pydict(
             {
                 "topic": [m.topic for m, _ in normal],
-                "queue_id": [queue_for(k, self.queue_nums) for k in keys],
+                "queue_id": [self.queue_base + queue_for(k, self.queue_nums) for k in keys],
                 "queue_offset": [0] * len(normal),
                 "msg_id": [new_id() for _ in normal],
                 "transaction_id": [None] * len(normal),

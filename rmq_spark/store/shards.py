@@ -1,0 +1,110 @@
+"""A store of several shards: producer processes on many hosts, each appending to logs of its
+own.
+
+One Delta log takes about one commit per storage round trip, and writers racing for its next
+version take turns: on an object store, producer processes that all append to the same ``half``
+and ``op`` made the store slower as they were added. So a store may have shards. Shard 0 is
+the root's own tables; shard ``k`` is a complete store under ``<root>/shards/<k>/`` (its own
+``half``, ``op``, CommitLog, pending list, check-back state, discards, epochs and locks), made
+by :func:`rmq_spark.store.layout.open_or_create` like any store.
+
+Every rule of DESIGN.md section 3 holds within a shard by the code that keeps it for a store;
+what makes the shards one store:
+
+* **First decision wins** (rule 3): a transaction's id names its shard
+  (:func:`rmq_spark.model.messages.shard_of`), so every decider, whoever it is, records its
+  decision in that shard's ``op``; a decision for another shard's transaction is refused
+  (:meth:`rmq_spark.store.decisions.Decisions.write_decisions`).
+* **Dense, replayable offsets** (rule 5): shard ``k`` owns the queue ids ``k * 1000 + q``
+  (:data:`rmq_spark.model.messages.SHARD_QUEUE_STRIDE`), so every queue lives in one shard's
+  CommitLog and keeps its offsets there; a reader of the store reads every shard's CommitLog.
+* **Nothing is lost** (rule 4): a shard exists once its marker, written last, exists, and a
+  store never loses one; before its first shard beyond the root is made, the root's marker
+  says layout 2, which an older rmq-spark (reading the root's tables only) refuses.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+from rmq_spark.model.errors import StoreError
+from rmq_spark.store.layout import mark_sharded, open_or_create, shards_found
+
+if TYPE_CHECKING:
+    from rmq_spark.store.facade import Store
+
+log = logging.getLogger(__name__)
+
+#: Shards opened (or made) at once: each open reads a dozen tables' logs.
+_OPENERS = 8
+
+
+class Shards:
+    """The shards of the store whose root is ``root``: found, opened once, and made.
+
+    Parameters
+    ----------
+    root : Store
+        The store's root (shard 0).
+    make : callable
+        ``make(k)``: a :class:`Store` object for shard ``k`` (not opened yet).
+    """
+
+    def __init__(self, root: Store, make: Callable[[int], Store]) -> None:
+        self.root = root
+        self._make = make
+        self._open: dict[int, Store] = {0: root}
+        self._listed = False
+        self._lock = threading.Lock()
+
+    def all(self, *, refresh: bool) -> list[Store]:
+        """Every shard's store, by index; ``refresh`` looks for shards made since."""
+        if refresh or not self._listed:
+            self._listed = True
+            self._add(shards_found(self.root._tables, self._known()), create=False)
+        with self._lock:
+            return [self._open[k] for k in sorted(self._open)]
+
+    def get(self, shard: int) -> Store:
+        """Shard ``shard``'s store; looks for new shards when it is not known yet."""
+        if shard not in self._open:
+            self.all(refresh=True)
+        if shard not in self._open:
+            raise StoreError(
+                f"the store at {self.root.root!r} has no shard {shard} (it has "
+                f"{len(self._open)}); a transaction or queue of shard {shard} comes from "
+                "another store."
+            )
+        return self._open[shard]
+
+    def grow(self, count: int) -> None:
+        """Make the store have at least ``count`` shards (idempotent, safe to race)."""
+        self.all(refresh=True)
+        missing = [k for k in range(1, count) if k not in self._known()]
+        if not missing:
+            return
+        mark_sharded(self.root._tables)
+        self._add(missing, create=True)
+        log.info("store %s: %d shard(s) now (made %s)", self.root.root, count, missing)
+
+    def _known(self) -> set[int]:
+        with self._lock:
+            return set(self._open)
+
+    def _add(self, indexes: list[int], *, create: bool) -> None:
+        def opened(k: int) -> Store:
+            store = self._make(k)
+            open_or_create(store._tables, create, k)
+            return store
+
+        if not indexes:
+            return
+        with ThreadPoolExecutor(min(_OPENERS, len(indexes))) as pool:
+            stores = list(pool.map(opened, indexes))
+        with self._lock:
+            for k, store in zip(indexes, stores, strict=True):
+                self._open.setdefault(k, store)
