@@ -42,7 +42,7 @@ from rmq_spark.model.messages import (
 )
 from rmq_spark.store.decisions import Decision, EndTransactionResult, PreparedMessage
 from rmq_spark.store.facade import Store
-from rmq_spark.store.publish_loop import BackgroundPublisher
+from rmq_spark.store.publish_loop import BackgroundPublisher, publisher_for
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +163,9 @@ class TransactionMQProducer:
             )
         self.listener = listener
         self.store = store or Store.open(path, settings=settings or load_settings())
+        #: The shard this producer writes to while started (the store itself, unless it has
+        #: several shards: :func:`publisher_for`).
+        self._writer = self.store
         self._max_batch = max_batch
         self._prepare: GroupCommitter[Message, PreparedMessage] | None = None
         self._end: GroupCommitter[Decision | Message, Any] | None = None
@@ -182,7 +185,9 @@ class TransactionMQProducer:
         with self._lock:
             self._lock.wait_for(lambda: not self._closing)
             if self._prepare is None:
-                self.store.maintain_in_background()
+                self._publisher = publisher_for(self.store)
+                self._writer = self._publisher.store
+                self._writer.maintain_in_background()
                 self._prepare = GroupCommitter(
                     f"rmqtx-prepare-{self.producer_group}",
                     self._prepare_batch,
@@ -195,7 +200,6 @@ class TransactionMQProducer:
                     self._max_batch,
                     linger=_LINGER_SECONDS,
                 )
-                self._publisher = BackgroundPublisher(self.store)
         return self
 
     def shutdown(self) -> None:
@@ -232,7 +236,7 @@ class TransactionMQProducer:
                 committer.close()
             publisher.stop()
             self._publish_own()
-            self.store.finish_maintenance()
+            self._writer.finish_maintenance()
         finally:
             with self._lock:
                 self._prepare = self._end = self._publisher = None
@@ -260,7 +264,7 @@ class TransactionMQProducer:
         """Publish up to this process's last decision (the publisher lease's holder may be
         another process, or none right now)."""
         try:
-            self.store.publish(latest=False)
+            self._writer.publish(latest=False)
         except Exception as exc:
             log.warning(
                 "publishing this producer's COMMITs failed (%s); they are recorded, and the "
@@ -442,7 +446,7 @@ class TransactionMQProducer:
 
     # -------------------------------------------------------------- batch handlers
     def _prepare_batch(self, messages: list[Message]) -> list[PreparedMessage]:
-        return self.store.prepare(messages, self.producer_group, validated=True)
+        return self._writer.prepare(messages, self.producer_group, validated=True)
 
     def _end_batch(self, items: list[Decision | Message]) -> list[Any]:
         decisions = [i for i in items if isinstance(i, Decision)]
@@ -457,7 +461,9 @@ class TransactionMQProducer:
         try:
             # Normal messages are sent by publishing them (with what was committed up to the
             # op version this thread knows: no listing of op's log).
-            published = self.store.publish([(m, self.producer_group) for m in normal], latest=False)
+            published = self._writer.publish(
+                [(m, self.producer_group) for m in normal], latest=False
+            )
         except Exception as exc:
             if not decisions:
                 raise

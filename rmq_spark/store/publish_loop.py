@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import random
 import socket
 import threading
 import time
@@ -42,6 +43,40 @@ LEASE = "publish:commitlog"
 IDLE_PAUSE = 1.0
 
 
+def publisher_for(store: Store) -> BackgroundPublisher:
+    """The publisher of the shard a producer process writes to, started.
+
+    In a store of several shards (:mod:`rmq_spark.store.shards`) a producer process claims a
+    shard by taking its publisher lease, trying the shards from a random one: while there are
+    at least as many shards as producer processes, each writes to logs no other process
+    appends to, and publishes its own shard. With every lease held, it shares a shard picked
+    at random (its holder publishes it). In a store of one shard, that shard.
+
+    Parameters
+    ----------
+    store : Store
+        The store's root.
+    """
+    holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+    shards = store.shards(refresh=True)
+    if len(shards) == 1:
+        return BackgroundPublisher(store, holder)
+    first = random.randrange(len(shards))
+    for shard in shards[first:] + shards[:first]:
+        if shard.lock(LEASE, holder, shard.settings.publish_lease):
+            log.info(
+                "writing to shard %d of %s (its publisher lease taken)", shard.shard, store.root
+            )
+            return BackgroundPublisher(shard, holder, holding=True)
+    shared = random.choice(shards)
+    log.info(
+        "every shard of %s has a producer process; sharing shard %d (more shards: [store] shards)",
+        store.root,
+        shared.shard,
+    )
+    return BackgroundPublisher(shared, holder)
+
+
 class BackgroundPublisher:
     """Publishes a store's COMMITs on a background thread while this process holds the
     publisher lease (see the module docstring).
@@ -49,18 +84,24 @@ class BackgroundPublisher:
     Parameters
     ----------
     store : Store
-        The store; ``store.settings.publish_interval`` and ``publish_lease`` set the pace.
+        The store (one shard of it); ``store.settings.publish_interval`` and ``publish_lease``
+        set the pace.
+    holder : str
+        This process's name in the lease.
+    holding : bool, default False
+        The lease was just taken for ``holder`` (:func:`publisher_for`).
     """
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, holder: str, *, holding: bool = False) -> None:
         self.store = store
-        self.holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.holder = holder
         self.interval = store.settings.publish_interval
         self.lease = store.settings.publish_lease
         self._wake = threading.Event()
         self._stopping = threading.Event()
-        self._holding = False
-        self._lease_due = 0.0  # time.monotonic() of the next look at the lease
+        self._holding = holding
+        # time.monotonic() of the next look at the lease
+        self._lease_due = time.monotonic() + self.lease / 3 if holding else 0.0
         self._thread = threading.Thread(target=self._run, name="rmqtx-publisher", daemon=True)
         _running.add(self)
         self._thread.start()

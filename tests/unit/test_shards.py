@@ -1,0 +1,192 @@
+"""A store of shards (rmq_spark.store.shards): made, found and refused like stores; decisions
+kept in their transaction's shard; producer processes each writing to a shard of their own."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from rmq_spark import LocalTransactionState, Message, Store, TransactionMQProducer
+from rmq_spark.model.config import Settings, StoreSettings
+from rmq_spark.model.errors import InvalidOptionError, NotAStoreError, RmqSparkError
+from rmq_spark.model.messages import shard_of, shard_transaction_id
+from rmq_spark.store.decisions import Decision, EndTransactionStatus
+from rmq_spark.store.layout import MARKER_FILE
+from tests.conftest import commitlog, race
+from tests.unit.test_producer import ScriptedListener
+
+REPO = Path(__file__).resolve().parents[2]
+COMMIT, ROLLBACK = LocalTransactionState.COMMIT, LocalTransactionState.ROLLBACK
+
+
+def _open(root: Path, shards: int = 1, **settings: object) -> Store:
+    return Store.open(root, settings=StoreSettings(queue_nums=2, shards=shards, **settings))
+
+
+def _marker(root: Path) -> dict:
+    return json.loads((root / MARKER_FILE).read_text())
+
+
+def test_transaction_ids_name_their_shard_and_nothing_else_does() -> None:
+    assert shard_of(shard_transaction_id(0)) == 0
+    assert shard_of(shard_transaction_id(7)) == 7
+    # Ids a user or an older release made are the root's, whatever they end with.
+    for other in ("order-17.3", "tx.1", "01A213AEC17D00008D6F0C0D709BFCAD.0", "A" * 32 + ".x"):
+        assert shard_of(other) == 0
+
+
+def test_a_store_grows_shards_and_the_root_says_so_first(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    store = _open(root)
+    assert [s.shard for s in store.shards()] == [0]
+    assert _marker(root)["layout_version"] == 1  # a store of one shard: any release reads it
+    grown = _open(root, shards=3)
+    assert [s.shard for s in grown.shards()] == [0, 1, 2]
+    assert _marker(root)["layout_version"] == 2  # an older release refuses it now
+    assert _marker(root / "shards" / "2")["shard"] == 2
+    # Another process finds them; fewer shards in its settings remove none.
+    assert [s.shard for s in _open(root, shards=2).shards()] == [0, 1, 2]
+    # A process that opened the store before sees the shards made since once it looks again.
+    _open(root, shards=4)
+    assert [s.shard for s in store.shards()] == [0]
+    assert [s.shard for s in store.shards(refresh=True)] == [0, 1, 2, 3]
+
+
+def test_a_shard_is_not_a_store_of_its_own(tmp_path: Path) -> None:
+    _open(tmp_path / "store", shards=2)
+    with pytest.raises(NotAStoreError, match=r"is shard 1 of the rmq-spark store at .*open that"):
+        Store.open(tmp_path / "store" / "shards" / "1")
+
+
+def test_shard_counts_out_of_range_are_refused(tmp_path: Path) -> None:
+    conf = tmp_path / "rmq.toml"
+    conf.write_text("[store]\nshards = 0\n")
+    from rmq_spark.model.config import load_settings
+
+    with pytest.raises(InvalidOptionError, match=r"store.shards needs to be an integer from 1"):
+        load_settings(conf)
+    conf.write_text("[store]\nqueue_nums = 1001\n")
+    with pytest.raises(InvalidOptionError, match=r"queue_nums needs to be an integer from 1 to"):
+        load_settings(conf)
+
+
+def test_decisions_stay_in_their_transactions_shard(tmp_path: Path) -> None:
+    store = _open(tmp_path / "store", shards=3)
+    two = store.shard_store(2)
+    prepared = two.prepare([Message("T", b"a", keys="k")], "g")[0]
+    assert shard_of(prepared.transaction_id) == 2
+    assert 2000 <= prepared.queue_id < 2002  # shard 2's queues
+    # The root routes a decision to the transaction's shard...
+    (applied,) = store.end_transactions([Decision(prepared.transaction_id, "g", COMMIT)])
+    assert applied.status is EndTransactionStatus.APPLIED
+    # ...so a rival decision made through the shard itself is refused, not applied twice.
+    (late,) = two.end_transactions([Decision(prepared.transaction_id, "g", ROLLBACK)])
+    assert late.status is EndTransactionStatus.REFUSED and late.decision is COMMIT
+    # A decider that writes into the wrong shard's op is stopped before anything is written.
+    with pytest.raises(RmqSparkError, match=r"belongs to shard 2 of the store, not to shard 0"):
+        store.write_decisions(store.table("op"), [Decision(prepared.transaction_id, "g", COMMIT)])
+    assert store.read("op").num_rows == 0
+    rows = commitlog(two).to_pylist()
+    assert [(r["transaction_id"], r["queue_offset"]) for r in rows] == [
+        (prepared.transaction_id, 0)
+    ]
+    assert commitlog(store).num_rows == 0
+
+
+def test_a_transaction_of_an_unknown_shard_names_the_problem(tmp_path: Path) -> None:
+    store = _open(tmp_path / "store", shards=2)
+    stranger = shard_transaction_id(9)
+    with pytest.raises(RmqSparkError, match=r"has no shard 9 \(it has 2\)"):
+        store.end_transactions([Decision(stranger, "g", COMMIT)])
+
+
+def test_producers_claim_shards_of_their_own_and_share_when_all_are_taken(
+    tmp_path: Path,
+) -> None:
+    settings = Settings(store=StoreSettings(path=str(tmp_path / "store"), queue_nums=2, shards=2))
+    producers = [
+        TransactionMQProducer("g", ScriptedListener(), settings=settings).start() for _ in range(3)
+    ]
+    try:
+        sent = [p.send_message_in_transaction(Message("T", b"x"), COMMIT) for p in producers]
+        for p in producers:
+            p.flush()
+        shards = [shard_of(s.transaction_id) for s in sent]
+        assert sorted(shards[:2]) == [0, 1]  # the first two took a shard each
+        assert shards[2] in (0, 1)  # the third shares one
+        holding = [p._publisher.holding for p in producers]
+        assert holding[:2] == [True, True]
+    finally:
+        for p in producers:
+            p.shutdown()
+    root = Store.open(tmp_path / "store")
+    visible = [m for s in root.shards() for m in commitlog(s).column("msg_id").to_pylist()]
+    assert sorted(visible) == sorted(s.msg_id for s in sent)
+
+
+def _grow(root: str, barrier, out) -> None:
+    barrier.wait()
+    store = Store.open(root, settings=StoreSettings(shards=4))
+    out.put((str(id(store)), [s.shard for s in store.shards()]))
+
+
+def test_two_processes_growing_a_store_at_once_both_succeed(tmp_path: Path) -> None:
+    root = str(tmp_path / "store")
+    _open(Path(root))
+    results = race(_grow, [(root,), (root,)])
+    assert list(results.values()) == [[0, 1, 2, 3], [0, 1, 2, 3]]
+
+
+def test_producer_processes_on_a_store_of_shards_publish_every_commit_once(
+    tmp_path: Path,
+) -> None:
+    """Four real producer processes at once on four shards: each writes only to its shard's
+    logs, and every COMMIT is in the store's CommitLogs exactly once, with dense offsets."""
+    root = tmp_path / "store"
+    _open(root, shards=4)
+    child = textwrap.dedent(
+        f"""
+        import json, os, pathlib, sys, time
+        from rmq_spark import LocalTransactionState, Message, TransactionMQProducer
+        from rmq_spark.model.config import Settings, StoreSettings
+        from tests.unit.test_producer import ScriptedListener
+        settings = Settings(store=StoreSettings(path={str(root)!r}, queue_nums=2, shards=4))
+        ready = pathlib.Path({str(tmp_path)!r}) / "ready"
+        with TransactionMQProducer("g", ScriptedListener(), settings=settings) as producer:
+            (ready / str(os.getpid())).touch()  # all four send at once, each on its shard
+            while len(list(ready.iterdir())) < 4:
+                time.sleep(0.01)
+            sent = [
+                producer.send_message_in_transaction(
+                    Message("T", b"x", keys=str(i)),
+                    LocalTransactionState.COMMIT if i % 3 else LocalTransactionState.ROLLBACK,
+                )
+                for i in range(30)
+            ]
+        print(json.dumps([[s.transaction_id, s.msg_id, s.local_transaction_state.value]
+                          for s in sent]))
+        """
+    )
+    (tmp_path / "ready").mkdir()
+    procs = [
+        subprocess.Popen([sys.executable, "-c", child], cwd=REPO, stdout=subprocess.PIPE, text=True)
+        for _ in range(4)
+    ]
+    outputs = [json.loads(p.communicate(timeout=300)[0]) for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    shards_used = [{shard_of(t) for t, _, _ in out} for out in outputs]
+    assert sorted(s for used in shards_used for s in used) == [0, 1, 2, 3]  # one each
+    committed = sorted(m for out in outputs for _, m, state in out if state == "COMMIT")
+    store = Store.open(root)
+    rows = [r for s in store.shards() for r in commitlog(s).to_pylist()]
+    assert sorted(r["msg_id"] for r in rows) == committed
+    by_queue: dict[int, list[int]] = {}
+    for r in rows:
+        by_queue.setdefault(r["queue_id"], []).append(r["queue_offset"])
+    assert all(sorted(o) == list(range(len(o))) for o in by_queue.values())
+    assert {q // 1000 for q in by_queue} == {0, 1, 2, 3}
