@@ -13,8 +13,12 @@ publish (the ``op`` row's ``decided_timestamp`` to the CommitLog row's ``store_t
 taken as the publish commit is built: add one commit for the time until a reader sees it) at
 p50 and p99, and the requests per transaction the proxy counted, by kind.
 
+The store of each run has one shard per producer process (``rmq_spark.store.shards``: each
+process appends to logs of its own), or ``--shards`` N for every run (``--shards 1``: every
+process appends to the same logs, as before shards).
+
 Usage: python bench/scale_bench.py [--runs 1x4,16x4,1x64] [--seconds 20] [--delay-ms 20]
-                                   [--local]
+                                   [--shards N] [--local]
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ class _Later(TransactionListener):
 def worker(root: str, options: dict[str, str], senders: int, start: float, seconds: float):
     """One producer process: ``senders`` threads send from ``start`` (wall clock) on for
     ``seconds``; print ``{"count": n, "latencies": [...]}`` (seconds) on stdout."""
-    store = Store.open(settings=StoreSettings(path=root, storage_options=options))
+    store = Store.open(settings=StoreSettings(path=root, storage_options=options), create=False)
     latencies: list[float] = []
     lock = threading.Lock()
     group = f"bench-{os.getpid()}"
@@ -95,8 +99,11 @@ def worker(root: str, options: dict[str, str], senders: int, start: float, secon
 def publish_lags(root: str, options: dict[str, str]) -> np.ndarray:
     """Seconds from each COMMIT's decision to its publish, from the store's own tables."""
     store = Store.open(settings=StoreSettings(path=root, storage_options=options), create=False)
-    op = store.read("op", ["transaction_id", "decided_timestamp"])
-    published = store.read("commitlog", ["transaction_id", "store_timestamp"])
+    shards = store.shards()
+    op = pa.concat_tables(s.read("op", ["transaction_id", "decided_timestamp"]) for s in shards)
+    published = pa.concat_tables(
+        s.read("commitlog", ["transaction_id", "store_timestamp"]) for s in shards
+    )
     both = published.join(op, "transaction_id")
     lag = pc.subtract(both["store_timestamp"], both["decided_timestamp"]).cast(pa.int64())
     return lag.to_numpy() / 1e6
@@ -142,6 +149,7 @@ def main() -> None:
     parser.add_argument("--runs", default="1x4,16x4,1x64")
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--delay-ms", type=float, default=20.0)
+    parser.add_argument("--shards", type=int, default=None)
     parser.add_argument("--local", action="store_true")
     args = parser.parse_args()
     runs = [tuple(int(n) for n in r.split("x")) for r in args.runs.split(",")]
@@ -156,14 +164,16 @@ def main() -> None:
             base, where = f"s3://{minio.BUCKET}", f"s3:// (MinIO, +{args.delay_ms:g} ms a request)"
         print(f"scale-out on {where}, {args.seconds:g} s a run, 256 B bodies", flush=True)
         print(
-            f"{'producers':>24} {'tx/s':>8} {'ratio':>6} {'p50 ms':>8} {'p99 ms':>8}  "
-            f"{'published p50/p99 ms':>20}  requests/tx"
+            f"{'producers':>24} {'shards':>6} {'tx/s':>8} {'ratio':>6} {'p50 ms':>8} "
+            f"{'p99 ms':>8}  {'published p50/p99 ms':>20}  requests/tx"
         )
         first = None
         try:
             for i, (processes, senders) in enumerate(runs):
                 root = f"{base}/run{i}"
-                Store.open(settings=StoreSettings(path=root, storage_options=options), create=True)
+                shards = args.shards or processes
+                made = StoreSettings(path=root, storage_options=options, shards=shards)
+                Store.open(settings=made, create=True)
                 rate, lat, counts = run(root, options, processes, senders, args.seconds, proxy)
                 first = first or rate
                 done = max(rate * args.seconds, 1)
@@ -173,8 +183,8 @@ def main() -> None:
                 lags = publish_lags(root, options) * 1000
                 published = "/".join(f"{np.percentile(lags, q):.0f}" for q in (50, 99))
                 print(
-                    f"{label:>24} {rate:8.0f} {rate / first:5.1f}x {p50:8.0f} {p99:8.0f}  "
-                    f"{published:>20}  {per_tx or '-'}",
+                    f"{label:>24} {shards:>6} {rate:8.0f} {rate / first:5.1f}x {p50:8.0f} "
+                    f"{p99:8.0f}  {published:>20}  {per_tx or '-'}",
                     flush=True,
                 )
         finally:
