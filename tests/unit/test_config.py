@@ -42,7 +42,7 @@ def test_overrides_and_durations(tmp_path: Path) -> None:
     [
         ("[store]\nqueue_num = 4\n", r"unknown setting\(s\) queue_num in \[store\]; valid: "),
         ("[stor]\n", r"unknown section\(s\) stor"),
-        ("[store]\nqueue_nums = 0\n", "queue_nums needs to be an integer >= 1 but got 0"),
+        ("[store]\nqueue_nums = 0\n", "queue_nums needs to be an integer from 1 to 1000 but got 0"),
         (
             '[store]\npublish_max_bytes = "64MiB"\n',
             "store.publish_max_bytes needs to be an integer >= 1 but got '64MiB'",
