@@ -1,4 +1,4 @@
-"""Reading committed messages straight from the CommitLog's data files.
+"""Reading committed messages straight from the CommitLog's data files (each shard's).
 
 The driver plans tasks from the Delta snapshot's add actions: it keeps the files whose
 statistics overlap the offset ranges, then cuts them, in offset order, into tasks of about
@@ -27,8 +27,15 @@ from pyspark.sql.datasource import InputPartition
 from rmq_spark.delta.reads import read_files, with_uris
 from rmq_spark.delta.txnlog import check_readable
 from rmq_spark.model.errors import CorruptStoreError, DataLossError
+from rmq_spark.model.messages import shard_of_queue
 from rmq_spark.model.schema import COMMITLOG_SCHEMA
-from rmq_spark.spark.offsets import Offsets, describe_ranges, skip_lost
+from rmq_spark.spark.offsets import (
+    Offsets,
+    commitlog_files,
+    describe_ranges,
+    over_shards,
+    skip_lost,
+)
 from rmq_spark.store.facade import Store
 
 log = logging.getLogger(__name__)
@@ -80,7 +87,35 @@ def plan_slices(
     with ``fail_on_data_loss`` false is read from the earliest offset (see
     :func:`rmq_spark.spark.offsets.skip_lost`). So do offsets of the ranges that are not stored
     (:func:`_check_stored`): another Delta writer removed published messages.
+
+    Each queue is read from the CommitLog of its shard of ``store``
+    (:func:`~rmq_spark.model.messages.shard_of_queue`); the shards are planned at the same
+    time (:func:`~rmq_spark.spark.offsets.over_shards`), and a task reads one shard's files.
     """
+    ends: dict[int, Offsets] = {}
+    for topic, queues in end.items():
+        for queue_id, stop in queues.items():
+            ends.setdefault(shard_of_queue(queue_id), {}).setdefault(topic, {})[queue_id] = stop
+    shards = [store.shard_store(k) for k in sorted(ends)]
+    plans = over_shards(
+        shards,
+        lambda shard: _plan_shard(
+            shard, start, ends[shard.shard], tags, fail_on_data_loss, task_bytes, task_rows
+        ),
+    )
+    return [task for plan in plans for task in plan]
+
+
+def _plan_shard(
+    store: Store,
+    start: Offsets,
+    end: Offsets,
+    tags: frozenset[str] | None,
+    fail_on_data_loss: bool,
+    task_bytes: int,
+    task_rows: int,
+) -> list[CommitLogSlice]:
+    """:func:`plan_slices` of the queues of ``end``, all of them in the shard ``store``."""
     commitlog = store.table("commitlog")
     trimmed = store.earliest_stored(commitlog)
     begin = skip_lost(
@@ -243,11 +278,12 @@ def _in_queue_order(rows: pa.Table) -> pa.Table:
 def timestamp_offsets(store: Store, topics: tuple[str, ...], millis: int, end: Offsets) -> Offsets:
     """Per queue, the first offset stored at or after ``millis`` (capped at ``end``).
 
-    Only files whose newest ``store_timestamp`` reaches ``millis`` are read, three columns each.
+    Only files whose newest ``store_timestamp`` reaches ``millis`` are read, three columns each,
+    from the CommitLog of every shard of ``store``.
     """
     since = datetime.fromtimestamp(millis / 1000, UTC)
     files: dict[str, list[str]] = {}
-    for f in store.data_files("commitlog").to_pylist():
+    for f in commitlog_files(store).to_pylist():
         newest = f["max.store_timestamp"]
         if f["partition.topic"] in topics and (newest is None or newest >= since):
             files.setdefault(f["partition.topic"], []).append(f["uri"])

@@ -81,6 +81,10 @@ misreading. The source's ``latestOffset`` in ``StreamingQueryProgress`` holds th
 and ``messagesBehindLatest``, the backlog after the batch.
 
 Only committed messages exist in the CommitLog, so nothing pending or rolled back can appear.
+A store of several shards (``[store] shards``) is read whole: every shard's CommitLog, each
+queue under its store-wide id (shard ``k``'s from ``k * 1000``). A running stream looks for
+shards made since it started every :data:`SHARDS_LOOK_SECONDS`, a restarted one at once; a new
+shard's queues are read from their first offset, as any queue that appears later.
 Offsets are per (topic, queue) and dense. Tasks split the CommitLog by data file (each file is
 read once; ``topic``, the offset range and the timestamps skip files by their statistics);
 within a task every queue's rows come in offset order.
@@ -95,6 +99,8 @@ committed since.
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
 from typing import NoReturn
@@ -124,9 +130,11 @@ from rmq_spark.spark.offsets import (
     admit,
     check_queues,
     check_topics,
+    commitlog_files,
     earliest_offsets,
     latest_offsets,
     resolve,
+    stored_offsets,
     to_json,
 )
 from rmq_spark.spark.reading import CommitLogSlice, plan_slices, read_slice, timestamp_offsets
@@ -140,6 +148,9 @@ SOURCE_SCHEMA: StructType = from_arrow_schema(COMMITLOG_SCHEMA)
 
 #: Version of the offset format this source writes into checkpoints.
 OFFSET_FORMAT_VERSION = 1
+#: A running stream looks for shards made since it started (a listing of the store's
+#: ``shards/``) at most this often: a new shard's messages may wait this long to be read.
+SHARDS_LOOK_SECONDS = 10.0
 
 
 def check_at_load(options: ReaderOptions, store: Store | None = None) -> None:
@@ -155,10 +166,11 @@ def check_at_load(options: ReaderOptions, store: Store | None = None) -> None:
         has no messages.
     """
     store = store or options.open_store()
-    stored = store.next_offsets()
+    stored, _ = stored_offsets(store)
     latest = {t: {q: o for (topic, q), o in stored.items() if topic == t} for t in options.topics}
-    check_queues(options.starting, STARTING_OFFSETS, options.settings.queue_nums, latest)
-    check_queues(options.ending, ENDING_OFFSETS, options.settings.queue_nums, latest)
+    shards = len(store.shards())
+    for spec, option in ((options.starting, STARTING_OFFSETS), (options.ending, ENDING_OFFSETS)):
+        check_queues(spec, option, options.settings.queue_nums, latest, shards)
     check_topics(
         options.topics, sorted({t for t, _ in stored}), store.root, options.fail_on_missing_topic
     )
@@ -204,9 +216,8 @@ class RmqTxBatchReader(DataSourceReader):
                 store, options.topics, options.starting_timestamp, self.end
             )
         else:
-            self.start = resolve(
-                options.starting, self.end, earliest=earliest_offsets(store, options.topics)
-            )
+            earliest = earliest_offsets(store, options.topics, refresh=False)
+            self.start = resolve(options.starting, self.end, earliest=earliest)
 
     def partitions(self) -> list[CommitLogSlice]:
         store = self.options.open_store()
@@ -221,10 +232,11 @@ class RmqTxBatchReader(DataSourceReader):
 class RmqTxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     """Streaming reader: offsets are ``{"version", "store", "offsets": {topic: {queue: n}}}``.
 
-    ``store`` is the CommitLog's Delta table id, so a checkpoint restarted against another
-    store fails instead of reading wrong offsets. Queues that appear later start at offset 0,
-    unless ``startingOffsets`` names them: a named offset is honoured as given, also for a
-    queue with no messages yet (or fewer than the offset yet).
+    ``store`` is the Delta table id of the root's CommitLog (shard 0's), so a checkpoint
+    restarted against another store fails instead of reading wrong offsets. Queues that appear
+    later (a new shard's too) start at offset 0, unless ``startingOffsets`` names them: a named
+    offset is honoured as given, also for a queue with no messages yet (or fewer than the
+    offset yet).
 
     The store is opened at Spark's first call, not here: Spark also makes a reader to plan
     each micro-batch's tasks, which only needs :meth:`read`. ``checked=False``: the checks of
@@ -244,6 +256,8 @@ class RmqTxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._recorded: Offsets | None = None
         #: What :meth:`reportLatestOffset` reports (set by :meth:`latestOffset`).
         self._reported: dict | None = None
+        #: When :meth:`_latest` last looked for shards made since (``time.monotonic()``).
+        self._looked = -math.inf
 
     def __getstate__(self) -> dict:
         # Spark pickles the reader for its read tasks; they open the store themselves.
@@ -261,7 +275,13 @@ class RmqTxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return self._opened
 
     def _latest(self) -> Offsets:
-        return latest_offsets(self._store(), self.options.topics)
+        """The latest offsets, of the shards made since too if :data:`SHARDS_LOOK_SECONDS`
+        have passed since this reader last looked for them (at its first call it does)."""
+        now = time.monotonic()
+        refresh = now - self._looked >= SHARDS_LOOK_SECONDS
+        if refresh:
+            self._looked = now
+        return latest_offsets(self._store(), self.options.topics, refresh=refresh)
 
     def _encode(self, offsets: Offsets) -> dict:
         self._store()
@@ -288,7 +308,7 @@ class RmqTxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 self._store(), self.options.topics, self.options.starting_timestamp, latest
             )
         else:
-            earliest = earliest_offsets(self._store(), self.options.topics)
+            earliest = earliest_offsets(self._store(), self.options.topics, refresh=False)
             start = resolve(self.options.starting, latest, earliest=earliest, cap=False)
         return self._encode(start)
 
@@ -317,9 +337,7 @@ class RmqTxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._record_progress(begin)
         latest = self._target if self._target is not None else self._latest()
         max_messages, max_bytes = self._caps(limit)
-        end = admit(
-            begin, latest, max_messages, max_bytes, lambda: self._store().data_files("commitlog")
-        )
+        end = admit(begin, latest, max_messages, max_bytes, lambda: commitlog_files(self._store()))
         behind = sum(
             max(0, o - end.get(t, {}).get(q, 0)) for t, qs in latest.items() for q, o in qs.items()
         )
