@@ -1,8 +1,9 @@
 # The project's own setup: everything a fresh machine needs comes from here.
 #   make demo   - set up (first time only) and run the end-to-end demo on storage/
 #   make test   - set up (first time only) and run the test suite
-#   make torture SEED=42 MINUTES=10 PRODUCERS=4 S3_DELAY_MS=20 - the torture test, on demand
-#                   (SEED: default a new one; S3_DELAY_MS: the store on s3://, MinIO behind a delay)
+#   make torture SEED=42 MINUTES=10 PRODUCERS=4 SHARDS=4 S3_DELAY_MS=20 - the torture test, on
+#                   demand (SEED: default a new one; SHARDS: the store's shards, default 1;
+#                   S3_DELAY_MS: the store on s3://, MinIO behind a delay)
 #   make objectstore - what the object-store and cluster tests add (make test runs it)
 PYTHON ?= python3.11
 VENV   := .venv
@@ -67,7 +68,7 @@ test: objectstore
 SEED    ?=
 MINUTES ?= 10
 torture: setup $(if $(S3_DELAY_MS),objectstore)
-	$(PY) -m tests.torture.run $(if $(SEED),--seed $(SEED)) --minutes $(MINUTES) $(if $(PRODUCERS),--producers $(PRODUCERS)) $(if $(S3_DELAY_MS),--s3-delay-ms $(S3_DELAY_MS))
+	$(PY) -m tests.torture.run $(if $(SEED),--seed $(SEED)) --minutes $(MINUTES) $(if $(PRODUCERS),--producers $(PRODUCERS)) $(if $(SHARDS),--shards $(SHARDS)) $(if $(S3_DELAY_MS),--s3-delay-ms $(S3_DELAY_MS))
 
 # The check-back job through spark-submit, e.g. make check-back ARGS="--once".
 check-back: setup

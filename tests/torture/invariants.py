@@ -14,7 +14,10 @@ Read with deltalake (no Spark), after quiescence:
 * offsets per (topic, queue) are dense from 0 with no repeat; msg ids are unique; a message
   another Delta writer removed (a RESTORE or DELETE of the CommitLog, recorded by the
   orchestrator) may be missing, but a read of its queue must fail with ``DATA_LOSS``;
-* every discarded message is re-driven at most once (and then marked), or still listed.
+* every discarded message is re-driven at most once (and then marked), or still listed;
+* in a store of several shards, every table above is read in every shard (found by its marker);
+  each transaction's rows (half, op, discard, CommitLog) are in the shard its id names, and
+  each CommitLog row's queue is one of its shard's.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from tests.torture.workers import (
     PRODUCER_TOPIC,
     STREAM_TOPIC,
     read_delta,
+    shard_roots,
 )
 
 REDRIVEN_FROM = "REDRIVEN_FROM_TRANSACTION_ID"
@@ -59,6 +63,14 @@ def _rows(path: str, columns: list[str] | None = None) -> list[dict]:
     return read_delta(path, columns).to_pylist()
 
 
+def _shard_rows(roots: dict[int, str], name: str, columns: list[str] | None = None) -> list[dict]:
+    """Table ``name`` of every shard (``roots``: their roots by index), each row with the index
+    of the shard that stores it (``shard``)."""
+    return [
+        {**row, "shard": k} for k, root in roots.items() for row in _rows(f"{root}/{name}", columns)
+    ]
+
+
 def _props(value) -> dict:
     if value is None:
         return {}
@@ -66,11 +78,14 @@ def _props(value) -> dict:
 
 
 class _Store:
-    """The store's tables as Python rows, indexed for diagnostics."""
+    """The store's tables (the union of every shard's) as Python rows, each with the index of
+    the shard that stores it (``shard``), indexed for diagnostics."""
 
     def __init__(self, root: str, removed: Path) -> None:
-        self.commitlog = _rows(
-            f"{root}/commitlog",
+        self.roots = shard_roots(root)
+        self.commitlog = _shard_rows(
+            self.roots,
+            "commitlog",
             ["topic", "queue_id", "queue_offset", "msg_id", "transaction_id", "keys"],
         )
         # Published messages another Delta writer removed, and not added back by a RESTORE.
@@ -81,22 +96,27 @@ class _Store:
         self.removed = list(
             {r["msg_id"]: r for r in recorded if r["msg_id"] not in visible}.values()
         )
-        self.half = _rows(
-            f"{root}/half",
+        self.half = _shard_rows(
+            self.roots,
+            "half",
             ["transaction_id", "msg_id", "producer_group", "topic", "keys", "properties",
              "sink_id", "epoch", "generation"],
         )  # fmt: skip
-        self.op = {r["transaction_id"]: r for r in _rows(f"{root}/op")}
-        self.discard = _rows(
-            f"{root}/discard",
+        self.op_rows = _shard_rows(self.roots, "op")
+        self.op = {r["transaction_id"]: r for r in self.op_rows}
+        self.discard = _shard_rows(
+            self.roots,
+            "discard",
             ["transaction_id", "msg_id", "keys", "producer_group", "check_count",
              "redriven_transaction_id"],
         )  # fmt: skip
-        self.check_runs = _rows(f"{root}/check_runs", ["status", "discarded", "message"])
-        try:
-            self.epochs = _rows(f"{root}/epochs")
-        except Exception:  # another layout: diagnostics only
-            self.epochs = []
+        self.check_runs = _shard_rows(self.roots, "check_runs", ["status", "discarded", "message"])
+        self.epochs = []
+        for k, shard_root in self.roots.items():
+            try:
+                self.epochs += _shard_rows({k: shard_root}, "epochs")
+            except Exception:  # another layout: diagnostics only
+                pass
         self.epoch_of: dict[str, str] = {}
         for e in self.epochs:
             for t in e.get("transaction_ids") or []:
@@ -110,6 +130,10 @@ class _Store:
         self.discard_by_key: dict[str, list[dict]] = defaultdict(list)
         for d in self.discard:
             self.discard_by_key[d["keys"]].append(d)
+
+    def where(self, row: dict) -> str:
+        """Which shard stores ``row`` (in a store of several)."""
+        return f" in shard {row['shard']}" if len(self.roots) > 1 else ""
 
     def explain(self, key: str) -> str:
         """Everything the store knows about a business key, for a violation's detail."""
@@ -135,11 +159,13 @@ class _Store:
                 extra.append(f"on the list of epoch {self.epoch_of[txn]}")
             elif h["sink_id"] is not None:
                 extra.append("on no epoch's list")
-            parts.append(f"half txn {txn} msg {h['msg_id']}: {decided}; {', '.join(extra)}")
+            parts.append(
+                f"half txn {txn} msg {h['msg_id']}{self.where(h)}: {decided}; {', '.join(extra)}"
+            )
         for d in self.discard_by_key.get(key, []):
             parts.append(
-                f"discard txn {d['transaction_id']} msg {d['msg_id']} at check_count "
-                f"{d['check_count']}, re-driven as {d['redriven_transaction_id']}"
+                f"discard txn {d['transaction_id']} msg {d['msg_id']}{self.where(d)} at "
+                f"check_count {d['check_count']}, re-driven as {d['redriven_transaction_id']}"
             )
         visible = self.visible_by_key.get(key, [])
         if len(visible) > 3:
@@ -147,7 +173,7 @@ class _Store:
         for c in visible[:3]:
             parts.append(
                 f"visible: txn {c['transaction_id']} msg {c['msg_id']} "
-                f"queue {c['queue_id']} offset {c['queue_offset']}"
+                f"queue {c['queue_id']} offset {c['queue_offset']}{self.where(c)}"
             )
         return "; ".join(parts) or "no trace in the store"
 
@@ -191,17 +217,21 @@ def _exactly_once(
 def _data_loss_reported(results: Results, root: str, removed: list[dict]) -> int:
     """Check that a read of each queue another Delta writer removed messages from fails with
     :class:`DataLossError` naming that queue (the reader plans as a query does, from offset 0
-    to the store's next offset); returns how many queues did."""
+    to the next offset of the shard that holds the queue); returns how many queues did."""
     from rmq_spark import DataLossError, Store
+    from rmq_spark.model.messages import shard_of_queue
     from rmq_spark.spark.reading import plan_slices
 
     store = Store.open(root, create=False)
-    next_offsets = store.next_offsets()
+    next_offsets: dict[int, dict[tuple[str, int], int]] = {}
     reported = 0
     for topic, queue in sorted({(r["topic"], r["queue_id"]) for r in removed}):
-        end = {topic: {queue: next_offsets[(topic, queue)]}}
+        shard = store.shard_store(shard_of_queue(queue))
+        if shard.shard not in next_offsets:
+            next_offsets[shard.shard] = shard.next_offsets()
+        end = {topic: {queue: next_offsets[shard.shard][(topic, queue)]}}
         try:
-            plan_slices(store, {topic: {queue: 0}}, end)
+            plan_slices(shard, {topic: {queue: 0}}, end)
         except DataLossError as exc:
             reported += f"{topic} queue {queue} offsets [" in str(exc)
             continue
@@ -213,6 +243,46 @@ def _data_loss_reported(results: Results, root: str, removed: list[dict]) -> int
             )
         )
     return reported
+
+
+def _in_their_shards(results: Results, store: _Store, shards: int) -> None:
+    """The store has the shards the run made it with; each transaction's rows (half, op,
+    discard, CommitLog) are in the shard its id names, and each CommitLog row's queue is one of
+    the shard that stores it."""
+    from rmq_spark.model.messages import shard_of, shard_of_queue
+
+    if sorted(store.roots) != list(range(shards)):
+        results.violations.append(
+            Violation(
+                "shards missing or unexpected",
+                f"the run made {shards} shard(s); found {sorted(store.roots)}",
+            )
+        )
+    misplaced = [
+        (table, row, f"transaction {row['transaction_id']} of shard {shard_of(t)}")
+        for table, rows in (
+            ("half", store.half),
+            ("op", store.op_rows),
+            ("discard", store.discard),
+            ("commitlog", store.commitlog),
+        )
+        for row in rows
+        if (t := row["transaction_id"]) is not None and shard_of(t) != row["shard"]
+    ] + [
+        ("commitlog", c, f"queue {c['topic']}/{c['queue_id']} of shard {shard_of_queue(q)}")
+        for c in store.commitlog
+        if shard_of_queue(q := c["queue_id"]) != c["shard"]
+    ]
+    for table, row, what in misplaced[:MAX_DETAILS]:
+        results.violations.append(
+            Violation(
+                "row in another shard than its own",
+                f"{table}: {what}"
+                + (f", msg {row['msg_id']}" if "msg_id" in row else "")
+                + f", is stored in shard {row['shard']}"
+                + (f" ({len(misplaced)} rows misplaced)" if len(misplaced) > 1 else ""),
+            )
+        )
 
 
 #: A log entry's name (not a staged one, a checkpoint or a hint), with its version.
@@ -256,6 +326,26 @@ def _operations(table: str, versions: list[int]) -> list[str]:
         info = [a["commitInfo"] for a in commits.get(version, []) if "commitInfo" in a]
         names.append(f"v{version} {(info[0] or {}).get('operation') if info else '?'}")
     return names
+
+
+def _volume(half: list[dict], commitlog: list[dict]) -> dict:
+    return {
+        "transactions": len({h["transaction_id"] for h in half}),
+        "half messages": len(half),
+        "visible messages": len(commitlog),
+    }
+
+
+def _shard_facts(store: _Store, shard: int) -> dict:
+    """What shard ``shard`` holds, and the producer processes (name.incarnation) whose
+    messages it published, with how many."""
+    half, visible = (
+        [r for r in rows if r["shard"] == shard] for rows in (store.half, store.commitlog)
+    )
+    producers = Counter(
+        ".".join(c["keys"].split(".")[:2]) for c in visible if c["topic"] == PRODUCER_TOPIC
+    )
+    return {**_volume(half, visible), "producers": dict(producers)}
 
 
 def check_invariants(run: dict, root: str) -> Results:
@@ -391,6 +481,7 @@ def check_invariants(run: dict, root: str) -> Results:
         if n > 1:
             results.violations.append(Violation("msg id visible twice", f"msg {msg_id} x{n}"))
     facts["data loss reported"] = _data_loss_reported(results, root, store.removed)
+    _in_their_shards(results, store, run.get("shards", 1))
 
     # ---- discards: re-driven once (and marked) or still listed
     redrives = defaultdict(set)  # (original txn, msg id) -> re-driven txns found in half
@@ -456,13 +547,14 @@ def check_invariants(run: dict, root: str) -> Results:
                 f"of txn {txn}, x{n}); each copy is published when its transaction commits",
             )
         )
-    for name in ("half", "op", "commitlog", "check_state", "discard", "epochs", "locks"):
-        for path, versions in _files_removed_twice(f"{root}/{name}")[:MAX_DETAILS]:
+    tables = ("half", "op", "commitlog", "check_state", "discard", "epochs", "locks")
+    for table in [f"{shard_root}/{name}" for shard_root in store.roots.values() for name in tables]:
+        for path, versions in _files_removed_twice(table)[:MAX_DETAILS]:
             results.violations.append(
                 Violation(
                     "data file removed by two commits (rows duplicated)",
-                    f"{name}: {path} removed by versions {versions} "
-                    f"({', '.join(_operations(f'{root}/{name}', versions))}): two rewrites of "
+                    f"{table[len(root) + 1 :]}: {path} removed by versions {versions} "
+                    f"({', '.join(_operations(table, versions))}): two rewrites of "
                     "the same file both committed, so its rows now exist twice",
                 )
             )
@@ -489,9 +581,9 @@ def check_invariants(run: dict, root: str) -> Results:
     facts["decisions"] = dict(
         Counter(f"{o['decided_by']} {o['decision']}" for o in store.op.values())
     )
-    facts["transactions"] = len({h["transaction_id"] for h in store.half})
-    facts["half messages"] = len(store.half)
-    facts["visible messages"] = len(store.commitlog)
+    facts.update(_volume(store.half, store.commitlog))
+    if len(store.roots) > 1:
+        facts["shards"] = {k: _shard_facts(store, k) for k in store.roots}
     facts["discard"] = {
         "messages": len(store.discard),
         "transactions": len({d["transaction_id"] for d in store.discard}),

@@ -33,8 +33,11 @@ from tests.torture.workers import (
     BROKEN_GROUP,
     DELTA_TOPIC,
     PRODUCER_TOPIC,
+    QUEUE_NUMS,
     STREAM_TOPIC,
     read_delta,
+    shard_queues,
+    shard_roots,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -51,6 +54,9 @@ class Options:
     kill_every: float = 12.0
     producers: int = 2
     producer_threads: int = 2
+    #: Shards of the store (``[store] shards`` of the settings file every process reads): each
+    #: producer process claims one while there are enough; the other writers use shard 0.
+    shards: int = 1
     check_back_jobs: int = 2
     check_max: int = 3
     transaction_timeout: float = 2.0
@@ -127,6 +133,19 @@ class Stats:
     messages_removed: int = 0
 
 
+def next_offsets(commitlog, shard: int) -> dict[tuple[str, int], int]:
+    """The next offset of each queue of shard ``shard`` that ever held a message, from its
+    CommitLog (``commitlog``, a DeltaTable): ``{(topic, queue_id): offset}``."""
+    from rmq_spark.store.queues import queue_app_id
+
+    return {
+        (topic, q): offset
+        for topic in TOPICS
+        for q in shard_queues(shard)
+        if (offset := commitlog.transaction_version(queue_app_id(topic, q))) is not None
+    }
+
+
 def session_processes(sid: int) -> list[tuple[int, int]]:
     """(pid, process group) of every live process in session ``sid``."""
     found = []
@@ -162,6 +181,9 @@ class Orchestrator:
     def __init__(self, options: Options) -> None:
         self.o = options
         self.rng = random.Random(options.seed)
+        #: Which shard another Delta writer meddles with (its own sequence: a run of one shard
+        #: draws what it drew before there were shards).
+        self.shard_rng = random.Random(f"{options.seed}/shards")
         self.root = options.root
         self.run_dir = self.root
         self.store = (
@@ -213,7 +235,8 @@ class Orchestrator:
             f"""# written by the torture test (seed {o.seed})
 [store]
 path = "{self.store}"
-queue_nums = 4
+queue_nums = {QUEUE_NUMS}
+shards = {o.shards}
 {business}
 
 [transaction]
@@ -245,12 +268,19 @@ level = "INFO"
         self.env.pop("RMQ_SPARK_FAILPOINT", None)
         self.env.setdefault("RMQ_SPARK_JARS", str(REPO / ".jars"))
         os.environ[CONF_ENV] = str(self.conf)
-        Store.open(self.store, settings=load_settings(self.conf))
+        Store.open(self.store, settings=load_settings(self.conf))  # makes the shards
+        #: Every shard's root, by index.
+        self.shards = shard_roots(self.store)
+        if len(self.shards) != o.shards:
+            raise RuntimeError(
+                f"the store at {self.store} has shards {sorted(self.shards)}, not {o.shards}"
+            )
         self.run = {
             "seed": o.seed,
             "root": self.store,
             "run_dir": str(self.run_dir),
             "producers": producers,
+            "shards": o.shards,
             "producer_threads": o.producer_threads,
             "producer_pause": 1.5,
             "check_max": o.check_max,
@@ -503,7 +533,8 @@ level = "INFO"
         messages lost: each must make a read fail loudly with DATA_LOSS naming it; the rows
         removed are recorded for the invariants); or a process that commits is stalled
         (SIGSTOP: a GC or swap stall, a paused VM) for longer than the log cleanup's horizon
-        (10 s), then resumed."""
+        (10 s), then resumed. Another Delta writer acts on a table of a shard picked at random
+        (seeded)."""
         from deltalake import DeltaTable
 
         now = self.elapsed()
@@ -532,8 +563,10 @@ level = "INFO"
             self.stalled[w.name] = (w.proc, now + seconds)
             self.note(f"SIGSTOP {w.name}#{w.incarnation} for {seconds:.0f} s")
         else:
+            shard = self.shard_rng.randrange(self.o.shards)
+            where = f"{table} of shard {shard}" if self.o.shards > 1 else table
             try:
-                delta = DeltaTable(f"{self.store}/{table}")
+                delta = DeltaTable(f"{self.shards[shard]}/{table}")
                 if act == "optimize":
                     delta.optimize.compact()
                 elif act == "checkpoint":
@@ -541,19 +574,21 @@ level = "INFO"
                 elif act == "restore":
                     delta.restore(max(0, delta.version() - self.rng.randint(1, 5)))
                 elif act == "delete":
-                    delta.delete(self.some_published(delta))
+                    delta.delete(self.some_published(delta, shard))
                 else:
                     delta.vacuum(dry_run=False)
             except Exception as exc:  # a foreign writer may lose a race too; that is all
-                self.note(f"foreign {act} of {table} failed: {exc!r}"[:300])
+                self.note(f"foreign {act} of {where} failed: {exc!r}"[:300])
                 return
             removed = self.record_removed(delta) if table == "commitlog" else 0
             if act == "restore" and table == "op":
                 self.forget_check_counts(delta)
             self.note(
-                f"foreign {act} of {table} at version {delta.version()}"
+                f"foreign {act} of {where} at version {delta.version()}"
                 + (f": {removed} published message(s) removed" if removed else "")
             )
+            if self.o.shards > 1:
+                self.stats.meddling[f"on shard {shard}"] += 1
         self.stats.meddling[f"{act} {table}" if act == "restore" else act] += 1
 
     def forget_check_counts(self, op) -> None:
@@ -566,16 +601,10 @@ level = "INFO"
         after = set(read_delta(op.table_uri, ["transaction_id"], version).column(0).to_pylist())
         self.undecided_by_restore.update(set(before) - after)
 
-    def some_published(self, commitlog) -> str:
-        """A DELETE predicate for one to three published messages of one queue."""
-        from rmq_spark.store.queues import queue_app_id
-
-        queues = [
-            (topic, q, next_offset)
-            for topic in TOPICS
-            for q in range(4)
-            if (next_offset := commitlog.transaction_version(queue_app_id(topic, q)))
-        ]
+    def some_published(self, commitlog, shard: int) -> str:
+        """A DELETE predicate for one to three published messages of one queue of shard
+        ``shard`` (whose CommitLog is ``commitlog``)."""
+        queues = [(t, q, n) for (t, q), n in next_offsets(commitlog, shard).items() if n]
         if not queues:
             return "false"
         topic, q, next_offset = self.rng.choice(queues)
@@ -608,26 +637,32 @@ level = "INFO"
 
     # ------------------------------------------------------------------ sampling
     def sample(self) -> None:
-        """Check counts never go down; queue offsets never go down."""
+        """Check counts never go down; queue offsets never go down (in every shard)."""
         from deltalake import DeltaTable
 
         from rmq_spark.store.queues import queue_app_id
 
+        states, decided, staged, commitlogs = [], set(), set(), {}
         try:
-            state = read_delta(
-                f"{self.store}/check_state", ["transaction_id", "check_count", "first_seen"]
-            )
-            # Read after check_state: a transaction decided before that read is in op. Only
-            # pending ones count (a decided one's row may be forgotten and, by a job with an
-            # older snapshot, started again; that spends nobody's budget).
-            decided, staged = (
-                set(read_delta(f"{self.store}/{name}", ["transaction_id"]).column(0).to_pylist())
-                for name in ("op", "half")
-            )
-            commitlog = DeltaTable(f"{self.store}/commitlog")
+            for shard, root in self.shards.items():
+                states.append(
+                    read_delta(
+                        f"{root}/check_state", ["transaction_id", "check_count", "first_seen"]
+                    )
+                )
+                # Read after check_state: a transaction decided before that read is in op (of
+                # its shard, the one of its check_state row). Only pending ones count (a
+                # decided one's row may be forgotten and, by a job with an older snapshot,
+                # started again; that spends nobody's budget).
+                for ids, name in ((decided, "op"), (staged, "half")):
+                    ids.update(
+                        read_delta(f"{root}/{name}", ["transaction_id"]).column(0).to_pylist()
+                    )
+                commitlogs[shard] = DeltaTable(f"{root}/commitlog")
         except Exception as exc:  # a snapshot read racing a writer: try next time
             self.note(f"sample failed: {exc!r}"[:300])
             return
+        state = pa.concat_tables(states)
         self.stats.samples += 1
         at = self.elapsed()
         for txn, count, first in zip(
@@ -651,12 +686,9 @@ level = "INFO"
                 )
             if seen is None or count >= seen[0]:
                 self.check_seen[txn] = (count, first, at)
-        for topic in TOPICS:
-            for q in range(4):
+        for shard, commitlog in commitlogs.items():
+            for (topic, q), version in next_offsets(commitlog, shard).items():
                 app = queue_app_id(topic, q)
-                version = commitlog.transaction_version(app)
-                if version is None:
-                    continue
                 if version < self.queue_seen.get(app, -1):
                     self.violations.append(
                         Violation(
@@ -774,7 +806,10 @@ level = "INFO"
 
     def run_all(self) -> dict:
         self.setup()
-        self.note(f"seed {self.o.seed}, chaos {self.o.chaos_seconds:.0f} s, root {self.root}")
+        self.note(
+            f"seed {self.o.seed}, chaos {self.o.chaos_seconds:.0f} s, root {self.root}, "
+            f"{self.o.shards} shard(s)"
+        )
         try:
             self.chaos()
             chaos_end = self.elapsed()
@@ -836,7 +871,9 @@ def run(seed: int | None = None, seconds: float = 120.0, root: str | Path | None
         )
         print(
             f"rmq-spark torture: seed {seed}, chaos {seconds:.0f} s, run dir {root}, store "
-            f"{orchestrator.store}" + (f" (+{delay_ms:g} ms a request)" if proxy else ""),
+            f"{orchestrator.store}"
+            + (f" (+{delay_ms:g} ms a request)" if proxy else "")
+            + f", {orchestrator.o.shards} shard(s)",
             flush=True,
         )
         result = orchestrator.run_all()

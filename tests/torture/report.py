@@ -15,12 +15,14 @@ def _counter(c) -> str:
 def format_report(result: dict) -> str:
     s, facts, violations = result["stats"], result["facts"], result["violations"]
     minutes = max(float(result["chaos_seconds"]) / 60, 0.1)
+    shards = result["options"].get("shards", "1")
+    shards = f" SHARDS={shards}" if shards != "1" else ""
     lines = [
         "=" * 78,
         f"rmq-spark torture report   seed {result['seed']}   "
         f"{'PASS' if not violations else f'FAIL ({len(violations)} violation(s))'}",
         "=" * 78,
-        f"replay:      make torture SEED={result['seed']} MINUTES={minutes:.1f}",
+        f"replay:      make torture SEED={result['seed']} MINUTES={minutes:.1f}{shards}",
         f"duration:    {result['duration_seconds']:.0f} s (chaos until "
         f"{result['chaos_seconds']:.0f} s, after {s.warm_up:.0f} s of warm-up)",
         f"run dir:     {result['root']} (logs/, report.txt, store/)",
@@ -49,6 +51,12 @@ def format_report(result: dict) -> str:
         f"store:       {facts['transactions']} transactions, {facts['half messages']} half "
         f"messages, {facts['visible messages']} visible"
     )
+    for k, f in (facts.get("shards") or {}).items():
+        lines.append(
+            f"  shard {k}:   {f['transactions']} transactions, {f['half messages']} half "
+            f"messages, {f['visible messages']} visible; producer messages by process "
+            f"{_counter(f['producers'])}"
+        )
     lines.append(f"decisions:   {_counter(facts['decisions'])}")
     d = facts["discard"]
     lines.append(

@@ -22,6 +22,13 @@ def main(argv: list[str] | None = None) -> int:
         "--producers", type=int, default=2, help="producer processes (2 threads each)"
     )
     parser.add_argument(
+        "--shards",
+        type=int,
+        default=1,
+        help="shards of the store ([store] shards): each producer process claims one while "
+        "there are enough",
+    )
+    parser.add_argument(
         "--s3-delay-ms",
         type=float,
         help="the store on s3:// (MinIO, from make objectstore) behind a proxy adding this many "
@@ -43,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         kill_every=args.kill_every,
         compactor=not args.no_compactor,
         producers=args.producers,
+        shards=args.shards,
         delay_ms=args.s3_delay_ms,
     )
     print(report, flush=True)

@@ -4,7 +4,8 @@ tasks, ``publish_with_delta_write``, two check-back jobs, resumes, compaction) S
 random, then check-back to quiescence and the invariants. See tests/torture/orchestrator.py.
 
 Replay a failure with its seed: ``TORTURE_SEED=<seed> pytest -m torture`` or
-``make torture SEED=<seed> MINUTES=<minutes>``.
+``make torture SEED=<seed> MINUTES=<minutes>``; ``TORTURE_SHARDS=<n>`` runs it on a store of
+``n`` shards (default 1).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ def test_exactly_once_under_adversity(tmp_path) -> None:
     seed = int(os.environ.get("TORTURE_SEED", "5"))
     seconds = float(os.environ.get("TORTURE_SECONDS", "100"))
     conf = os.environ.get("RMQ_SPARK_CONF")
-    result, report = run(seed, seconds, tmp_path / "torture", verbose=False)
+    shards = int(os.environ.get("TORTURE_SHARDS", "1"))
+    result, report = run(seed, seconds, tmp_path / "torture", verbose=False, shards=shards)
     print(report)
     assert not result["violations"], "\n" + report
     # The run's settings file goes with its folder: every later test would read it.

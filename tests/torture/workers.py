@@ -12,8 +12,8 @@ Kinds:
   ``df.write.format("rmqtx")`` batches (one ``sinkId`` per input batch, so an operator's retry
   is idempotent) and ``publish_with_delta_write`` batches, in input order; with slow and
   failing task attempts.
-* ``compactor``: ``Store.compact()`` and retention (``maintain``, transactions expiring 5 to
-  30 s after their decision) every few seconds.
+* ``compactor``: ``Store.compact()`` of every shard and retention (``maintain``, transactions
+  expiring 5 to 30 s after their decision) every few seconds.
 * ``finish``: after the chaos: drains the stream and the batches (no faults), then runs
   re-drive + check-back rounds with everything due until nothing is pending. Prints one JSON
   line per round (``QUIESCE {...}``).
@@ -40,6 +40,8 @@ STREAM_TOPIC, STREAM_GROUP = "TortureStream", "pipeline-stream"
 BATCH_TOPIC, BATCH_GROUP = "TortureBatch", "pipeline-batch"
 DELTA_TOPIC, DELTA_GROUP, DELTA_APP = "TortureDelta", "pipeline-delta", "torture-delta"
 PRODUCER_TOPIC = "TortureOrders"
+#: Queues per topic and shard (``[store] queue_nums`` of the settings file the run writes).
+QUEUE_NUMS = 4
 
 
 def read_delta(path: str | Path, columns: list[str] | None = None, version: int | None = None):
@@ -54,6 +56,33 @@ def read_delta(path: str | Path, columns: list[str] | None = None, version: int 
     chosen = ", ".join(f'"{c}"' for c in columns) if columns else "*"
     query = QueryBuilder().register("t", DeltaTable(str(path), version=version))
     return read_arrow(query.execute(f"SELECT {chosen} FROM t"))
+
+
+def shard_roots(root: str) -> dict[int, str]:
+    """Every shard of the store at ``root`` (local or on an object store), by index: the root
+    itself (shard 0) and ``<root>/shards/<k>`` for each ``k`` whose marker exists (a shard is
+    complete once its marker, written last, is). Found through fsspec, not the Store."""
+    from rmq_spark.delta.storage import filesystem
+    from rmq_spark.store.layout import MARKER_FILE, SHARDS_DIR, shard_uri
+
+    fs, path = filesystem(root, {})
+    folder = f"{path.rstrip('/')}/{SHARDS_DIR}"
+    fs.invalidate_cache(folder)
+    try:
+        names = [name.rstrip("/").rsplit("/", 1)[-1] for name in fs.ls(folder, detail=False)]
+    except FileNotFoundError:
+        names = []
+    found = sorted(int(n) for n in names if n.isdigit() and int(n) > 0)
+    return {0: root} | {
+        k: shard_uri(root, k) for k in found if fs.exists(f"{folder}/{k}/{MARKER_FILE}")
+    }
+
+
+def shard_queues(shard: int) -> range:
+    """The queue ids of shard ``shard`` of the torture store (``queue_nums`` per shard)."""
+    from rmq_spark.model.messages import SHARD_QUEUE_STRIDE
+
+    return range(shard * SHARD_QUEUE_STRIDE, shard * SHARD_QUEUE_STRIDE + QUEUE_NUMS)
 
 
 def log(*parts: object) -> None:
@@ -88,6 +117,17 @@ def check_imports(run: dict, spark=None) -> None:
     log("imports", paths)
 
 
+def log_shard_claims(run: dict) -> None:
+    """In a store of several shards, log which shard each producer of this process claims (and
+    the publisher leases it takes and loses)."""
+    if run.get("shards", 1) > 1:
+        import logging
+
+        claims = logging.getLogger("rmq_spark.store.publish_loop")
+        claims.setLevel(logging.INFO)
+        claims.addHandler(logging.StreamHandler(sys.stdout))
+
+
 def stopped(run: dict) -> bool:
     return (Path(run["run_dir"]) / "STOP").exists()
 
@@ -98,6 +138,7 @@ def producer(run: dict, name: str, incarnation: int) -> None:
     from tests.torture import local_db
 
     check_imports(run)
+    log_shard_claims(run)
     spec = run["producers"][name]
     db, group = spec["db"], spec["group"]
     settings = load_settings()
@@ -220,10 +261,11 @@ def hostile(run: dict, name: str, incarnation: int) -> None:
         TransactionListener,
         TransactionMQProducer,
     )
-    from rmq_spark.model.messages import new_id
+    from rmq_spark.model.messages import new_id, shard_transaction_id
     from rmq_spark.model.schema import HALF_SCHEMA
 
     check_imports(run)
+    log_shard_claims(run)
     rng = random.Random(f"{run['seed']}/{name}/{incarnation}")
     refused = _refused_messages()
 
@@ -238,7 +280,7 @@ def hostile(run: dict, name: str, incarnation: int) -> None:
         TransactionMQProducer(UNROUTED_GROUP, Unknown(), path=run["root"]) as unrouted,
         TransactionMQProducer(BROKEN_GROUP, Unknown(), path=run["root"]) as broken,
     ):
-        store, n = broken.store, 0
+        shards, n = broken.store.shards(), 0
         while not stopped(run):
             for bad in rng.sample(refused, 3):
                 try:
@@ -250,13 +292,14 @@ def hostile(run: dict, name: str, incarnation: int) -> None:
                 )
             producer = rng.choice([unrouted, broken])
             producer.send_message_in_transaction(Message(HOSTILE_TOPIC, f"hostile-{n}"))
-            now = datetime.now(UTC)
+            # Into every shard in turn, as that shard's own transaction.
+            store, now = shards[n % len(shards)], datetime.now(UTC)
             row = {f.name: None for f in HALF_SCHEMA} | {
-                "transaction_id": new_id(),
+                "transaction_id": shard_transaction_id(store.shard),
                 "msg_id": new_id(),
                 "producer_group": BROKEN_GROUP,
                 "topic": HOSTILE_TOPIC,
-                "queue_id": 0,
+                "queue_id": store.queue_base,
                 "body": f"garbage-immunity-{n}".encode(),
                 "properties": [
                     (
@@ -522,9 +565,10 @@ def hostile_sink(run: dict, spark, tag: str) -> None:
 
 # --------------------------------------------------------------------------- compactor
 def compactor(run: dict, name: str, incarnation: int) -> None:
-    """Compaction and retention: decided, published transactions leave ``half``, ``op`` and
-    ``discard`` seconds after their decision (while re-drives, check-back jobs, late decisions
-    and epoch replays go on); CommitLog messages are kept, since the invariants count them."""
+    """Compaction and retention of every shard: decided, published transactions leave
+    ``half``, ``op`` and ``discard`` seconds after their decision (while re-drives, check-back
+    jobs, late decisions and epoch replays go on); CommitLog messages are kept, since the
+    invariants count them."""
     from rmq_spark import Store
     from rmq_spark.model.config import RetentionSettings
     from rmq_spark.store.retention import maintain
@@ -533,9 +577,10 @@ def compactor(run: dict, name: str, incarnation: int) -> None:
     rng = random.Random(f"{run['seed']}/{name}/{incarnation}")
     store = Store.open(run["root"], create=False)
     while not stopped(run):
-        started = time.monotonic()
-        removed = store.compact()
-        log("compacted", removed, f"{time.monotonic() - started:.1f} s")
+        for shard in store.shards(refresh=True):
+            started = time.monotonic()
+            removed = shard.compact()
+            log("compacted shard", shard.shard, removed, f"{time.monotonic() - started:.1f} s")
         retention = RetentionSettings(
             file_reserved_time=10 * 365 * 86400.0,
             transaction_reserved_time=rng.uniform(5, 30),
@@ -546,22 +591,31 @@ def compactor(run: dict, name: str, incarnation: int) -> None:
 
 
 # --------------------------------------------------------------------------- finish
+def _tuples(store, name: str, columns: list[str]) -> list[tuple]:
+    """The rows of table ``name`` of one shard's store, as tuples of ``columns``."""
+    return list(zip(*store.read(name, columns).to_pydict().values(), strict=True))
+
+
 def pending_transactions(store) -> set[str]:
-    """Pending transactions of the honest groups (the hostile ones never all end)."""
-    half = store.read("half", ["transaction_id", "producer_group"])
-    op = store.read("op", ["transaction_id"])
-    honest = {t for t, g in zip(*half.to_pydict().values(), strict=True) if g not in HOSTILE_GROUPS}
-    return honest - set(op.column("transaction_id").to_pylist())
+    """Pending transactions of the honest groups (the hostile ones never all end), in every
+    shard (a transaction is decided by an op row of its own shard)."""
+    pending = set()
+    for shard in store.shards(refresh=True):
+        half = _tuples(shard, "half", ["transaction_id", "producer_group"])
+        decided = {t for (t,) in _tuples(shard, "op", ["transaction_id"])}
+        pending |= {t for t, g in half if g not in HOSTILE_GROUPS and t not in decided}
+    return pending
 
 
 def undriven_discards(store) -> list[str]:
-    """Transactions of honest groups discarded at the check max and not re-driven yet (a
-    hostile group's are left discarded: re-driven, they would only come back)."""
-    discard = store.read("discard", ["transaction_id", "producer_group", "redriven_transaction_id"])
+    """Transactions of honest groups discarded at the check max and not re-driven yet, in
+    every shard (a hostile group's are left discarded: re-driven, they would only come back)."""
+    columns = ["transaction_id", "producer_group", "redriven_transaction_id"]
     return sorted(
         {
             t
-            for t, g, r in zip(*discard.to_pydict().values(), strict=True)
+            for shard in store.shards(refresh=True)
+            for t, g, r in _tuples(shard, "discard", columns)
             if r is None and g not in HOSTILE_GROUPS
         }
     )
