@@ -24,9 +24,10 @@ from deltalake.exceptions import DeltaError
 from rmq_spark.checkback.pending import inserted_since
 from rmq_spark.model.errors import InvalidOptionError
 from rmq_spark.model.failpoints import failpoint
-from rmq_spark.model.messages import new_id
+from rmq_spark.model.messages import shard_transaction_id
 from rmq_spark.model.schema import DISCARD_SCHEMA, HALF_MESSAGE_SCHEMA, HALF_SCHEMA
 from rmq_spark.store.facade import Store
+from rmq_spark.store.fanout import on_every_shard
 
 log = logging.getLogger(__name__)
 
@@ -119,10 +120,11 @@ def insert_discards(
 
 
 def redrive(store: Store, transaction_ids: Sequence[str] | None = None) -> list[str]:
-    """Put discarded messages back into the check-back cycle.
+    """Put discarded messages back into the check-back cycle, in every shard of the store.
 
-    Each discarded message is prepared again as a half message of a new transaction (same
-    ``msg_id``, property ``REDRIVEN_FROM_TRANSACTION_ID``), with a fresh check budget.
+    Each discarded message is prepared again as a half message of a new transaction of its
+    own shard (same ``msg_id``, property ``REDRIVEN_FROM_TRANSACTION_ID``), with a fresh check
+    budget.
 
     Parameters
     ----------
@@ -139,7 +141,10 @@ def redrive(store: Store, transaction_ids: Sequence[str] | None = None) -> list[
     Raises
     ------
     InvalidOptionError
-        One of ``transaction_ids`` is not in the discard table, or was re-driven already.
+        One of ``transaction_ids`` is not in the discard table of its shard, or was re-driven
+        already (nothing is re-driven then).
+    ShardsFailedError
+        With several shards, the re-drive failed on some of them (the others were done).
 
     Notes
     -----
@@ -152,17 +157,40 @@ def redrive(store: Store, transaction_ids: Sequence[str] | None = None) -> list[
     two steps is finished by the next one, and two re-drives finishing the same row insert it
     once.
     """
-    discard = store.read("discard")
-    rows = [r for r in discard.to_pylist() if r["redriven_transaction_id"] is None]
+    shards = store.shards(refresh=True)
+    todo = {s.shard: _discards_to_redrive(s, transaction_ids) for s in shards}
     if transaction_ids is not None:
-        wanted = set(transaction_ids)
-        unstaged = {r["transaction_id"] for r in _claimed_unstaged(store, discard)}
-        unknown = wanted - {r["transaction_id"] for r in rows} - unstaged
+        found = {r["transaction_id"] for rows, _ in todo.values() for r in rows}
+        found |= {t for _, unstaged in todo.values() for t in unstaged}
+        unknown = set(transaction_ids) - found
         if unknown:
             raise InvalidOptionError(
                 f"not in the discard table (or already re-driven): {', '.join(sorted(unknown))}"
             )
-        rows = [r for r in rows if r["transaction_id"] in wanted]
+    return on_every_shard(
+        shards,
+        "re-drive of discards",
+        lambda shard: _redrive_shard(shard, todo[shard.shard][0]),
+        lambda results, _: sorted(t for new_ids in results.values() for t in new_ids),
+    )
+
+
+def _discards_to_redrive(
+    store: Store, transaction_ids: Sequence[str] | None
+) -> tuple[list[dict[str, object]], set[str]]:
+    """One shard's discard rows not re-driven yet, of ``transaction_ids`` (default: all), and
+    which of ``transaction_ids`` are claimed but not staged (a re-drive died in between)."""
+    discard = store.read("discard")
+    rows = [r for r in discard.to_pylist() if r["redriven_transaction_id"] is None]
+    if transaction_ids is None:
+        return rows, set()
+    wanted = set(transaction_ids)
+    unstaged = {r["transaction_id"] for r in _claimed_unstaged(store, discard)}
+    return [r for r in rows if r["transaction_id"] in wanted], unstaged & wanted
+
+
+def _redrive_shard(store: Store, rows: list[dict[str, object]]) -> list[str]:
+    """Claim ``rows`` (discard rows of this shard), then stage every claimed, unstaged row."""
     claimed = _claim_discards(store, rows)
     failpoint("redrive.claimed")
     staged = _stage_redriven(store, _claimed_unstaged(store, store.read("discard")))
@@ -180,7 +208,7 @@ def _claim_discards(store: Store, rows: list[dict[str, object]]) -> set[str]:
     whose ``redriven_transaction_id`` is still null; return the new ids this call set."""
     if not rows:
         return set()
-    new_ids = {r["transaction_id"]: new_id() for r in rows}
+    new_ids = {r["transaction_id"]: shard_transaction_id(store.shard) for r in rows}
     marks = pa.table(
         {
             "transaction_id": pa.array([r["transaction_id"] for r in rows], pa.string()),

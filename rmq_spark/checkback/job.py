@@ -1,6 +1,9 @@
 """The check-back job: reconcile ``op`` against ``half`` and resolve pending transactions.
 
-RocketMQ's compensation loop (``TransactionalMessageCheckService``) as a Spark job. One round:
+RocketMQ's compensation loop (``TransactionalMessageCheckService``) as a Spark job. A round
+runs on every shard of the store (:mod:`rmq_spark.store.shards`), one after the other, each
+shard's with its own tables (:class:`rmq_spark.checkback.round.CheckRound`); one shard
+failing does not stop the others. On each shard:
 
 1. **Pending** = half messages with no op record (an anti-join; nothing already decided is
    ever checked, unlike apache/rocketmq#1517), kept incrementally in the ``pending`` table
@@ -15,9 +18,9 @@ RocketMQ's compensation loop (``TransactionalMessageCheckService``) as a Spark j
    published again. UNKNOWN spends one check (:mod:`rmq_spark.checkback.state`); at
    ``transaction_check_max`` the transaction is rolled back and its messages recorded in
    ``discard`` (:mod:`rmq_spark.checkback.discards`).
-5. **Report** (:mod:`rmq_spark.checkback.summary`): every run writes a row to ``check_runs``
-   and returns a :class:`CheckBackResult` whose ``check_batch`` DataFrame shows what was asked
-   and why.
+5. **Report** (:mod:`rmq_spark.checkback.summary`): every run writes a row to each shard's
+   ``check_runs`` and returns a :class:`CheckBackResult` whose ``check_batch`` DataFrame shows
+   what was asked and why, over every shard.
 
 Keeps DESIGN.md section 3, rule 6 as a whole (RocketMQ's check-back loop, through the modules
 above): one group's checker failing, or the job dying, never holds back the groups already
@@ -32,27 +35,21 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
+from functools import reduce
 
-import pyarrow as pa
-import pyarrow.compute as pc
 from pyspark.sql import DataFrame, SparkSession
-from pyspark.sql import functions as F
 
-from rmq_spark.checkback.batch import CHECK, NOT_YET_DUE, TOO_OLD, UNROUTED, check_batch
 from rmq_spark.checkback.checkers import Checker
-from rmq_spark.checkback.decisions import DECIDED_BY_CHECKER, decide, recover_removed
-from rmq_spark.checkback.discards import DECIDED_BY_CHECK_MAX, insert_discards, repair_discards
-from rmq_spark.checkback.epoch_checker import WRITER_ALIVE, EpochChecker
-from rmq_spark.checkback.pending import PendingUpdate, update_pending
-from rmq_spark.checkback.routing import ANSWERS_ARROW, ANSWERS_DDL, ask, misconfigured
-from rmq_spark.checkback.state import STATE_COLUMNS, start_clocks, update_check_state
-from rmq_spark.checkback.summary import CheckBackResult, record_run
+from rmq_spark.checkback.discards import insert_discards
+from rmq_spark.checkback.round import CheckRound
+from rmq_spark.checkback.routing import misconfigured
+from rmq_spark.checkback.summary import CheckBackResult, CheckBackSummary, combine_summaries
 from rmq_spark.model.config import RetentionSettings, TransactionSettings
 from rmq_spark.model.messages import new_id
 from rmq_spark.store.facade import Store
+from rmq_spark.store.fanout import on_every_shard
 from rmq_spark.store.retention import maintain
 
 log = logging.getLogger(__name__)
@@ -70,7 +67,7 @@ class CheckBackJob:
     spark : SparkSession
         Session with Delta Lake (see :func:`rmq_spark.get_spark`).
     store : Store
-        The store to reconcile.
+        The store to reconcile: each round covers every shard of it (:meth:`Store.shards`).
     checkers : mapping of producer group to Checker
         Routing: which checker answers for which producer group.
     settings : TransactionSettings, optional
@@ -108,49 +105,52 @@ class CheckBackJob:
         self.skip_unrouted = skip_unrouted
         self.retention = retention
         self.clock = clock
-        #: This run's pending transactions (set when its check batch is made).
-        self._pending: PendingUpdate | None = None
-        #: This run's misconfigured checkers: ``{group: what is wrong}``.
-        self._broken: dict[str, str] = {}
 
     # ------------------------------------------------------------------ entry points
     def run_once(self) -> CheckBackResult:
-        """One check-back round. Always records a ``check_runs`` row, even when it fails."""
-        run_id, started = new_id(), self.clock()
-        counts: Counter[str] = Counter()
-        batch: DataFrame | None = None
-        oldest: float | None = None
-        status, message = "finished", None
-        try:
-            self._broken = misconfigured(self.spark, self.checkers)
-            self.store.publish()  # finish publishes cut off by a crash, before reading state
-            repair_discards(self.store, self.settings.transaction_check_max, self.clock)
-            batch = self._check_batch(started)
-            pending = batch.drop("body", "properties").toArrow()
-            reasons = Counter(pending.column("reason").to_pylist())
-            counts["pending_found"] = pending.num_rows
-            counts["not_yet_due"] = reasons[NOT_YET_DUE]
-            counts["skipped_for_age"] = reasons[TOO_OLD]
-            counts["unrouted"] = reasons[UNROUTED]
-            oldest = pc.max(pending.column("age_seconds")).as_py()
-            self._report_unrouted(pending)
-            answers, ended = self._check_groups(batch, pending, started, counts)
-            self._start_clocks(pending, ended)
-            batch = batch.join(
-                self.spark.createDataFrame(answers, ANSWERS_DDL), "transaction_id", "left"
+        """One check-back round on every shard of the store (:meth:`Store.shards`).
+
+        Each shard's round records its row in that shard's ``check_runs``, even when it
+        fails; all rows of a run share its ``run_id``. On a store of one shard the result is
+        that round's; with several, one summary of them all (counts summed, the oldest pending
+        age the largest) and the union of their check batches.
+
+        Raises
+        ------
+        ShardsFailedError
+            With several shards, a round failed on some of them (the others were done); its
+            ``result`` is the combined summary. On a store of one shard a failing round raises
+            what it raised.
+        """
+        run_id = new_id()
+        broken = misconfigured(self.spark, self.checkers)
+        rounds: dict[int, CheckRound] = {}
+
+        def run(shard: Store) -> CheckBackResult:
+            rounds[shard.shard] = CheckRound(self, shard, broken)
+            return rounds[shard.shard].run(run_id)
+
+        def combine(
+            results: dict[int, CheckBackResult], failures: dict[int, Exception]
+        ) -> CheckBackResult | CheckBackSummary:
+            summary = combine_summaries(
+                {k: r.summary for k, r in sorted(rounds.items()) if r.summary is not None},
+                sorted(failures),
             )
-            self.store.publish()
-        except Exception as exc:
-            status, message = "failed", f"{type(exc).__name__}: {exc}"[:1000]
-            raise
-        finally:
-            summary = record_run(
-                self.store, run_id, started, self.clock(), counts, oldest, status, message
+            log.log(
+                logging.ERROR if failures else logging.INFO,
+                "all %d shards: %s",
+                len(rounds),
+                summary.format(),
             )
-            log_level = logging.INFO if status == "finished" else logging.ERROR
-            log.log(log_level, "%s", summary.format())
-        assert batch is not None
-        return CheckBackResult(summary, batch)
+            if failures:
+                return summary  # what ShardsFailedError carries
+            batches = [r.check_batch for _, r in sorted(results.items())]
+            return CheckBackResult(summary, reduce(DataFrame.unionByName, batches))
+
+        result = on_every_shard(self.store.shards(refresh=True), "check-back round", run, combine)
+        assert isinstance(result, CheckBackResult)
+        return result
 
     def run_forever(self, interval: float, stop: threading.Event) -> int:
         """Run a round every ``interval`` seconds until ``stop`` is set; return rounds run.
@@ -182,111 +182,6 @@ class CheckBackJob:
             return False
         return last is None or time.monotonic() - last >= self.retention.maintenance_interval
 
-    # ------------------------------------------------------------------ steps
-    def _check_batch(self, now: datetime) -> DataFrame:
-        """Pending transactions, classified, frozen for the rest of the run."""
-        self._pending = update_pending(self.store)
-        return check_batch(
-            self.spark, self.store, self._pending.rows, self.checkers, self.settings, now
-        )
-
-    def _report_unrouted(self, pending: pa.Table) -> None:
-        """Warn about pending transactions of groups with no checker (left pending, counted
-        as unrouted: UNKNOWN for their group, never the end of the round or of the loop);
-        with ``skip_unrouted`` they are expected, and only counted."""
-        unrouted = pending.filter(pc.equal(pending.column("reason"), UNROUTED))
-        if unrouted.num_rows and not self.skip_unrouted:
-            groups = sorted(set(unrouted.column("producer_group").to_pylist()))
-            log.warning(
-                "%d pending transaction(s) belong to producer group(s) with no checker: %s; "
-                "they stay pending. Add [checkers.<group>] to conf/rmq-spark.toml (or pass them "
-                "to CheckBackJob), or run with skip_unrouted / --skip-unrouted if that is meant.",
-                unrouted.num_rows,
-                ", ".join(groups),
-            )
-
-    def _check_groups(
-        self, batch: DataFrame, pending: pa.Table, now: datetime, counts: Counter[str]
-    ) -> tuple[pa.Table, set[str]]:
-        """Ask each group's checker and apply its answers before the next group, so one
-        group failing (or the job dying) never holds back the groups already done.
-
-        Returns the answers and the transactions that are now decided."""
-        due = pending.filter(pc.equal(pending.column("reason"), CHECK))
-        ended = recover_removed(self.store, due, counts)
-        if ended:
-            gone = pa.array(sorted(ended), pa.string())
-            due = due.filter(pc.invert(pc.is_in(due.column("transaction_id"), value_set=gone)))
-            batch = batch.where(~F.col("transaction_id").isin(gone.to_pylist()))
-        answers = [ANSWERS_ARROW.empty_table()]
-        for group in sorted(set(due.column("producer_group").to_pylist())):
-            mine = due.filter(pc.equal(due.column("producer_group"), group))
-            # Messages staged by transactional writers go to the built-in epoch checker.
-            for epoch_message in (False, True):
-                part = mine.filter(pc.equal(mine.column("epoch_message"), epoch_message))
-                if part.num_rows:
-                    answer = self._ask(group, epoch_message, batch, part.column("transaction_id"))
-                    ended |= self._apply(part, answer, now, counts, budget=not epoch_message)
-                    answers.append(answer)
-        return pa.concat_tables(answers), ended
-
-    def _ask(
-        self, group: str, epoch_message: bool, batch: DataFrame, ids: pa.ChunkedArray
-    ) -> pa.Table:
-        """The answers of ``group``'s checker (or the epoch checker) about ``ids``."""
-        checker = EpochChecker(self.store, self.clock) if epoch_message else self.checkers[group]
-        broken = None if epoch_message else self._broken.get(group)
-        return ask(checker, group, epoch_message, batch, ids, broken)
-
-    def _apply(
-        self,
-        due: pa.Table,
-        answers: pa.Table,
-        now: datetime,
-        counts: Counter[str],
-        *,
-        budget: bool = True,
-    ) -> set[str]:
-        """Record decisions, check counts and discards for one group's answers.
-
-        Without ``budget`` (transactions of transactional writers) the check max never rolls
-        a transaction back: only its epoch decides its fate (see :mod:`rmq_spark.spark.epochs`).
-        """
-        by_id = {r["transaction_id"]: r for r in due.select(STATE_COLUMNS).to_pylist()}
-        rows = [{**by_id[a["transaction_id"]], **a} for a in answers.to_pylist()]
-        alive = [r for r in rows if r["answer"] == WRITER_ALIVE]
-        rows = [r for r in rows if r["answer"] != WRITER_ALIVE]
-        counts["not_yet_due"] += len(alive)
-        counts["checked"] += len(rows)
-        counts["errors"] += sum(1 for r in rows if r["error"])
-        decided = [r for r in rows if r["answer"] in ("COMMIT", "ROLLBACK")]
-        undecided = [r for r in rows if r["answer"] not in ("COMMIT", "ROLLBACK")]
-        check_max = self.settings.transaction_check_max
-        spent = [budget and r["check_count"] + 1 >= check_max for r in undecided]
-        at_max = [r for r, out in zip(undecided, spent, strict=True) if out]
-        still_unknown = [r for r, out in zip(undecided, spent, strict=True) if not out]
-
-        decide(self.store, decided, DECIDED_BY_CHECKER, counts)
-        discarded = decide(
-            self.store, [{**r, "answer": "ROLLBACK"} for r in at_max], DECIDED_BY_CHECK_MAX, counts
-        )
-        counts["discarded"] += len(discarded)
-        counts["unknown"] += len(still_unknown)
-        self._insert_discards(discarded, now)
-        update_check_state(
-            self.store,
-            [{**r, "new_count": r["check_count"] + 1, "checked_at": now} for r in still_unknown]
-            # A live writer's transaction is not checked: its clock starts, its count stays.
-            + [{**r, "new_count": r["check_count"], "checked_at": None} for r in alive],
-        )
-        return {r["transaction_id"] for r in decided + at_max}
-
-    def _start_clocks(self, pending: pa.Table, ended: set[str]) -> None:
-        """Record when pending transactions were first seen; forget decided ones."""
-        assert self._pending is not None
-        pending_ids = set(self._pending.rows.column("transaction_id").to_pylist())
-        start_clocks(self.store, pending, pending_ids, ended)
-
     def _insert_discards(self, transaction_ids: list[str], now: datetime) -> None:
-        """Record the discards of transactions this job rolled back at its check max."""
+        """Record the discards of transactions rolled back at the check max in the job's store."""
         insert_discards(self.store, transaction_ids, now, self.settings.transaction_check_max)

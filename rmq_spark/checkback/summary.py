@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from datetime import datetime
 
@@ -87,6 +88,31 @@ class CheckBackResult:
     check_batch: DataFrame
 
 
+#: The counts of a summary (its ``int`` fields).
+_COUNTS = [f.name for f in fields(CheckBackSummary) if f.type == "int"]
+
+
+def _summary(
+    run_id: str,
+    started: datetime,
+    finished: datetime,
+    counts: Mapping[str, int],
+    oldest: float | None,
+    status: str,
+    message: str | None,
+) -> CheckBackSummary:
+    return CheckBackSummary(
+        run_id=run_id,
+        started=started,
+        finished=finished,
+        duration_seconds=(finished - started).total_seconds(),
+        oldest_pending_age_seconds=oldest,
+        status=status,
+        message=message,
+        **{name: counts.get(name, 0) for name in _COUNTS},
+    )
+
+
 def record_run(
     store: Store,
     run_id: str,
@@ -98,19 +124,45 @@ def record_run(
     message: str | None,
 ) -> CheckBackSummary:
     """Summarise a run from its ``counts``; append it to ``check_runs`` (logged if that fails)."""
-    values = {f.name: counts[f.name] for f in fields(CheckBackSummary) if f.type == "int"}
-    summary = CheckBackSummary(
-        run_id=run_id,
-        started=started,
-        finished=finished,
-        duration_seconds=(finished - started).total_seconds(),
-        oldest_pending_age_seconds=oldest,
-        status=status,
-        message=message,
-        **values,
-    )
+    summary = _summary(run_id, started, finished, counts, oldest, status, message)
     try:
         store.append("check_runs", pa.Table.from_pylist([asdict(summary)], CHECK_RUNS_SCHEMA))
     except Exception:
         log.exception("could not record check-back run %s in check_runs", run_id)
     return summary
+
+
+def combine_summaries(
+    summaries: Mapping[int, CheckBackSummary], failed: Sequence[int]
+) -> CheckBackSummary:
+    """One summary of a run's rounds on the shards of a store (all of one ``run_id``).
+
+    Parameters
+    ----------
+    summaries : mapping of int to CheckBackSummary
+        The rounds' summaries by shard, a failed round's too (at least one).
+    failed : sequence of int
+        The shards whose round failed: each counts as one error, and the run as failed.
+
+    Returns
+    -------
+    CheckBackSummary
+        Counts summed, from the first start to the last finish, the oldest pending age the
+        largest, and the failed rounds' messages.
+    """
+    counts: Counter[str] = Counter()
+    for s in summaries.values():
+        counts.update({name: getattr(s, name) for name in _COUNTS})
+    counts["errors"] += len(failed)
+    parts = list(summaries.values())
+    ages = [s.oldest_pending_age_seconds for s in parts if s.oldest_pending_age_seconds is not None]
+    messages = [f"shard {k}: {summaries[k].message or 'failed'}" for k in failed if k in summaries]
+    return _summary(
+        parts[0].run_id,
+        min(s.started for s in parts),
+        max(s.finished for s in parts),
+        counts,
+        max(ages, default=None),
+        "failed" if failed else "finished",
+        "; ".join(messages)[:1000] or None,
+    )

@@ -1,4 +1,5 @@
-"""The ``rmqtx`` command line: run the check-back job, re-drive discarded messages.
+"""The ``rmqtx`` command line: run the check-back job, re-drive discarded messages, maintain,
+show and grow a store; each over every shard of the store (:mod:`rmq_spark.store.shards`).
 
 Every subcommand's ``--help`` shows its examples (:data:`EXAMPLES`); ``--conf`` and ``--path``
 go before the subcommand or after it.
@@ -12,6 +13,7 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
+from dataclasses import replace
 
 from rmq_spark.checkback.checkers import (
     CallableChecker,
@@ -21,6 +23,7 @@ from rmq_spark.checkback.checkers import (
 )
 from rmq_spark.model.config import Settings, configure_logging, load_settings, parse_duration
 from rmq_spark.model.errors import InvalidOptionError, RmqSparkError
+from rmq_spark.model.messages import MAX_SHARDS
 from rmq_spark.store.facade import Store
 
 log = logging.getLogger("rmq_spark.ops.cli")
@@ -47,6 +50,9 @@ EXAMPLES = {
     "status": """\
   rmqtx status                                topics, groups, consumer lag, discards, last run
   rmqtx status --json | jq .consumer_groups   the same, for scripts""",
+    "shards": """\
+  rmqtx shards                                how many shards the store has
+  rmqtx shards --set 4                        grow the store to 4 shards (never fewer)""",
     "tail": """\
   rmqtx tail OrderEvents                      the 10 newest committed messages of a topic
   rmqtx tail OrderEvents -n 50 --json         the 50 newest, as JSON""",
@@ -137,6 +143,18 @@ def build_parser() -> argparse.ArgumentParser:
         "topics, pending transactions per producer group, consumer lag, discards, last run",
     )
     status.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+    shards = command(
+        "shards",
+        "show how many shards the store has, or grow it: producer processes on many hosts "
+        "each write to a shard of their own",
+    )
+    shards.add_argument(
+        "--set",
+        type=int,
+        metavar="N",
+        help=f"make the store have N shards (1 to {MAX_SHARDS}); a store never loses a shard",
+    )
 
     tail = command("tail", "print the newest committed messages of a topic")
     tail.add_argument("topic")
@@ -242,8 +260,32 @@ def _status(args: argparse.Namespace, settings: Settings) -> int:
     return EXIT_OK
 
 
+def _shards(args: argparse.Namespace, settings: Settings) -> int:
+    if args.set is not None and not 1 <= args.set <= MAX_SHARDS:
+        raise InvalidOptionError(
+            f"--set needs a shard count from 1 to {MAX_SHARDS}, not {args.set}."
+        )
+    # Opened as a store of one shard: only --set grows it, whatever [store] shards says.
+    one = replace(settings.store, shards=1)
+    store = Store.open(args.path, settings=one, create=False)
+    had = len(store.shards(refresh=True))
+    wanted = had if args.set is None else args.set
+    if wanted < had:
+        raise InvalidOptionError(
+            f"the store at {store.root} has {had} shards and cannot have fewer: a shard holds "
+            f"transactions, queues and their offsets that no other shard has. --set {had} or "
+            "more, or leave it as it is."
+        )
+    if wanted > had:
+        store = Store.open(store.root, settings=replace(one, shards=wanted), create=False)
+    now = len(store.shards(refresh=True))
+    print(f"store {store.root}: {now} shard(s)" + (f" (had {had})" if now != had else ""))
+    return EXIT_OK
+
+
 def _tail(args: argparse.Namespace, settings: Settings) -> int:
-    from rmq_spark.ops.status import format_tail, tail, to_json
+    from rmq_spark.ops.status import to_json
+    from rmq_spark.ops.tail import format_tail, tail
 
     if args.count < 1:
         raise RmqSparkError(f"-n/--count needs to be at least 1, not {args.count}.")
@@ -263,6 +305,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "resume": _resume,
             "maintain": _maintain,
             "status": _status,
+            "shards": _shards,
             "tail": _tail,
         }[args.command]
         return handler(args, settings)

@@ -1,6 +1,9 @@
-"""Read-side views of a store with Spark (delta-spark): transaction states and summaries."""
+"""Read-side views of a store with Spark (delta-spark): transaction states and summaries, over
+every shard of the store."""
 
 from __future__ import annotations
+
+from functools import reduce
 
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -12,8 +15,12 @@ COMMITTED, ROLLED_BACK, PENDING = "COMMITTED", "ROLLED_BACK", "PENDING"
 
 
 def read_table(spark: SparkSession, store: Store, name: str) -> DataFrame:
-    """One of the store's Delta tables (``half``, ``op``, ``commitlog``) as a DataFrame."""
-    return spark.read.format("delta").load(store.table_uri(name))
+    """One of the store's Delta tables (``half``, ``op``, ``commitlog``) as a DataFrame: the
+    union of that table in every shard of the store (:meth:`Store.shards`)."""
+    tables = [
+        spark.read.format("delta").load(s.table_uri(name)) for s in store.shards(refresh=True)
+    ]
+    return reduce(DataFrame.unionByName, tables)
 
 
 def transaction_states(spark: SparkSession, store: Store) -> DataFrame:

@@ -1,20 +1,17 @@
 """The operator's view of a store, read with deltalake and pyarrow (no Spark, so it is quick):
-what ``rmqtx status`` and ``rmqtx tail`` print.
+what ``rmqtx status`` prints, over every shard of the store (:mod:`rmq_spark.store.shards`).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.compute as pc
 
-from rmq_spark.delta.reads import read_files
-from rmq_spark.model.errors import InvalidOptionError
-from rmq_spark.spark.offsets import latest_offsets
-from rmq_spark.spark.reading import FILE_SCHEMA
 from rmq_spark.store.facade import Store
 
 #: The ``check_runs`` columns ``status`` reports for the last check-back run.
@@ -29,44 +26,91 @@ RUN_COLUMNS = (
     "discarded",
     "message",
 )
-#: Characters of a body ``tail`` shows.
-BODY_PREVIEW = 60
+#: The counts among :data:`RUN_COLUMNS`, summed over the shards of a run.
+_RUN_COUNTS = ("pending_found", "committed", "rolled_back", "unknown", "discarded")
 
 
 def store_status(store: Store, now: datetime | None = None) -> dict[str, Any]:
-    """Topics, producer groups, consumer groups, discards and the last check-back run.
+    """Topics, producer groups, consumer groups, discards and the last check-back run, over
+    every shard of the store (:meth:`Store.shards`), and each shard's pending transactions.
 
     Returns a JSON-ready dict (timestamps as ISO strings, ages in seconds).
     """
     now = now or datetime.now(UTC)
-    files = store.data_files("commitlog")
+    shards = store.shards(refresh=True)
+    files = _union(shards, lambda s: s.data_files("commitlog"), ["partition.topic", "num_records"])
     counts = files.group_by("partition.topic").aggregate([("num_records", "sum")]).to_pylist()
     committed = {r["partition.topic"]: r["num_records_sum"] for r in counts}
-    latest = latest_offsets(store, sorted(committed))
+    latest = _next_offsets(shards)
+    pending = {s.shard: _pending(s) for s in shards}
     return {
         "store": store.root,
         "generated": now.isoformat(),
+        "shards": [
+            {
+                "shard": k,
+                "pending_transactions": len(pc.unique(rows.column("transaction_id"))),
+                "pending_messages": rows.num_rows,
+            }
+            for k, rows in pending.items()
+        ],
         "topics": [
             {
                 "topic": topic,
                 "committed": committed[topic],
-                "queues": {str(q): o for q, o in sorted(latest[topic].items())},
+                "queues": {str(q): o for q, o in sorted(latest.get(topic, {}).items())},
             }
             for topic in sorted(committed)
         ],
-        "producer_groups": _producer_groups(store, now),
-        "consumer_groups": _consumer_groups(store, latest),
-        "discards": _discards(store),
-        "last_check_back": _last_run(store),
+        "producer_groups": _producer_groups(
+            pa.concat_tables(pending.values()),
+            _union(
+                shards, lambda s: s.read("op", ["transaction_id", "producer_group", "decision"])
+            ),
+            now,
+        ),
+        # Consumer groups commit their offsets to the root (shard 0) alone.
+        "consumer_groups": _consumer_groups(store.shard_store(0), latest),
+        "discards": _discards(
+            _union(
+                shards, lambda s: s.read("discard", ["transaction_id", "redriven_transaction_id"])
+            )
+        ),
+        "last_check_back": _last_run(
+            _union(shards, lambda s: s.read("check_runs", ["run_id", "finished", *RUN_COLUMNS]))
+        ),
     }
 
 
-def _producer_groups(store: Store, now: datetime) -> list[dict[str, Any]]:
+def _union(
+    shards: Sequence[Store], read: Callable[[Store], pa.Table], columns: Sequence[str] | None = None
+) -> pa.Table:
+    """``read`` of every shard (its ``columns``), one table: queue and transaction ids are
+    each shard's own."""
+    tables = [read(s) for s in shards]
+    return pa.concat_tables([t.select(list(columns)) if columns else t for t in tables])
+
+
+def _next_offsets(shards: Sequence[Store]) -> dict[str, dict[int, int]]:
+    """The next offset of every queue that holds messages, ``{topic: {queue_id: offset}}``,
+    over every shard (a queue lives in one shard)."""
+    latest: dict[str, dict[int, int]] = {}
+    for shard in shards:
+        for (topic, queue_id), offset in sorted(shard.next_offsets().items()):
+            latest.setdefault(topic, {})[queue_id] = offset
+    return latest
+
+
+def _pending(store: Store) -> pa.Table:
+    """One shard's half messages whose transaction is undecided."""
     half = store.read("half", ["transaction_id", "producer_group", "store_timestamp"])
-    op = store.read("op", ["transaction_id", "producer_group", "decision"])
-    pending = half.filter(
+    op = store.read("op", ["transaction_id"])
+    return half.filter(
         pc.invert(pc.is_in(half.column("transaction_id"), op.column("transaction_id")))
     )
+
+
+def _producer_groups(pending: pa.Table, op: pa.Table, now: datetime) -> list[dict[str, Any]]:
     groups: dict[str, dict[str, Any]] = {}
 
     def group(name: str) -> dict[str, Any]:
@@ -127,8 +171,7 @@ def _consumer_groups(store: Store, latest: Mapping[str, Mapping[int, int]]) -> l
     ]
 
 
-def _discards(store: Store) -> dict[str, int]:
-    discard = store.read("discard", ["transaction_id", "redriven_transaction_id"])
+def _discards(discard: pa.Table) -> dict[str, int]:
     waiting = discard.filter(pc.is_null(discard.column("redriven_transaction_id")))
     return {
         "messages": discard.num_rows,
@@ -137,57 +180,24 @@ def _discards(store: Store) -> dict[str, int]:
     }
 
 
-def _last_run(store: Store) -> dict[str, Any] | None:
-    runs = store.read("check_runs", list(RUN_COLUMNS))
+def _last_run(runs: pa.Table) -> dict[str, Any] | None:
+    """The newest check-back run: the newest row of ``check_runs`` with the rows of the same
+    run on the other shards (counts summed; failed when a shard's round failed)."""
     if not runs.num_rows:
         return None
-    last = runs.take([pc.index(runs.column("started"), pc.max(runs.column("started"))).as_py()])
-    row = last.to_pylist()[0]
+    newest = pc.index(runs.column("started"), pc.max(runs.column("started"))).as_py()
+    rows = runs.filter(pc.equal(runs.column("run_id"), runs.column("run_id")[newest])).to_pylist()
+    row = {c: rows[0][c] for c in RUN_COLUMNS}
+    if len(rows) > 1:
+        row.update({c: sum(r[c] for r in rows) for c in _RUN_COUNTS})
+        row["started"] = min(r["started"] for r in rows)
+        finished = max(r["finished"] for r in rows)
+        row["duration_seconds"] = (finished - row["started"]).total_seconds()
+        failed = [r for r in rows if r["status"] != "finished"]
+        row["status"] = failed[0]["status"] if failed else "finished"
+        row["message"] = "; ".join(r["message"] for r in failed if r["message"]) or None
     row["started"] = row["started"].isoformat()
     return row
-
-
-def tail(store: Store, topic: str, count: int = 10) -> list[dict[str, Any]]:
-    """The newest ``count`` committed messages of ``topic``, newest first.
-
-    Raises InvalidOptionError (listing the topics) when the topic has no messages.
-    """
-    files = store.data_files("commitlog").to_pylist()
-    mine = [f for f in files if f["partition.topic"] == topic]
-    if not mine:
-        topics = sorted({f["partition.topic"] for f in files})
-        raise InvalidOptionError(
-            f"topic {topic!r} has no committed messages in {store.root}; topics with messages: "
-            f"{', '.join(topics) or '(none)'}."
-        )
-    # Newest files first, until they hold enough rows.
-    mine.sort(
-        key=lambda f: f["max.store_timestamp"] or datetime.min.replace(tzinfo=UTC), reverse=True
-    )
-    chosen, rows = [], 0
-    for f in mine:
-        chosen.append(f["uri"])
-        rows += f["num_records"]
-        if rows >= count:
-            break
-    table = read_files(chosen, FILE_SCHEMA, store.settings.storage_options)
-    newest = table.sort_by([("store_timestamp", "descending"), ("queue_offset", "descending")])
-    return [_message_row(topic, r) for r in newest.slice(0, count).to_pylist()]
-
-
-def _message_row(topic: str, row: Mapping[str, Any]) -> dict[str, Any]:
-    body = bytes(row["body"])
-    return {
-        "topic": topic,
-        "queue_id": row["queue_id"],
-        "queue_offset": row["queue_offset"],
-        "msg_id": row["msg_id"],
-        "keys": row["keys"],
-        "tags": row["tags"],
-        "store_timestamp": row["store_timestamp"].isoformat(),
-        "body": body.decode("utf-8", errors="replace"),
-        "properties": dict(row["properties"] or ()),
-    }
 
 
 def to_json(value: Any) -> str:
@@ -197,7 +207,14 @@ def to_json(value: Any) -> str:
 
 def format_status(status: Mapping[str, Any]) -> str:
     """``store_status`` as readable tables."""
-    parts = [f"store {status['store']}  ({status['generated']})", ""]
+    shards = status["shards"]
+    parts = [f"store {status['store']}, {len(shards)} shard(s)  ({status['generated']})", ""]
+    if len(shards) > 1:
+        parts += _section(
+            "shards",
+            ["shard", "pending txns", "pending msgs"],
+            [[s["shard"], s["pending_transactions"], s["pending_messages"]] for s in shards],
+        )
     parts += _section(
         "topics",
         ["topic", "committed", "next offsets"],
@@ -253,31 +270,6 @@ def format_status(status: Mapping[str, Any]) -> str:
     return "\n".join(parts)
 
 
-def format_tail(messages: Sequence[Mapping[str, Any]]) -> str:
-    """``tail`` as a readable table (bodies cut to ``BODY_PREVIEW`` characters)."""
-    return "\n".join(
-        _table(
-            ["queue", "offset", "stored", "keys", "tags", "body"],
-            [
-                [
-                    m["queue_id"],
-                    m["queue_offset"],
-                    m["store_timestamp"],
-                    m["keys"] or "",
-                    m["tags"] or "",
-                    _preview(m["body"]),
-                ]
-                for m in messages
-            ],
-        )
-    )
-
-
-def _preview(body: str) -> str:
-    flat = printable(body.replace("\n", " "))
-    return flat if len(flat) <= BODY_PREVIEW else flat[: BODY_PREVIEW - 3] + "..."
-
-
 def printable(text: str) -> str:
     """``text`` with every character a terminal would act on (control characters, escape
     sequences, line and paragraph separators) written as its Python escape: stored messages
@@ -301,10 +293,12 @@ def _age(seconds: float | None) -> str:
 def _section(title: str, header: list[str], rows: list[list[Any]]) -> list[str]:
     if not rows:
         return [f"{title}: none", ""]
-    return [f"{title}:", *_table(header, rows), ""]
+    return [f"{title}:", *table_lines(header, rows), ""]
 
 
-def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
+def table_lines(header: list[str], rows: list[list[Any]]) -> list[str]:
+    """``rows`` under ``header`` as the lines of an indented text table (cells made
+    :func:`printable`)."""
     cells = [header, *[[printable(str(c)) for c in r] for r in rows]]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]

@@ -29,7 +29,9 @@ does, in this order:
    (``deleted_file_retention`` for the CommitLog, the tables' own 1 h for the internal ones),
    so a reader that planned its files before the delete still finds them.
 
-Runs take turns through the store's ``maintain`` lock; a run that finds it held does nothing.
+A store of several shards (:mod:`rmq_spark.store.shards`) is maintained shard by shard, each
+with its own tables, as a store of one; one summary tells of them all. Runs take turns through
+each shard's ``maintain`` lock; a run that finds it held does nothing there.
 ``epochs`` rows are kept (one small row per sink epoch: they make a replayed epoch publish
 nothing twice), and so is ``check_runs``.
 """
@@ -40,7 +42,6 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 import pyarrow as pa
@@ -52,7 +53,9 @@ from rmq_spark.model.config import RetentionSettings
 from rmq_spark.model.failpoints import failpoint
 from rmq_spark.model.messages import new_id
 from rmq_spark.store.facade import Store
+from rmq_spark.store.fanout import on_every_shard
 from rmq_spark.store.queues import earliest_app_id
+from rmq_spark.store.retention_summary import MaintenanceSummary
 
 log = logging.getLogger(__name__)
 
@@ -65,52 +68,14 @@ _CHUNK = 200_000
 _INTERNAL_TABLES = ("half", "op", "discard", "check_state", "epochs", "consumer_offsets")
 
 
-@dataclass
-class MaintenanceSummary:
-    """What one maintenance run removed."""
-
-    run_id: str
-    skipped: str | None = None
-    #: Committed messages deleted from the CommitLog, and the queues whose earliest offset moved.
-    messages_expired: int = 0
-    queues_advanced: int = 0
-    #: Expired transactions, and the rows removed for them.
-    transactions_expired: int = 0
-    half_removed: int = 0
-    op_removed: int = 0
-    #: Files deleted from storage per table, and the bytes the tables' live files hold after.
-    files_vacuumed: dict[str, int] = field(default_factory=dict)
-    live_bytes: dict[str, int] = field(default_factory=dict)
-    duration_seconds: float = 0.0
-
-    def format(self) -> str:
-        """A readable multi-line summary for logs and terminals."""
-        if self.skipped:
-            return f"maintenance run {self.run_id} skipped: {self.skipped}"
-        rows = [
-            (
-                "messages expired",
-                self.messages_expired,
-                f"{self.queues_advanced} queue(s) moved up",
-            ),
-            ("transactions", self.transactions_expired, "decided, published, past retention"),
-            ("half rows", self.half_removed, "removed"),
-            ("op rows", self.op_removed, "removed"),
-            ("files vacuumed", sum(self.files_vacuumed.values()), "deleted from storage"),
-            ("live bytes", sum(self.live_bytes.values()), "in the tables' current files"),
-        ]
-        lines = [f"maintenance run {self.run_id} finished in {self.duration_seconds:.1f} s"]
-        lines += [f"  {name:<18}{value:>14,}   {note}" for name, value, note in rows]
-        return "\n".join(lines)
-
-
 def maintain(
     store: Store,
     settings: RetentionSettings | None = None,
     *,
     clock: Callable[[], datetime] | None = None,
 ) -> MaintenanceSummary:
-    """Remove what the store's retention settings no longer keep (see the module notes).
+    """Remove what the store's retention settings no longer keep (see the module notes), in
+    every shard of the store, one after the other.
 
     Parameters
     ----------
@@ -124,11 +89,33 @@ def maintain(
     Returns
     -------
     MaintenanceSummary
-        What was removed; ``skipped`` says why nothing was when another run holds the lock.
+        What was removed, over every shard; ``skipped`` says why nothing was when another run
+        holds the lock (of every shard).
+
+    Raises
+    ------
+    ShardsFailedError
+        With several shards, maintenance failed on some of them (the others were done).
     """
     settings = settings or RetentionSettings()
+    run_id = new_id()
+    return on_every_shard(
+        store.shards(refresh=True),
+        "maintenance",
+        lambda shard: _maintain_shard(shard, settings, clock, run_id),
+        lambda done, _: MaintenanceSummary.combined(run_id, done),
+    )
+
+
+def _maintain_shard(
+    store: Store,
+    settings: RetentionSettings,
+    clock: Callable[[], datetime] | None,
+    run_id: str,
+) -> MaintenanceSummary:
+    """Maintain one shard's tables (under its own ``maintain`` lock)."""
     now = (clock or store.clock)()
-    summary = MaintenanceSummary(run_id=new_id())
+    summary = MaintenanceSummary(run_id=run_id)
     started = time.monotonic()
     if not store.lock("maintain", summary.run_id, _LOCK_SECONDS):
         summary.skipped = "another maintenance run holds the store's maintain lock"

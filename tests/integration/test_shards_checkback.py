@@ -1,0 +1,179 @@
+"""The check-back job, status and re-drive over a store of several shards, on real Spark."""
+
+from __future__ import annotations
+
+import re
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from rmq_spark import Message, Store
+from rmq_spark.checkback import round as check_round
+from rmq_spark.checkback.checkers import CallableChecker
+from rmq_spark.checkback.job import CheckBackJob
+from rmq_spark.model.config import StoreSettings, TransactionSettings
+from rmq_spark.model.messages import shard_of
+from rmq_spark.model.schema import CONSUMER_OFFSETS_SCHEMA
+from rmq_spark.ops.cli import EXIT_OK, main
+from rmq_spark.ops.status import format_status, store_status
+from rmq_spark.store.fanout import ShardsFailedError
+
+BY_TAG = "tests.checker_functions:by_tag"
+
+
+class Clock:
+    """A clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = datetime.now(UTC)
+
+    def __call__(self) -> datetime:
+        return self.now
+
+
+@pytest.fixture
+def sharded(tmp_path: Path) -> Store:
+    """An empty store of three shards, two queues each."""
+    return Store.open(tmp_path / "store", settings=StoreSettings(shards=3, queue_nums=2))
+
+
+def job(spark, store: Store, clock: Clock, **settings) -> CheckBackJob:
+    return CheckBackJob(
+        spark,
+        store,
+        {"pg": CallableChecker(BY_TAG)},
+        TransactionSettings(**{"transaction_timeout": 6.0, "transaction_check_max": 3, **settings}),
+        clock=clock,
+    )
+
+
+def prepare(store: Store, shard: int, tag: str) -> str:
+    """A half message of group ``pg`` in ``shard``, that ``by_tag`` answers with ``tag``."""
+    (p,) = store.shard_store(shard).prepare([Message("Orders", f"body-{tag}", tags=tag)], "pg")
+    assert shard_of(p.transaction_id) == shard
+    return p.transaction_id
+
+
+def decisions(store: Store, shard: int) -> dict[str, str]:
+    op = store.shard_store(shard).read("op").to_pylist()
+    return {o["transaction_id"]: o["decision"] for o in op}
+
+
+def test_one_round_resolves_every_shard(spark, sharded: Store) -> None:
+    clock = Clock()
+    committed, rolled_back = prepare(sharded, 0, "COMMIT"), prepare(sharded, 2, "ROLLBACK")
+    first = job(spark, sharded, clock).run_once().summary  # starts their clocks
+    assert (first.pending_found, first.not_yet_due, first.checked) == (2, 2, 0)
+    clock.now += timedelta(seconds=10)
+
+    result = job(spark, sharded, clock).run_once()
+    s = result.summary
+    assert (s.pending_found, s.checked, s.committed, s.rolled_back) == (2, 2, 1, 1)
+    assert (s.status, s.errors) == ("finished", 0)
+    assert s.oldest_pending_age_seconds == pytest.approx(10, abs=1)
+    answers = {r["transaction_id"]: r["answer"] for r in result.check_batch.collect()}
+    assert answers == {committed: "COMMIT", rolled_back: "ROLLBACK"}
+    assert decisions(sharded, 0) == {committed: "COMMIT"}
+    assert decisions(sharded, 2) == {rolled_back: "ROLLBACK"}
+    assert sharded.read("commitlog").column("transaction_id").to_pylist() == [committed]
+    # Every shard recorded its round, all under the run's id.
+    runs = [
+        {r["run_id"]: r for r in sharded.shard_store(k).read("check_runs").to_pylist()}
+        for k in range(3)
+    ]
+    assert [set(r) for r in runs] == [{first.run_id, s.run_id}] * 3
+    assert [r[s.run_id]["checked"] for r in runs] == [1, 0, 1]
+
+    status = store_status(sharded)
+    assert status["last_check_back"]["committed"] == 1
+    assert status["last_check_back"]["rolled_back"] == 1
+    assert status["last_check_back"]["pending_found"] == 2
+
+
+def test_a_failing_shard_does_not_stop_the_others(spark, sharded: Store, monkeypatch) -> None:
+    clock = Clock()
+    ids = [prepare(sharded, k, "COMMIT") for k in range(3)]
+    update_pending = check_round.update_pending
+
+    def broken_in_shard_1(store: Store):
+        if store.shard == 1:
+            raise OSError("shard 1 unreachable")
+        return update_pending(store)
+
+    monkeypatch.setattr(check_round, "update_pending", broken_in_shard_1)
+    with pytest.raises(ShardsFailedError, match="shard 1: OSError: shard 1 unreachable") as e:
+        job(spark, sharded, clock, transaction_timeout=0.0).run_once()
+    summary = e.value.result
+    assert (summary.status, summary.committed, summary.errors) == ("failed", 2, 1)
+    assert "shard 1" in summary.message
+    assert sorted(sharded.read("commitlog").column("transaction_id").to_pylist()) == [ids[0]]
+    assert decisions(sharded, 2) == {ids[2]: "COMMIT"}
+    assert decisions(sharded, 1) == {}
+    (failed,) = sharded.shard_store(1).read("check_runs").to_pylist()
+    assert failed["status"] == "failed" and "unreachable" in failed["message"]
+    assert store_status(sharded)["last_check_back"]["status"] == "failed"
+
+
+def test_status_counts_every_shard_and_lag_over_every_queue(sharded: Store) -> None:
+    now = datetime.now(UTC)
+    prepare(sharded, 1, "UNKNOWN")
+    prepare(sharded, 2, "UNKNOWN")
+    prepare(sharded, 2, "UNKNOWN")
+    sharded.send([Message("Orders", "a", keys="k")], "pg")
+    sharded.shard_store(2).send([Message("Orders", f"b{i}", keys="k") for i in range(3)], "pg")
+    (root_queue,) = {q for _, q in sharded.next_offsets()}
+    (shard_queue,) = {q for _, q in sharded.shard_store(2).next_offsets()}
+    assert shard_queue // 1000 == 2
+    # The consumer group has read shard 0's message, none of shard 2's.
+    sharded.append(
+        "consumer_offsets",
+        pa.Table.from_pylist(
+            [
+                {
+                    "consumer_group": "billing",
+                    "topic": "Orders",
+                    "queue_id": root_queue,
+                    "next_offset": 1,
+                    "updated_timestamp": now,
+                }
+            ],
+            CONSUMER_OFFSETS_SCHEMA,
+        ),
+    )
+    status = store_status(sharded, now)
+    assert [(s["shard"], s["pending_transactions"]) for s in status["shards"]] == [
+        (0, 0),
+        (1, 1),
+        (2, 2),
+    ]
+    (orders,) = status["topics"]
+    assert orders["committed"] == 4
+    assert orders["queues"] == {str(root_queue): 1, str(shard_queue): 3}
+    (billing,) = status["consumer_groups"]
+    assert billing["lag"] == 3
+    (pg,) = status["producer_groups"]
+    assert (pg["pending_transactions"], pg["committed_transactions"]) == (3, 0)
+    text = format_status(status)
+    assert f"store {sharded.root}, 3 shard(s)" in text
+    assert re.search(r"shards:\n.*\n.*\n +0 +0 +0\n +1 +1 +1\n +2 +2 +2\n", text), text
+
+
+def test_a_discard_is_redriven_in_its_own_shard(spark, sharded: Store, capsys) -> None:
+    clock = Clock()
+    lost = prepare(sharded, 2, "UNKNOWN")
+    once = job(spark, sharded, clock, transaction_timeout=0.0, transaction_check_max=1)
+    assert once.run_once().summary.discarded == 1
+    shard = sharded.shard_store(2)
+    assert [d["transaction_id"] for d in shard.read("discard").to_pylist()] == [lost]
+
+    assert main(["--path", sharded.root, "resume"]) == EXIT_OK
+    assert "re-drove 1 discarded message(s)" in capsys.readouterr().out
+    (again,) = shard.read("discard").column("redriven_transaction_id").to_pylist()
+    assert shard_of(again) == 2
+    redriven = [h for h in shard.read("half").to_pylist() if h["transaction_id"] == again]
+    assert [dict(h["properties"])["REDRIVEN_FROM_TRANSACTION_ID"] for h in redriven] == [lost]
+    assert all(sharded.shard_store(k).read("half").num_rows == 0 for k in (0, 1))
+    status = store_status(sharded)
+    assert status["discards"] == {"messages": 1, "transactions": 1, "not_redriven": 0}
