@@ -3,12 +3,14 @@
 Keeps DESIGN.md section 3, rule 6: a pending transaction is asked once its age is at least
 the transaction timeout and its own ``CHECK_IMMUNITY_TIME_IN_SECONDS``, and at most the
 maximum check age (older ones are skipped and reported); only groups with a checker are asked
-(transactional writers' messages go to the built-in epoch checker). Ages are measured on the
-check-back job's clock from when it first saw the transaction (``check_state.first_seen``),
-never on the producer's clock (apache/rocketmq#9640); immunity only delays the first check and
-never spends the check budget (apache/rocketmq#8311). Keeps rule 9: the batch is built from
-the pending list (:mod:`rmq_spark.checkback.pending`), and bodies are read by id for the due
-transactions only, never from the decided history.
+(transactional writers' messages go to the built-in epoch checker), and only transactions of
+the round's shard (a half row whose id names another shard, which only another Delta writer
+can put there, is left pending and reported, never decided and never the end of a round).
+Ages are measured on the check-back job's clock from when it first saw the transaction
+(``check_state.first_seen``), never on the producer's clock (apache/rocketmq#9640); immunity
+only delays the first check and never spends the check budget (apache/rocketmq#8311). Keeps
+rule 9: the batch is built from the pending list (:mod:`rmq_spark.checkback.pending`), and
+bodies are read by id for the due transactions only, never from the decided history.
 """
 
 from __future__ import annotations
@@ -21,15 +23,16 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from rmq_spark.model.config import TransactionSettings
-from rmq_spark.model.messages import PROPERTY_CHECK_IMMUNITY
+from rmq_spark.model.messages import PROPERTY_CHECK_IMMUNITY, SHARD_ID_PATTERN
 from rmq_spark.store.facade import Store
 
 #: Reasons in the check batch.
-CHECK, NOT_YET_DUE, TOO_OLD, UNROUTED = (
+CHECK, NOT_YET_DUE, TOO_OLD, UNROUTED, MISPLACED = (
     "check",
     "not yet due",
     "older than max check age",
-    ("no checker for producer group"),
+    "no checker for producer group",
+    "its id names another shard",
 )
 
 
@@ -63,8 +66,13 @@ def check_batch(
     ).otherwise(F.lit(0.0))
     groups = list(routed)
     group_routed = F.col("producer_group").isin(groups) if groups else F.lit(False)
+    # A transaction is decided in the shard its id names; a half row another Delta writer put
+    # in the wrong shard is never decided here (nor there, where it has no half message).
+    named = F.regexp_extract("transaction_id", SHARD_ID_PATTERN, 1)
+    shard = F.when(named == "", F.lit(0)).otherwise(named.cast("int"))
     reason = (
-        F.when(F.col("age_seconds") > settings.max_check_age, TOO_OLD)
+        F.when(shard != store.shard, MISPLACED)
+        .when(F.col("age_seconds") > settings.max_check_age, TOO_OLD)
         .when(~(group_routed | F.col("epoch_message")), UNROUTED)
         .when(
             F.col("age_seconds")

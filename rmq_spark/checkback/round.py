@@ -20,7 +20,14 @@ import pyarrow.compute as pc
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
-from rmq_spark.checkback.batch import CHECK, NOT_YET_DUE, TOO_OLD, UNROUTED, check_batch
+from rmq_spark.checkback.batch import (
+    CHECK,
+    MISPLACED,
+    NOT_YET_DUE,
+    TOO_OLD,
+    UNROUTED,
+    check_batch,
+)
 from rmq_spark.checkback.decisions import DECIDED_BY_CHECKER, decide, recover_removed
 from rmq_spark.checkback.discards import DECIDED_BY_CHECK_MAX, insert_discards, repair_discards
 from rmq_spark.checkback.epoch_checker import WRITER_ALIVE, EpochChecker
@@ -74,7 +81,7 @@ class CheckRound:
             counts["pending_found"] = pending.num_rows
             counts["not_yet_due"] = reasons[NOT_YET_DUE]
             counts["skipped_for_age"] = reasons[TOO_OLD]
-            counts["unrouted"] = reasons[UNROUTED]
+            counts["unrouted"] = reasons[UNROUTED] + reasons[MISPLACED]
             oldest = pc.max(pending.column("age_seconds")).as_py()
             self._report_unrouted(pending)
             answers, ended = self._check_groups(batch, pending, started, counts)
@@ -111,6 +118,16 @@ class CheckRound:
         """Warn about pending transactions of groups with no checker (left pending, counted
         as unrouted: UNKNOWN for their group, never the end of the round or of the loop);
         with ``skip_unrouted`` they are expected, and only counted."""
+        misplaced = pending.filter(pc.equal(pending.column("reason"), MISPLACED))
+        if misplaced.num_rows:
+            log.warning(
+                "shard %d: %d pending transaction(s) have ids of another shard (e.g. %s), which "
+                "only another Delta writer can have written into this shard's half table; they "
+                "stay pending and are never decided. Remove those rows if they are not yours.",
+                self.store.shard,
+                misplaced.num_rows,
+                misplaced.column("transaction_id")[0],
+            )
         unrouted = pending.filter(pc.equal(pending.column("reason"), UNROUTED))
         if unrouted.num_rows and not self.job.skip_unrouted:
             groups = sorted(set(unrouted.column("producer_group").to_pylist()))

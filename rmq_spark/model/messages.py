@@ -367,13 +367,15 @@ SHARD_QUEUE_STRIDE = 1000
 #: The most shards a store may have.
 MAX_SHARDS = 1000
 
-_SHARD_SUFFIX = re.compile(r"[0-9A-F]{32}\.([1-9][0-9]*)", re.ASCII)
+#: A transaction id of shard ``k`` >= 1 (:func:`shard_transaction_id`); group 1 is ``k``.
+SHARD_ID_PATTERN = r"^[0-9A-F]{32}\.([1-9][0-9]*)$"
+_SHARD_SUFFIX = re.compile(SHARD_ID_PATTERN, re.ASCII)
 
 
 def shard_of(transaction_id: str) -> int:
     """The shard of the store that holds a transaction: ``k`` for an id made by shard ``k``
     (:func:`shard_transaction_id`: 32 hex digits, a dot and ``k``), 0 for any other id."""
-    found = _SHARD_SUFFIX.fullmatch(transaction_id)
+    found = _SHARD_SUFFIX.match(transaction_id)
     return int(found.group(1)) if found else 0
 
 

@@ -161,6 +161,7 @@ class Decisions(StoreConcept):
             transaction_ids = [shard_transaction_id(self.shard) for _ in messages]
         if len(transaction_ids) != len(messages):
             raise RmqSparkError("transaction_ids must have one entry per message.")
+        self._check_shard(transaction_ids)
         if not messages:
             return []
         born = born_timestamp or self.clock()
@@ -260,6 +261,17 @@ class Decisions(StoreConcept):
         existing, _ = retry_commits(f"record {len(decisions)} decision(s)", "op", attempt)
         return existing
 
+    def _check_shard(self, transaction_ids: Sequence[str]) -> None:
+        """Refuse transactions of another shard: each is kept, and decided, in the shard its
+        id names (:mod:`rmq_spark.store.shards`)."""
+        strangers = [t for t in transaction_ids if shard_of(t) != self.shard]
+        if strangers:
+            raise RmqSparkError(
+                f"transaction {strangers[0]!r} belongs to shard {shard_of(strangers[0])} of the "
+                f"store, not to shard {self.shard}: write and decide it there (Store.shard_store; "
+                "Store.end_transactions on the store's root routes each decision to its shard)."
+            )
+
     def write_decisions(self, op: DeltaTable, decisions: Sequence[Decision]) -> int:
         """Append ``decisions`` to the ``op`` snapshot ``op``, in which none of them is decided;
         return the committed version.
@@ -268,15 +280,7 @@ class Decisions(StoreConcept):
         ``CommitFailedError`` (nothing landed) when a commit after ``op``'s version decided one
         of them, or another transaction of the same bucket: the caller reads again and retries.
         """
-        strangers = [
-            d.transaction_id for d in decisions if shard_of(d.transaction_id) != self.shard
-        ]
-        if strangers:
-            raise RmqSparkError(
-                f"transaction {strangers[0]!r} belongs to shard {shard_of(strangers[0])} of the "
-                f"store, not to shard {self.shard}: decide it there (Store.end_transactions on "
-                "the store's root routes each decision to its shard)."
-            )
+        self._check_shard([d.transaction_id for d in decisions])
         decided_at = self.clock()
         rows = pa.Table.from_pydict(
             {

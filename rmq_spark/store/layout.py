@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import uuid
 from collections.abc import Collection
 from datetime import UTC, datetime
 from pathlib import Path
@@ -19,6 +20,7 @@ import fsspec
 import pyarrow as pa
 from deltalake import Field as DeltaField
 from deltalake.exceptions import DeltaError, TableNotFoundError
+from fsspec.implementations.local import LocalFileSystem
 
 from rmq_spark.delta.retry import retry_commits
 from rmq_spark.delta.storage import check_conditional_put, check_conditional_writes, filesystem
@@ -100,8 +102,16 @@ def open_or_create(tables: DeltaTables, create: bool, shard: int = 0) -> None:
 
 
 def _write_marker(fs: fsspec.AbstractFileSystem, marker: str, meta: dict) -> None:
-    with fs.open(marker, "w") as out:
-        json.dump(meta, out)
+    """Write the marker whole or not at all: a process opening the store meanwhile reads the
+    old marker or the new one, never a half-written one (an object store's PUT is atomic; on
+    a local filesystem the file is renamed into place)."""
+    data = json.dumps(meta).encode()
+    if not isinstance(fs, LocalFileSystem):
+        fs.pipe_file(marker, data)
+        return
+    staged = f"{marker}.{uuid.uuid4().hex}.tmp"
+    fs.pipe_file(staged, data)
+    fs.mv(staged, marker)
 
 
 def mark_sharded(tables: DeltaTables) -> None:

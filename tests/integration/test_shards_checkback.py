@@ -11,6 +11,7 @@ import pytest
 
 from rmq_spark import Message, Store
 from rmq_spark.checkback import round as check_round
+from rmq_spark.checkback.batch import MISPLACED
 from rmq_spark.checkback.checkers import CallableChecker
 from rmq_spark.checkback.job import CheckBackJob
 from rmq_spark.model.config import StoreSettings, TransactionSettings
@@ -177,3 +178,31 @@ def test_a_discard_is_redriven_in_its_own_shard(spark, sharded: Store, capsys) -
     assert all(sharded.shard_store(k).read("half").num_rows == 0 for k in (0, 1))
     status = store_status(sharded)
     assert status["discards"] == {"messages": 1, "transactions": 1, "not_redriven": 0}
+
+
+def test_a_half_message_with_another_shards_id_stops_no_round(spark, sharded: Store) -> None:
+    """Another Delta writer appends half rows whose ids name another shard (a copy from shard
+    1 into the root, a shard-0 id into shard 1): no decider may record them in the wrong
+    shard's op, and they must not stop check-back for everyone (apache/rocketmq#9500)."""
+    from deltalake import write_deltalake
+
+    from rmq_spark.model.messages import new_id, shard_transaction_id
+
+    clock = Clock()
+    honest = prepare(sharded, 1, "COMMIT")
+    row = sharded.shard_store(1).read("half").to_pylist()[0]
+    strays = {0: shard_transaction_id(1), 1: new_id()}
+    for shard, stray in strays.items():
+        uri = sharded.shard_store(shard).table_uri("half")
+        rows = pa.Table.from_pylist([{**row, "transaction_id": stray}], sharded.read("half").schema)
+        write_deltalake(uri, rows, mode="append")
+    job(spark, sharded, clock).run_once()
+    clock.now += timedelta(seconds=10)
+
+    result = job(spark, sharded, clock).run_once()
+    s = result.summary
+    assert (s.status, s.errors, s.committed, s.unrouted) == ("finished", 0, 1, 2)
+    reasons = {r["transaction_id"]: r["reason"] for r in result.check_batch.collect()}
+    assert reasons[strays[0]] == reasons[strays[1]] == MISPLACED
+    assert decisions(sharded, 1) == {honest: "COMMIT"}
+    assert decisions(sharded, 0) == {}

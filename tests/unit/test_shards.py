@@ -91,6 +91,12 @@ def test_decisions_stay_in_their_transactions_shard(tmp_path: Path) -> None:
     with pytest.raises(RmqSparkError, match=r"belongs to shard 2 of the store, not to shard 0"):
         store.write_decisions(store.table("op"), [Decision(prepared.transaction_id, "g", COMMIT)])
     assert store.read("op").num_rows == 0
+    # Nor is a half message of shard 2 written into another shard.
+    with pytest.raises(RmqSparkError, match=r"belongs to shard 2 of the store, not to shard 1"):
+        store.shard_store(1).prepare(
+            [Message("T", b"b")], "g", transaction_ids=[shard_transaction_id(2)]
+        )
+    assert store.shard_store(1).read("half").num_rows == 0
     rows = commitlog(two).to_pylist()
     assert [(r["transaction_id"], r["queue_offset"]) for r in rows] == [
         (prepared.transaction_id, 0)
