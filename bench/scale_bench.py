@@ -11,7 +11,8 @@ processes together, its ratio to the first run, the send latency (half durable, 
 transaction, decision durable) at p50 and p99, the time from a COMMIT's decision to its
 publish (the ``op`` row's ``decided_timestamp`` to the CommitLog row's ``store_timestamp``,
 taken as the publish commit is built: add one commit for the time until a reader sees it) at
-p50 and p99, and the requests per transaction the proxy counted, by kind.
+p50 and p99, the share of the machine's CPU busy during the run (near 100%: the run measures
+the machine, not the store), and the requests per transaction the proxy counted, by kind.
 
 The store of each run has one shard per producer process (``rmq_spark.store.shards``: each
 process appends to logs of its own), or ``--shards`` N for every run (``--shards 1``: every
@@ -132,7 +133,9 @@ def run(
     time.sleep(max(0.0, start - time.time()))
     if proxy is not None:
         proxy.take_counts()
+    cpu = _cpu_times()
     time.sleep(seconds)
+    busy = _busy(cpu, _cpu_times())
     counts = proxy.take_counts() if proxy is not None else {}
     results = []
     for p in procs:
@@ -141,7 +144,21 @@ def run(
             raise SystemExit(f"a producer process failed (exit {p.returncode})")
         results.append(json.loads(out.decode().strip().splitlines()[-1]))
     latencies = np.array([x for r in results for x in r["latencies"]])
-    return sum(r["count"] for r in results) / seconds, latencies, counts
+    return sum(r["count"] for r in results) / seconds, latencies, counts, busy
+
+
+def _cpu_times() -> list[int]:
+    """The machine's CPU time so far, by state (the first line of /proc/stat)."""
+    with open("/proc/stat") as stat:
+        return [int(n) for n in stat.readline().split()[1:]]
+
+
+def _busy(before: list[int], after: list[int]) -> float:
+    """The share of the machine's CPU time that went to work (not idle or I/O wait) between
+    two :func:`_cpu_times`: near 1, the run is bound by the CPU, not the store."""
+    spent = [b - a for a, b in zip(before, after, strict=True)]
+    idle = spent[3] + spent[4]
+    return 1 - idle / max(sum(spent), 1)
 
 
 def main() -> None:
@@ -165,7 +182,7 @@ def main() -> None:
         print(f"scale-out on {where}, {args.seconds:g} s a run, 256 B bodies", flush=True)
         print(
             f"{'producers':>24} {'shards':>6} {'tx/s':>8} {'ratio':>6} {'p50 ms':>8} "
-            f"{'p99 ms':>8}  {'published p50/p99 ms':>20}  requests/tx"
+            f"{'p99 ms':>8}  {'published p50/p99 ms':>20} {'cpu':>5}  requests/tx"
         )
         first = None
         try:
@@ -174,7 +191,9 @@ def main() -> None:
                 shards = args.shards or processes
                 made = StoreSettings(path=root, storage_options=options, shards=shards)
                 Store.open(settings=made, create=True)
-                rate, lat, counts = run(root, options, processes, senders, args.seconds, proxy)
+                rate, lat, counts, busy = run(
+                    root, options, processes, senders, args.seconds, proxy
+                )
                 first = first or rate
                 done = max(rate * args.seconds, 1)
                 per_tx = " ".join(f"{k} {v / done:.1f}" for k, v in sorted(counts.items()))
@@ -184,7 +203,7 @@ def main() -> None:
                 published = "/".join(f"{np.percentile(lags, q):.0f}" for q in (50, 99))
                 print(
                     f"{label:>24} {shards:>6} {rate:8.0f} {rate / first:5.1f}x {p50:8.0f} "
-                    f"{p99:8.0f}  {published:>20}  {per_tx or '-'}",
+                    f"{p99:8.0f}  {published:>20} {busy:5.0%}  {per_tx or '-'}",
                     flush=True,
                 )
         finally:

@@ -153,6 +153,11 @@ class Store:
         listing); the stores are opened once and kept."""
         return self._shards.all(refresh=refresh)
 
+    def shard_numbers(self, *, refresh: bool = False) -> list[int]:
+        """The numbers of this store's shards, 0 first, without opening them (``refresh``: as
+        in :meth:`shards`)."""
+        return self._shards.numbers(refresh=refresh)
+
     def shard_store(self, shard: int) -> Store:
         """Shard ``shard`` of this store (0: the root)."""
         return self._shards.get(shard)

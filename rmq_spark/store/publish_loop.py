@@ -58,17 +58,18 @@ def publisher_for(store: Store) -> BackgroundPublisher:
         The store's root.
     """
     holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-    shards = store.shards(refresh=True)
-    if len(shards) == 1:
+    numbers = store.shard_numbers(refresh=True)
+    if len(numbers) == 1:
         return BackgroundPublisher(store, holder)
-    first = random.randrange(len(shards))
-    for shard in shards[first:] + shards[:first]:
+    first = random.randrange(len(numbers))
+    for number in numbers[first:] + numbers[:first]:
+        shard = store.shard_store(number)  # opened only when tried
         if shard.lock(LEASE, holder, shard.settings.publish_lease):
             log.info(
                 "writing to shard %d of %s (its publisher lease taken)", shard.shard, store.root
             )
             return BackgroundPublisher(shard, holder, holding=True)
-    shared = random.choice(shards)
+    shared = store.shard_store(random.choice(numbers))
     log.info(
         "every shard of %s has a producer process; sharing shard %d (more shards: [store] shards)",
         store.root,

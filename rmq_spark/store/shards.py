@@ -57,54 +57,66 @@ class Shards:
     def __init__(self, root: Store, make: Callable[[int], Store]) -> None:
         self.root = root
         self._make = make
+        self._found: set[int] = {0}
         self._open: dict[int, Store] = {0: root}
         self._listed = False
         self._lock = threading.Lock()
 
-    def all(self, *, refresh: bool) -> list[Store]:
-        """Every shard's store, by index; ``refresh`` looks for shards made since."""
+    def numbers(self, *, refresh: bool) -> list[int]:
+        """The shards' numbers, 0 first, without opening them; ``refresh`` looks for shards
+        made since (one listing)."""
         if refresh or not self._listed:
             self._listed = True
-            self._add(shards_found(self.root._tables, self._known()), create=False)
+            with self._lock:
+                known = set(self._found)
+            found = shards_found(self.root._tables, known)
+            with self._lock:
+                self._found.update(found)
         with self._lock:
-            return [self._open[k] for k in sorted(self._open)]
+            return sorted(self._found)
+
+    def all(self, *, refresh: bool) -> list[Store]:
+        """Every shard's store, by number; ``refresh`` looks for shards made since."""
+        numbers = self.numbers(refresh=refresh)
+        self._add([k for k in numbers if k not in self._open], create=False)
+        with self._lock:
+            return [self._open[k] for k in numbers]
 
     def get(self, shard: int) -> Store:
-        """Shard ``shard``'s store; looks for new shards when it is not known yet."""
-        if shard not in self._open:
-            self.all(refresh=True)
-        if shard not in self._open:
+        """Shard ``shard``'s store, opened on first use (a process that writes to one shard
+        opens only that one); looks for new shards when it is not known yet."""
+        if shard not in self._found:
+            self.numbers(refresh=True)
+        if shard not in self._found:
             raise StoreError(
                 f"the store at {self.root.root!r} has no shard {shard} (it has "
-                f"{len(self._open)}); a transaction or queue of shard {shard} comes from "
+                f"{len(self._found)}); a transaction or queue of shard {shard} comes from "
                 "another store."
             )
+        if shard not in self._open:
+            self._add([shard], create=False)
         return self._open[shard]
 
     def grow(self, count: int) -> None:
         """Make the store have at least ``count`` shards (idempotent, safe to race)."""
-        self.all(refresh=True)
-        missing = [k for k in range(1, count) if k not in self._known()]
+        missing = [k for k in range(1, count) if k not in self.numbers(refresh=True)]
         if not missing:
             return
         mark_sharded(self.root._tables)
         self._add(missing, create=True)
         log.info("store %s: %d shard(s) now (made %s)", self.root.root, count, missing)
 
-    def _known(self) -> set[int]:
-        with self._lock:
-            return set(self._open)
-
-    def _add(self, indexes: list[int], *, create: bool) -> None:
+    def _add(self, numbers: list[int], *, create: bool) -> None:
         def opened(k: int) -> Store:
             store = self._make(k)
             open_or_create(store._tables, create, k)
             return store
 
-        if not indexes:
+        if not numbers:
             return
-        with ThreadPoolExecutor(min(_OPENERS, len(indexes))) as pool:
-            stores = list(pool.map(opened, indexes))
+        with ThreadPoolExecutor(min(_OPENERS, len(numbers))) as pool:
+            stores = list(pool.map(opened, numbers))
         with self._lock:
-            for k, store in zip(indexes, stores, strict=True):
+            self._found.update(numbers)
+            for k, store in zip(numbers, stores, strict=True):
                 self._open.setdefault(k, store)
