@@ -16,9 +16,11 @@ an epoch (how the rows are read and written: :mod:`rmq_spark.spark.epoch_records
   COMMITted; every other attempt of the epoch (a failed task, a replay, a dead driver's) is
   rolled back.
 * **ABANDONED** (generation *g*): the check-back job found the lease run out (the writer is
-  presumed dead) and :func:`abandon`\\ ed the epoch; only then are generation-*g* transactions
-  rolled back. A writer that was alive after all cannot close it any more: its commit fails
-  loudly (:class:`EpochLostError`), Spark retries, and the retry reopens the epoch.
+  presumed dead) and :func:`abandon`\\ ed the epoch, or the writer's abort :func:`release`\\ d
+  it at once (no attempt of it will close the epoch); only then are generation-*g*
+  transactions rolled back, those of tasks the driver never heard from included. A writer that
+  was alive after all cannot close it any more: its commit fails loudly
+  (:class:`EpochLostError`), Spark retries, and the retry reopens the epoch.
 
 So a staged transaction is rolled back only when no writer can list it any more, never because
 a check budget ran out while its writer was running (contract rule 8), and a writer either
@@ -41,7 +43,6 @@ from rmq_spark.spark.epoch_records import (
     CLOSED,
     OPEN,
     Epoch,
-    closed_epoch,
     insert_all,
     merge_epoch,
     read_epoch,
@@ -379,7 +380,99 @@ def abandon_attempt(
 ) -> None:
     """Roll back an attempt's transactions (a failed job), unless the epoch was closed with
     them: then finish it, since a decision promised by the epoch's list must not be undone."""
-    if closed_epoch(store, sink_id, epoch) is not None:
-        finish_epoch(store, sink_id, epoch, staged, group, "abort")
+    _settle(store, read_epoch(store, sink_id, epoch), staged, group)
+
+
+def _settle(store: Store, row: Epoch | None, staged: Sequence[tuple[str, int]], group: str) -> None:
+    """Decide what an aborted attempt staged, by the epoch's ``row``: finish an epoch CLOSED
+    with a list (it stands: listed transactions are committed, the others rolled back), roll
+    back everything otherwise."""
+    if row is not None and row.state == CLOSED and row.transaction_ids and staged:
+        finish_epoch(store, row.sink_id, row.epoch, staged, group, "abort")
     else:
         _roll_back(store, [t for t, _ in staged], group, "abort")
+
+
+def release(store: Store, sink_id: str, epoch: int, owner: str | None) -> Epoch | None:
+    """Abandon an OPEN epoch at once, whatever its lease, in its current generation: what a
+    writer's abort does, since no attempt of that writer will close the epoch any more.
+
+    The check-back job's epoch checker then rolls back, at its next round, every transaction
+    staged in that generation: those of tasks the driver never heard from (killed, or still
+    running and staging after the abort), which otherwise would wait for the lease to run out.
+    A new attempt of the epoch (a restarted query replaying its batch, a re-run with the same
+    sink id) reopens it in the next generation (:func:`hold`). Only an OPEN epoch changes, and,
+    when ``owner`` is given, only one that ``owner`` holds: a CLOSED epoch keeps its list; an
+    abandonment by the check-back job racing this one conflicts with it, and one of them
+    applies (the same state).
+
+    Returns
+    -------
+    Epoch or None
+        The row after (whoever changed it), or None when no writer ever held the epoch.
+    """
+    row = read_epoch(store, sink_id, epoch)
+    if row is None or row.state != OPEN or (owner is not None and row.owner != owner):
+        return row
+    held = f"t.state = '{OPEN}'" + ("" if owner is None else " AND t.owner = s.owner")
+    return merge_epoch(
+        store,
+        sink_id,
+        epoch,
+        {"state": ABANDONED, "owner": owner, "closed_by": "abort", "closed_timestamp": _now()},
+        lambda m: m.when_matched_update(
+            {
+                "state": "s.state",
+                "closed_by": "s.closed_by",
+                "closed_timestamp": "s.closed_timestamp",
+            },
+            predicate=held,
+        ),
+    )
+
+
+def abort_attempt(
+    store: Store,
+    sink_id: str,
+    epoch: int,
+    staged: Sequence[tuple[str, int]],
+    group: str,
+    owner: str | None,
+    *,
+    reused: bool = True,
+) -> Epoch | None:
+    """A writer's abort: end the epoch for this writer, then decide the (transaction,
+    generation) pairs its tasks reported.
+
+    Parameters
+    ----------
+    store : Store
+        The store.
+    sink_id, epoch : str, int
+        The epoch.
+    staged : sequence of (str, int)
+        What the tasks that reported staged (rolled back at once, unless the epoch was
+        closed with them: then its list stands, see :func:`abandon_attempt`).
+    group : str
+        Their producer group.
+    owner : str or None
+        The writer holding the epoch (a stream's query id), if known.
+    reused : bool, default True
+        Whether the epoch's id is used again (a stream's micro-batch is replayed with the same
+        id by a restarted query; a batch write's ``sinkId`` by a re-run): then the epoch is
+        :func:`release`\\ d (ABANDONED: a replay reopens it). A batch write's made-up sink id
+        is never used again: the epoch is closed empty, so every attempt's halves, of any
+        generation, are rolled back. A stream's epoch must never be closed empty: its replay
+        would publish nothing.
+
+    Returns
+    -------
+    Epoch or None
+        The epoch's row after, or None when no writer ever held it.
+    """
+    if reused:
+        row = release(store, sink_id, epoch, owner)
+    else:
+        row = close(store, sink_id, epoch, None, [], "abort")
+    _settle(store, row, staged, group)
+    return row

@@ -32,18 +32,26 @@ option                         required  default    meaning
 Protocol: every task holds the epoch (see :mod:`rmq_spark.spark.epochs`) and renews its lease while
 it runs, writes its rows as half messages (durable, invisible) in one transaction and reports
 it; Spark's commit of the job or micro-batch closes the epoch with the reported transactions,
-COMMITs them and publishes; abort rolls them back. Halves of failed task attempts, of a
-replayed micro-batch, or of a driver that died before committing are resolved by the
-check-back job's built-in epoch checker: committed only if they are on the epoch's list,
-rolled back otherwise; never twice. An epoch whose lease ran out is abandoned by the check-back
-job, and its writer's commit then fails (the job is retried) instead of publishing part of it.
+COMMITs them and publishes. Spark's abort (a failed job, a stopped query) rolls back what the
+reported tasks staged and abandons the epoch at once, so that the check-back job rolls back at
+its next round what the other tasks staged (killed ones, or still running ones), and a replay
+of the epoch reopens it; a batch write's made-up sink id is never used again, so its epoch is
+closed empty instead. Halves of failed task attempts, of a replayed micro-batch, or of a
+driver that died before committing are resolved by the check-back job's built-in epoch
+checker: committed only if they are on the epoch's list, rolled back otherwise; never twice.
+An epoch whose lease ran out is abandoned by the check-back job, and its writer's commit then
+fails (the job is retried) instead of publishing part of it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
+from urllib.parse import urlsplit
 
 import pyarrow as pa
 from pyspark import TaskContext
@@ -57,8 +65,20 @@ from pyspark.sql.datasource import (
 from rmq_spark.model.config import configure_logging
 from rmq_spark.model.failpoints import failpoint
 from rmq_spark.model.messages import new_id
-from rmq_spark.spark.epoch_records import delta_commit_marker, landed_delta_write
-from rmq_spark.spark.epochs import EpochOutcome, Lease, abandon_attempt, close, finish_epoch
+from rmq_spark.spark.epoch_records import (
+    ABANDONED,
+    CLOSED,
+    Epoch,
+    delta_commit_marker,
+    landed_delta_write,
+)
+from rmq_spark.spark.epochs import (
+    EpochOutcome,
+    Lease,
+    abandon_attempt,
+    abort_attempt,
+    finish_epoch,
+)
 from rmq_spark.spark.sink_options import (
     DEFAULT_LEASE_TIMEOUT,
     LEASE_TIMEOUT,
@@ -100,6 +120,47 @@ def _pairs(staged: Sequence[Staged]) -> list[tuple[str, int]]:
     return [(m.transaction_id, m.generation) for m in staged if m.transaction_id]
 
 
+def _aborted(row: Epoch | None, rolled_back: int) -> str:
+    """What an abort did to an epoch and its halves, given the epoch's row after it."""
+    reported = (
+        f"rolled back the {rolled_back} transaction(s) its tasks reported"
+        if rolled_back
+        else "no task had reported"
+    )
+    if row is None:
+        return "no task held it, nothing was staged"
+    if row.state == ABANDONED:
+        return (
+            f"{reported}; the epoch is abandoned (generation {row.generation}), so the next "
+            "check-back round rolls back whatever its other tasks staged, and a new attempt "
+            "of it (a restarted query, a re-run with the same sinkId) publishes in generation "
+            f"{row.generation + 1}"
+        )
+    if row.state == CLOSED and not row.transaction_ids:
+        return (
+            f"{reported}; the epoch is closed empty (its sink id is not used again), so the "
+            "next check-back round rolls back whatever its other task attempts staged"
+        )
+    if row.state == CLOSED:
+        return f"it was closed before with {len(row.transaction_ids)} transaction(s), which stand"
+    return f"{reported}; the epoch is held by {row.owner!r}, another writer, and left to it"
+
+
+def _query_id(checkpoint: str | None) -> str | None:
+    """The id of the streaming query whose checkpoint is ``checkpoint`` (the ``id`` in Spark's
+    ``metadata`` file), when it is on the local filesystem and readable; else None."""
+    if checkpoint is None:
+        return None
+    parts = urlsplit(checkpoint)
+    if parts.scheme not in ("", "file"):
+        return None
+    try:
+        with (Path(parts.path if parts.scheme else checkpoint) / "metadata").open() as meta:
+            return json.loads(meta.readline())["id"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 class _EpochWriter:
     """What the batch and the streaming writer share: staging in tasks, ending on the driver."""
 
@@ -117,7 +178,8 @@ class _EpochWriter:
     ) -> Staged:
         store = self._store()
         with Lease(store, sink_id, epoch, owner, self.options.lease_seconds) as held:
-            return stage(store, iterator, self.options, sink_id, epoch, held.generation)
+            staged = stage(store, iterator, self.options, sink_id, epoch, held.generation)
+        return dataclasses.replace(staged, owner=owner)
 
     def _commit(self, messages: Sequence[WriterCommitMessage | None], epoch: int) -> None:
         staged = _staged(messages)
@@ -136,17 +198,25 @@ class _EpochWriter:
         failpoint("sink.published")
         _report(outcome, staged, time.perf_counter() - started)
 
-    def _abort(self, messages: Sequence[WriterCommitMessage | None], epoch: int) -> None:
+    def _abort(
+        self,
+        messages: Sequence[WriterCommitMessage | None],
+        sink_id: str,
+        epoch: int,
+        owner: str | None,
+        *,
+        reused: bool = True,
+    ) -> None:
+        """End the epoch for this writer (:func:`abort_attempt`) and log, once at INFO, what
+        becomes of its halves: an abort is how Spark stops a query, not only a failure (which
+        Spark reports itself)."""
+        configure_logging("INFO")
         staged = _staged(messages)
-        if staged:
-            group = self.options.producer_group
-            abandon_attempt(self._store(), staged[0].sink_id, epoch, _pairs(staged), group)
-            log.warning(
-                "rmqtx sink %s epoch %d aborted: rolled back %d transaction(s)",
-                staged[0].sink_id,
-                epoch,
-                len(staged),
-            )
+        group = self.options.producer_group
+        row = abort_attempt(
+            self._store(), sink_id, epoch, _pairs(staged), group, owner, reused=reused
+        )
+        log.info("rmqtx sink %s epoch %d aborted: %s", sink_id, epoch, _aborted(row, len(staged)))
 
 
 class RmqTxBatchWriter(_EpochWriter, DataSourceArrowWriter):
@@ -165,11 +235,10 @@ class RmqTxBatchWriter(_EpochWriter, DataSourceArrowWriter):
         self._commit(messages, 0)
 
     def abort(self, messages: list[WriterCommitMessage | None]) -> None:
-        self._abort(messages, 0)
-        if self.options.sink_id is None:
-            # This id is never used again: closing its epoch empty lets the check-back job
-            # roll back halves of failed task attempts at once.
-            close(self._store(), self.sink_id, 0, None, [], "abort")
+        # A made-up id is never used again: its epoch is closed empty, so the check-back job
+        # rolls back halves of every task attempt at once.
+        reused = self.options.sink_id is not None
+        self._abort(messages, self.sink_id, 0, owner=self.sink_id, reused=reused)
 
 
 class RmqTxStreamWriter(_EpochWriter, DataSourceStreamArrowWriter):
@@ -187,7 +256,26 @@ class RmqTxStreamWriter(_EpochWriter, DataSourceStreamArrowWriter):
         self._commit(messages, batchId)
 
     def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
-        self._abort(messages, batchId)
+        """Abort a micro-batch (a failed batch, or ``query.stop()`` killing its tasks): the
+        epoch is abandoned at once, never closed (a restarted query replays the batch with the
+        same id, and must publish it). Spark runs this on the driver without the query id;
+        it comes from a task's commit message, else from the checkpoint's ``metadata``."""
+        reported = [m for m in messages if isinstance(m, Staged)]
+        owner = next((m.owner for m in reported if m.owner), None)
+        owner = owner or _query_id(self.options.checkpoint)
+        sink_id = self.options.sink_id or next((m.sink_id for m in reported), None) or owner
+        if sink_id is not None:
+            self._abort(messages, sink_id, batchId, owner)
+            return
+        configure_logging("INFO")
+        log.info(
+            "rmqtx stream epoch %d aborted before any task reported, and the writer cannot "
+            "tell its query (no sinkId, no checkpointLocation option on a local path): what "
+            "its tasks staged is rolled back by the check-back job once the epoch's lease "
+            "(leaseTimeout, %g s) runs out",
+            batchId,
+            self.options.lease_seconds,
+        )
 
 
 def publish_with_delta_write(

@@ -39,8 +39,10 @@ WRITE_OPTIONS = (PATH, TOPIC, PRODUCER_GROUP, SINK_ID, EXTRA_COLUMNS, LEASE_TIME
 DEFAULT_LEASE_TIMEOUT = "10m"
 #: The shortest ``leaseTimeout``: heartbeats come every fifth of it.
 _MIN_LEASE_SECONDS = 1.0
-#: Spark passes these to every stream writer; they are Spark's, not ours.
-_SPARK_OPTIONS = frozenset({"checkpointlocation", "queryname"})
+#: Spark passes these to a stream writer when the query was given them as options; they are
+#: Spark's, not ours (the checkpoint tells a stream's abort its query id).
+_CHECKPOINT = "checkpointlocation"
+_SPARK_OPTIONS = frozenset({_CHECKPOINT, "queryname"})
 #: Input columns and the Spark types they may have.
 INPUT_COLUMNS: dict[str, tuple[type, ...]] = {
     "body": (BinaryType, StringType),
@@ -64,6 +66,8 @@ class WriterOptions:
     settings: StoreSettings
     #: Seconds an epoch stays held without a heartbeat (``leaseTimeout``).
     lease_seconds: float = 600.0
+    #: A stream's ``checkpointLocation``, when given as an option of the query.
+    checkpoint: str | None = None
 
     @classmethod
     def parse(cls, options: Mapping[str, str], schema: StructType) -> WriterOptions:
@@ -107,6 +111,7 @@ class WriterOptions:
                 extra_columns=extra,
                 settings=settings.store.with_storage_options(storage),
                 lease_seconds=lease,
+                checkpoint=next((v for k, v in options.items() if k.lower() == _CHECKPOINT), None),
             )
         except InvalidMessageError as exc:
             raise InvalidOptionError(f"write option: {exc.message}") from exc

@@ -40,13 +40,15 @@ from rmq_spark.store.facade import Store
 @dataclass(frozen=True)
 class Staged(WriterCommitMessage):
     """What one task attempt staged: one transaction of ``count`` half messages, in the
-    epoch's ``generation``."""
+    epoch's ``generation``, for the writer ``owner`` (a stream's query id: the driver's abort
+    learns it from here)."""
 
     sink_id: str
     epoch: int
     transaction_id: str | None
     count: int
     generation: int = 0
+    owner: str | None = None
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import pytest
 
 from rmq_spark import EpochLostError, LocalTransactionState, Message, Store
 from rmq_spark.spark.epoch_records import ABANDONED, CLOSED, OPEN, closed_epoch, read_epoch
-from rmq_spark.spark.epochs import abandon, close, finish_epoch, hold, renew
+from rmq_spark.spark.epochs import abandon, abort_attempt, close, finish_epoch, hold, release, renew
 from tests.conftest import commitlog, race
 
 EPOCHS = 12
@@ -137,3 +137,55 @@ def test_epochs_stay_readable_as_the_table_grows_and_is_compacted(store: Store) 
     assert len(rows) == 60
     assert all((r.state == CLOSED) == bool(r.epoch % 2) for r in rows.values())
     assert rows[("sink1", 1)].transaction_ids == ("t1",)
+
+
+def _abort_or_abandon(root: str, name: str, barrier, out) -> None:
+    """A writer's abort and the check-back's abandonment of expired epochs, racing."""
+    store = Store.open(root, create=False)
+    results = []
+    for epoch in range(EPOCHS):
+        barrier.wait(timeout=60)
+        if name == "writer":
+            row = release(store, "s", epoch, "w")
+        else:
+            row = abandon(store, "s", epoch, 0, LATER)
+        results.append((row.state, row.generation))
+    out.put((name, results))
+
+
+def test_abort_and_check_back_abandoning_at_once_agree(store: Store) -> None:
+    for epoch in range(EPOCHS):
+        hold(store, "s", epoch, "w", lease_seconds=1)  # expired at LATER
+    results = race(_abort_or_abandon, [(store.root, name) for name in ("writer", "checker")])
+    for epoch in range(EPOCHS):
+        final = read_epoch(store, "s", epoch)
+        assert (final.state, final.generation) == (ABANDONED, 0)
+        assert results["writer"][epoch] == results["checker"][epoch] == (ABANDONED, 0)
+        assert final.closed_by in ("abort", "check-back:lease-expired")
+
+
+def test_an_abort_abandons_only_an_open_epoch_of_its_writer(store: Store) -> None:
+    """The abort abandons the epoch at once, whatever its lease; not a CLOSED epoch (its list
+    stands) nor one another writer holds; a new attempt reopens it in the next generation."""
+    hold(store, "s", 0, "query-1", lease_seconds=600)
+    assert release(store, "s", 0, "query-2").state == OPEN  # not its writer's
+    row = release(store, "s", 0, "query-1")  # the lease has 10 minutes left
+    assert (row.state, row.generation, row.closed_by) == (ABANDONED, 0, "abort")
+    assert release(store, "s", 0, "query-1") == row  # twice: nothing more
+    assert not renew(store, "s", 0, 0, lease_seconds=600)  # a zombie's heartbeat
+    assert hold(store, "s", 0, "query-1", lease_seconds=600).generation == 1
+    close(store, "s", 0, 1, ["t"], "sink")
+    closed = read_epoch(store, "s", 0)
+    assert release(store, "s", 0, "query-1") == closed
+    assert release(store, "s", 9, "query-1") is None  # never held: no row made
+
+
+def test_aborting_a_made_up_sink_id_closes_its_epoch_empty(store: Store) -> None:
+    """A batch write's own sink id is never used again: its abort closes the epoch empty
+    (every attempt's halves are rolled back), and rolls back what it was told of at once."""
+    hold(store, "write-1", 0, "write-1", lease_seconds=600)
+    (txn,) = _staged(store, b"a")
+    row = abort_attempt(store, "write-1", 0, [(txn, 0)], "pipeline", "write-1", reused=False)
+    assert (row.state, row.transaction_ids, row.closed_by) == (CLOSED, (), "abort")
+    op = store.read("op").to_pylist()
+    assert [(d["transaction_id"], d["decision"]) for d in op] == [(txn, "ROLLBACK")]

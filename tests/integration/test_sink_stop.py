@@ -1,0 +1,270 @@
+"""Stopping a streaming ``rmqtx`` sink (``query.stop()``) while its tasks are staging, and the
+writers' aborts: every half message the aborted attempt staged, in every task (killed ones
+and zombies whose commit messages the driver never got included), is rolled back at the next
+check-back round; a restart from the checkpoint publishes every row once; the stop is quiet."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from rmq_spark import Store
+from rmq_spark.model.failpoints import ENV, MARKER_ENV
+from rmq_spark.spark.epoch_records import ABANDONED, CLOSED, OPEN, read_epoch
+from rmq_spark.spark.epochs import close, hold
+from rmq_spark.spark.sink import RmqTxBatchWriter, RmqTxStreamWriter
+from rmq_spark.spark.sink_options import WriterOptions
+from rmq_spark.spark.source import RmqTxDataSource
+from rmq_spark.spark.staging import stage
+from tests.integration.test_sink import (
+    INPUT,
+    add_input,
+    bodies,
+    check_back,
+    pending,
+    rows,
+    run_stream,
+    stream_input,
+    write,
+)
+
+ROWS = [f"m{i}" for i in range(40)]
+
+
+@contextlib.contextmanager
+def failpoint_in_tasks(spark, name: str, marker: Path) -> Iterator[None]:
+    """Arm failpoint ``name`` in the Python workers of ``format("rmqtx")`` writes started in
+    the block: the data source is registered again with the failpoint in its workers'
+    environment (a worker factory of its own), then registered back without it."""
+    environment = spark.sparkContext.environment
+    environment.update({ENV: name, MARKER_ENV: str(marker)})
+    try:
+        spark.dataSource.register(RmqTxDataSource)
+        yield
+    finally:
+        environment.pop(ENV)
+        environment.pop(MARKER_ENV)
+        spark.dataSource.register(RmqTxDataSource)
+
+
+@contextlib.contextmanager
+def jvm_log(spark) -> Iterator[list[str]]:
+    """What Spark's JVM logs while the block runs (through the session's log4j2
+    configuration: its levels and filters apply), one ``LEVEL logger: message`` line each,
+    stack traces included."""
+    jvm = spark.sparkContext._jvm
+    core = jvm.org.apache.logging.log4j.core
+    context = jvm.org.apache.logging.log4j.LogManager.getContext(False)
+    root = context.getConfiguration().getRootLogger()
+    text = jvm.java.io.StringWriter()
+    layout = core.layout.PatternLayout.newBuilder().withPattern("%p %c: %m%n%ex").build()
+    appender = (
+        core.appender.WriterAppender.newBuilder()
+        .setName("rmqtx-test-capture")
+        .setTarget(text)
+        .setLayout(layout)
+        .build()
+    )
+    appender.start()
+    root.addAppender(appender, None, None)
+    context.updateLoggers()
+    lines: list[str] = []
+    try:
+        yield lines
+    finally:
+        root.removeAppender("rmqtx-test-capture")
+        context.updateLoggers()
+        appender.stop()
+        lines.extend(text.toString().splitlines())
+
+
+def wait_for(condition, what: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+def staged_transactions(store: Store, epoch: int) -> set[str]:
+    half = store.read("half")
+    return {
+        t
+        for t, e in zip(
+            half.column("transaction_id").to_pylist(), half.column("epoch").to_pylist(), strict=True
+        )
+        if e == epoch
+    }
+
+
+def kill_if_alive(marker: Path) -> None:
+    """End the paused task's Python worker if it is still there (Spark kills the worker of a
+    killed task; this only makes sure no paused process outlives the test), checking first
+    that the pid is still a PySpark worker's."""
+    with contextlib.suppress(OSError, ValueError):
+        pid = int(marker.read_text())
+        if b"pyspark" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("tasks", [4, 1])
+def test_a_stopped_stream_rolls_back_every_task_and_restarts_exactly_once(
+    spark, store: Store, tmp_path: Path, tasks: int
+) -> None:
+    """``query.stop()`` while a micro-batch of ``tasks`` tasks is staging. The first task to
+    stage its halves pauses before it can report them (its commit message never reaches the
+    driver, as for a task killed between its stage and its report); with 4 tasks the other 3
+    finish and report. Before: the epoch stayed OPEN for its 10-minute lease, so the paused
+    task's halves stayed pending ("writer alive") after the stop, and Spark printed
+    TaskKilledException stack traces at ERROR. Now the abort abandons the epoch at once: one
+    check-back round rolls back every half of the attempt, nothing of it is visible, and the
+    restarted query publishes every row once."""
+    source, checkpoint, marker = tmp_path / "in", tmp_path / "ckpt", tmp_path / "paused"
+    add_input(spark, source, ROWS)
+    with failpoint_in_tasks(spark, "sink.staged:pause", marker):
+        query = (
+            stream_input(spark, source)
+            .repartition(tasks)
+            .writeStream.format("rmqtx")
+            .option("checkpointLocation", str(checkpoint))
+            .option("path", store.root)
+            .option("topic", "Orders")
+            .option("producerGroup", "pipeline")
+            .start()
+        )
+    try:
+        # Every task staged: the paused one, and (4 tasks) the 3 that reported.
+        wait_for(lambda: len(staged_transactions(store, 0)) == tasks, f"{tasks} staged tasks")
+        wait_for(marker.exists, "the paused task")
+        staged = staged_transactions(store, 0)
+        query_id = json.loads((checkpoint / "metadata").read_text())["id"]
+        assert read_epoch(store, query_id, 0).state == OPEN
+        with jvm_log(spark) as logged:
+            query.stop()
+    finally:
+        query.stop()
+        kill_if_alive(marker)
+
+    row = read_epoch(store, query_id, 0)
+    assert (row.state, row.generation, row.closed_by) == (ABANDONED, 0, "abort")
+    assert bodies(store) == []  # nothing of the stopped attempt is visible
+    check_back(spark, store)
+    assert pending(store) == set()  # one round: the paused task's halves too
+    assert bodies(store) == []
+    # A quiet stop: nothing from Spark at ERROR, no TaskKilledException stack traces.
+    assert not [line for line in logged if "TaskKilledException" in line]
+    assert [line for line in logged if line.startswith(("ERROR", "FATAL"))] == []
+
+    run_stream(spark, store, source, checkpoint)  # the restart replays batch 0
+    assert bodies(store) == sorted(ROWS)  # every row once
+    row = read_epoch(store, query_id, 0)
+    assert (row.state, row.generation) == (CLOSED, 1)
+    assert staged.isdisjoint(row.transaction_ids)
+    check_back(spark, store)
+    assert pending(store) == set()
+    assert bodies(store) == sorted(ROWS)
+
+
+def _options(spark, store: Store, **extra: str) -> dict[str, str]:
+    return {"path": store.root, "topic": "Orders", "producerGroup": "pipeline", **extra}
+
+
+def _stage(store: Store, spark, sink_id: str, epoch: int, generation: int, body: str):
+    """Stage one task's halves in ``generation`` (as a task that held it does)."""
+    options = WriterOptions.parse(_options(spark, store), rows(spark, 1).schema)
+    batch = pa.record_batch({"body": [body], "keys": [body], "tags": ["T"]})
+    return stage(store, [batch], options, sink_id, epoch, generation)
+
+
+def test_an_abort_rolls_back_what_a_zombie_task_stages_after_it(
+    spark, store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The driver aborts with the commit message of one task; another task of the attempt
+    (same generation) is still running and stages after the abort. Both are rolled back, the
+    reported one at once and the zombie's at the next check-back round; the abort logs one
+    INFO line saying so; the replay reopens the epoch and publishes once."""
+    schema = rows(spark, 1).schema
+    writer = RmqTxStreamWriter(WriterOptions.parse(_options(spark, store), schema))
+    held = hold(store, "q", 3, "q", lease_seconds=600)
+    reported = _stage(store, spark, "q", 3, held.generation, "a")
+    with caplog.at_level("INFO", logger="rmq_spark"):
+        writer.abort([reported, None], 3)
+    (line,) = [r for r in caplog.records if r.name.startswith("rmq_spark")]
+    assert line.levelname == "INFO" and "epoch 3 aborted" in line.getMessage()
+    assert "check-back" in line.getMessage()
+    zombie = _stage(store, spark, "q", 3, held.generation, "b")  # staged after the abort
+    assert reported.transaction_id not in pending(store)  # rolled back by the abort itself
+    assert read_epoch(store, "q", 3).state == ABANDONED
+    check_back(spark, store)
+    assert pending(store) == set()  # the zombie's halves too
+    assert zombie.transaction_id is not None
+    assert bodies(store) == []
+    # The replay (the restarted query) reopens the epoch in the next generation.
+    again = hold(store, "q", 3, "q", lease_seconds=600)
+    assert (again.state, again.generation) == (OPEN, 1)
+
+
+def test_an_abort_after_the_commit_closed_the_epoch_changes_nothing(spark, store: Store) -> None:
+    """Spark aborts a micro-batch whose commit failed after closing the epoch: the epoch stays
+    CLOSED with its list, and the listed transactions are committed, not rolled back."""
+    schema = rows(spark, 1).schema
+    writer = RmqTxStreamWriter(WriterOptions.parse(_options(spark, store), schema))
+    held = hold(store, "q", 0, "q", lease_seconds=600)
+    staged = _stage(store, spark, "q", 0, held.generation, "a")
+    close(store, "q", 0, held.generation, [staged.transaction_id], "sink")
+    before = read_epoch(store, "q", 0)
+    writer.abort([staged], 0)
+    assert read_epoch(store, "q", 0) == before
+    assert bodies(store) == ["a"]
+    assert pending(store) == set()
+
+
+@pytest.mark.parametrize("sink_id", [None, "nightly"])
+def test_a_failed_batch_write_rolls_back_everything(
+    spark, store: Store, sink_id: str | None
+) -> None:
+    """The batch writer's abort: with a made-up sink id (never used again) the epoch is closed
+    empty, as before; with a ``sinkId`` it is abandoned, and a re-run publishes once."""
+    bad = spark.createDataFrame([("a", "k", "T"), ("b", "k", "T"), (None, "k", "T")], INPUT)
+    options = {} if sink_id is None else {"sinkId": sink_id}
+    with pytest.raises(Exception, match="null 'body'"):
+        write(bad.repartition(3), store, **options)
+    check_back(spark, store)
+    assert pending(store) == set()
+    assert bodies(store) == []
+    (row,) = store.read("epochs").to_pylist()
+    expected = CLOSED if sink_id is None else ABANDONED
+    assert (row["state"], row["closed_by"]) == (expected, "abort")
+    if sink_id is not None:
+        write(rows(spark, 3), store, sinkId=sink_id)
+        assert bodies(store) == ["m0", "m1", "m2"]
+        assert read_epoch(store, sink_id, 0).generation == 1
+
+
+def test_a_real_task_failure_still_logs_its_error(spark, store: Store) -> None:
+    """The stop is quiet because only the abort path's lines are filtered: a task that fails
+    is still logged at ERROR with its exception."""
+    bad = spark.createDataFrame([(None, "k", "T")], INPUT)
+    with jvm_log(spark) as logged, pytest.raises(Exception, match="null 'body'"):
+        write(bad, store)
+    text = "\n".join(logged)
+    assert "ERROR org.apache.spark.executor.Executor: Exception in task" in text
+    assert "null 'body'" in text
+
+
+def test_a_batch_writer_abort_is_one_info_line(
+    spark, store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A batch writer's abort with nothing staged says so at INFO, once."""
+    writer = RmqTxBatchWriter(WriterOptions.parse(_options(spark, store), rows(spark, 1).schema))
+    with caplog.at_level("INFO", logger="rmq_spark"):
+        writer.abort([None, None])
+    lines = [r for r in caplog.records if r.name.startswith("rmq_spark")]
+    assert [r.levelname for r in lines] == ["INFO"]
