@@ -6,8 +6,11 @@ maximum check age (older ones are skipped and reported); only groups with a chec
 (transactional writers' messages go to the built-in epoch checker), and only transactions of
 the round's shard (a half row whose id names another shard, which only another Delta writer
 can put there, is left pending and reported, never decided and never the end of a round).
-Ages are measured on the check-back job's clock from when it first saw the transaction
-(``check_state.first_seen``), never on the producer's clock (apache/rocketmq#9640); immunity
+Ages are measured on the check-back job's clock from ``check_state.first_seen``, which starts
+when the half message was stored, on the store's clock (how long before the round its log
+entry was written), or when a round first saw the transaction where the store cannot say;
+never on the producer's clock (apache/rocketmq#9640). So one round resolves a transaction that
+is already overdue when it first runs. Immunity
 only delays the first check and never spends the check budget (apache/rocketmq#8311). Keeps
 rule 9: the batch is built from the pending list (:mod:`rmq_spark.checkback.pending`), and
 bodies are read by id for the due transactions only, never from the decided history.
@@ -15,7 +18,7 @@ bodies are read by id for the due transactions only, never from the decided hist
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from datetime import datetime
 
 import pyarrow as pa
@@ -43,10 +46,14 @@ def check_batch(
     routed: Collection[str],
     settings: TransactionSettings,
     now: datetime,
+    stored_ages: Mapping[str, float] | None = None,
 ) -> DataFrame:
     """The ``pending`` transactions, classified at ``now``, frozen for the rest of the run.
 
-    ``routed`` are the producer groups that have a checker.
+    ``routed`` are the producer groups that have a checker. ``stored_ages``: how long the
+    transactions new to the pending list had been stored, on the store's clock
+    (:attr:`PendingUpdate.stored_ages <rmq_spark.checkback.pending.PendingUpdate>`); a new
+    transaction's clock starts that long before ``now`` (else at ``now``).
     """
     # Read whole now, not by Spark's Delta source: its snapshot reads the checkpoint when
     # the query runs, by when another job's log cleanup may have removed it.
@@ -54,7 +61,14 @@ def check_batch(
         spark, store.read("check_state", ["transaction_id", "first_seen", "check_count"])
     )
     now_lit = F.lit(now).cast("timestamp")
-    first_seen = F.coalesce(F.col("first_seen"), now_lit)
+    ages = pa.table(
+        {
+            "transaction_id": pa.array(list(stored_ages or {}), pa.string()),
+            "stored_age": pa.array(list((stored_ages or {}).values()), pa.float64()),
+        }
+    )
+    stored = F.timestamp_micros(F.unix_micros(now_lit) - (F.col("stored_age") * 1e6).cast("long"))
+    first_seen = F.coalesce(F.col("first_seen"), stored, now_lit)
     age = F.unix_micros(now_lit) - F.unix_micros(first_seen)
     # try_cast: one message whose property is not a number (a sink stores any value) must
     # not fail the round for everyone (ANSI mode's CAST_INVALID_INPUT); it has no immunity,
@@ -84,6 +98,7 @@ def check_batch(
     classified = (
         _to_spark(spark, pending)
         .join(state, "transaction_id", "left")
+        .join(_to_spark(spark, ages), "transaction_id", "left")
         .select(
             "*",
             (age / 1e6).alias("age_seconds"),
@@ -93,6 +108,7 @@ def check_batch(
             F.col("sink_id").isNotNull().alias("epoch_message"),
         )
         .withColumn("first_seen", first_seen)
+        .drop("stored_age")
         .withColumn("check_count", F.coalesce("check_count", F.lit(0)).cast("int"))
         .withColumn("reason", reason)
     )

@@ -36,8 +36,8 @@ are not pending. Nothing but this module writes ``pending``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -46,7 +46,7 @@ from deltalake.exceptions import DeltaError
 
 from rmq_spark.delta.reads import read_arrow, read_files, with_uris
 from rmq_spark.delta.retry import retry_commits
-from rmq_spark.delta.txnlog import commit_infos
+from rmq_spark.delta.txnlog import commit_infos, entry_times
 from rmq_spark.model.failpoints import failpoint
 from rmq_spark.model.schema import PENDING_SCHEMA, TABLES
 from rmq_spark.store.facade import Store
@@ -71,6 +71,11 @@ class PendingUpdate:
     rows: pa.Table
     half_version: int
     op_version: int
+    #: How long each transaction that became pending in this update had been stored when the
+    #: update committed, in seconds, on the store's clock (the modification times of its half
+    #: message's log entry and of this update's; after a rebuild, of the latest half entry's, a
+    #: lower bound); absent when the store gives no times.
+    stored_ages: Mapping[str, float] = field(default_factory=dict)
 
 
 def update_pending(store: Store) -> PendingUpdate:
@@ -114,6 +119,7 @@ def _attempt(store: Store) -> PendingUpdate:
     current = _read(store, pending)
     if (half_cursor, op_cursor) == (half_version, op_version):
         return PendingUpdate(current, half_version, op_version)
+    stored_in: dict[str, int] | None = None  # known on the change feed's path only
     if half_cursor is None or op_cursor is None:
         log.info("pending transactions: no recorded versions; rebuilding from a full scan")
         rows = _scan(store, half, op)
@@ -136,7 +142,7 @@ def _attempt(store: Store) -> PendingUpdate:
         rows = _scan(store, half, op)
     else:
         try:
-            rows = _advance(store, current, half, half_cursor, op, op_cursor)
+            rows, stored_in = _advance(store, current, half, half_cursor, op, op_cursor)
         except (DeltaError, OSError, pa.ArrowException) as exc:
             log.warning(
                 "pending transactions: the change feed of half versions %d-%d or op versions "
@@ -148,6 +154,10 @@ def _attempt(store: Store) -> PendingUpdate:
                 str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
             )
             rows = _scan(store, half, op)
+    if stored_in is None:
+        # A rebuild knows no version per transaction: each is taken as stored in the latest
+        # half version (so its age is never overstated) unless its clock started already.
+        stored_in = dict.fromkeys(rows.column("transaction_id").to_pylist(), half_version)
     failpoint("pending.computed")
     write_deltalake(
         pending,
@@ -164,7 +174,27 @@ def _attempt(store: Store) -> PendingUpdate:
     log.debug("pending transactions: %d at half %d, op %d", rows.num_rows, half_version, op_version)
     if pending.version() % COMPACT_EVERY_COMMITS == 0:
         _vacuum(store, pending)
-    return PendingUpdate(rows, half_version, op_version)
+    return PendingUpdate(rows, half_version, op_version, _stored_ages(store, stored_in))
+
+
+def _stored_ages(store: Store, stored_in: Mapping[str, int]) -> dict[str, float]:
+    """How long each transaction had been stored, by the version of ``half`` it was stored in,
+    when ``pending``'s latest commit was written: both times are modification times of log
+    entries, so the store's clock, not a producer's or this job's (apache/rocketmq#9640).
+    Empty when the listings fail (the transactions' ages then start now)."""
+    if not stored_in:
+        return {}
+    options = store.settings.storage_options
+    try:
+        stored = entry_times(store.table_uri("half"), options, min(stored_in.values()))
+        updates = entry_times(store.table_uri("pending"), options, 0)
+    except OSError as exc:
+        log.info("pending transactions: no store times for their ages (%s)", exc)
+        return {}
+    if not updates:
+        return {}
+    now = updates[max(updates)]
+    return {t: max(0.0, now - stored[v]) for t, v in stored_in.items() if v in stored}
 
 
 def _foreign_versions(store: Store, cursor: int, version: int) -> list[int]:
@@ -200,11 +230,13 @@ def _advance(
     half_cursor: int,
     op: DeltaTable,
     op_cursor: int,
-) -> pa.Table:
-    """``current`` (pending at the cursors) moved on to the tables' versions."""
-    inserted = inserted_since(half, half_cursor, _HALF_COLUMNS)
+) -> tuple[pa.Table, dict[str, int]]:
+    """``current`` (pending at the cursors) moved on to the tables' versions, and the
+    ``half`` version each transaction new in it was first stored in."""
+    inserted = inserted_since(half, half_cursor, [*_HALF_COLUMNS, "_commit_version"])
     # The op snapshot is read before the change feeds and never moved while in use.
     rows = current
+    stored_in: dict[str, int] = {}
     if inserted.num_rows:
         ones = pa.array([1] * inserted.num_rows, pa.int64())
         new = _reduce(inserted.select(_HALF_COLUMNS).append_column("message_count", ones))
@@ -216,8 +248,16 @@ def _advance(
         decided = store.decisions(new_ids.to_pylist(), op=op)
         new = _without(new, decided)
         rows = _reduce(pa.concat_tables([current, new]))
+        first = inserted.group_by("transaction_id").aggregate([("_commit_version", "min")])
+        stored_in = dict(
+            zip(
+                first.column("transaction_id").to_pylist(),
+                first.column("_commit_version_min").to_pylist(),
+                strict=True,
+            )
+        )
     decided_now = inserted_since(op, op_cursor, ["transaction_id"]).column("transaction_id")
-    return _without(rows, decided_now.to_pylist())
+    return _without(rows, decided_now.to_pylist()), stored_in
 
 
 def inserted_since(table: DeltaTable, cursor: int, columns: list[str]) -> pa.Table:

@@ -112,6 +112,7 @@ class CheckRound:
             self.job.checkers,
             self.job.settings,
             now,
+            self._pending.stored_ages,
         )
 
     def _report_unrouted(self, pending: pa.Table) -> None:

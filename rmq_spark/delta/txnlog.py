@@ -359,6 +359,22 @@ def clean_log(
     return len(doomed) + len(abandoned)
 
 
+def entry_times(uri: str, storage_options: Mapping[str, str], first: int) -> dict[int, float]:
+    """When each commit of a table from version ``first`` on was written, on the store's clock:
+    its log entry's modification time (epoch seconds), from one listing of the log. Commits
+    whose time the filesystem does not give are absent."""
+    fs, log_path = filesystem(f"{uri.rstrip('/')}/_delta_log", storage_options)
+    fs.invalidate_cache(log_path)
+    times = {}
+    for info in fs.ls(log_path, detail=True):
+        name = info["name"].rsplit("/", 1)[-1]
+        if name.endswith(".json") and name[:20].isdigit() and int(name[:20]) >= first:
+            modified = _modified(info)
+            if modified is not None:
+                times[int(name[:20])] = modified
+    return times
+
+
 def _modified(info: Mapping[str, object]) -> float | None:
     """A listing entry's modification time (epoch seconds), as the filesystems spell it."""
     for key in ("mtime", "LastModified", "last_modified", "updated"):

@@ -102,11 +102,20 @@ def _next_offsets(shards: Sequence[Store]) -> dict[str, dict[int, int]]:
 
 
 def _pending(store: Store) -> pa.Table:
-    """One shard's half messages whose transaction is undecided."""
+    """One shard's half messages whose transaction is undecided; their ``store_timestamp`` is
+    where check-back's clock for the transaction started (``check_state.first_seen``), so that
+    the ages shown are the ones check-back measures, and the producer's stamp until a round
+    has seen it."""
     half = store.read("half", ["transaction_id", "producer_group", "store_timestamp"])
     op = store.read("op", ["transaction_id"])
-    return half.filter(
+    pending = half.filter(
         pc.invert(pc.is_in(half.column("transaction_id"), op.column("transaction_id")))
+    )
+    clocks = store.read("check_state", ["transaction_id", "first_seen"])
+    seen = pending.join(clocks, "transaction_id", join_type="left outer")
+    since = pc.coalesce(seen.column("first_seen"), seen.column("store_timestamp"))
+    return seen.drop_columns(["first_seen"]).set_column(
+        seen.schema.get_field_index("store_timestamp"), "store_timestamp", since
     )
 
 

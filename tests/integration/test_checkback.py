@@ -27,6 +27,7 @@ from rmq_spark.checkback.discards import redrive
 from rmq_spark.checkback.job import CheckBackJob
 from rmq_spark.model.config import TransactionSettings
 from rmq_spark.ops.demo import OrderService
+from rmq_spark.ops.status import store_status
 from tests.conftest import commitlog, race
 
 BY_TAG = "tests.checker_functions:by_tag"
@@ -377,14 +378,16 @@ def test_an_older_job_keeps_the_check_state_a_newer_job_recorded(spark, store: S
         (late,) = prepare(store, "UNKNOWN")  # a transaction only the newer job sees
         clock.advance(1)
         job(spark, store, clock).run_once()
-        first_seen = clock.now
+        seen = clock.now
     finally:
         gated.gate.set()
         older.join()
     assert not errors
     state = {r["transaction_id"]: r for r in store.read("check_state").to_pylist()}
     assert late in state, "the older job forgot a transaction it never saw"
-    assert (state[late]["first_seen"], state[late]["check_count"]) == (first_seen, 0)
+    # Its clock started when it was stored (a moment before the newer job's round).
+    assert seen - timedelta(seconds=30) <= state[late]["first_seen"] <= seen
+    assert state[late]["check_count"] == 0
 
 
 def discard_all(spark, store: Store) -> list[dict]:
@@ -598,3 +601,57 @@ def test_decisions_a_restore_of_op_removed_are_recovered_not_published_again(
     store.publish()
     assert sorted(visible_ids(store)) == sorted(ids)
     assert pending(store) == {redriven}
+
+
+def _stored_ago(store: Store, seconds: float) -> None:
+    """Make every ``half`` commit so far look ``seconds`` older on the store's clock (its log
+    entries' modification times), as if the half messages had been stored that long ago."""
+    log = Path(store.table_uri("half")) / "_delta_log"
+    for entry in log.glob("*.json"):
+        then = entry.stat().st_mtime - seconds
+        os.utime(entry, (then, then))
+
+
+def test_one_round_resolves_what_is_already_overdue(spark, store: Store) -> None:
+    """Ages start when the half message was stored, on the store's clock: a round on
+    transactions stored minutes ago (while no check-back job ran) checks them at once, and
+    leaves a transaction stored just now for later."""
+    now = lambda: datetime.now(UTC)  # noqa: E731
+    job(spark, store, now).run_once()  # the job's first round, on an empty store
+    committed, rolled_back = prepare(store, "COMMIT", "ROLLBACK")
+    _stored_ago(store, 120)
+    (fresh,) = prepare(store, "COMMIT")
+    s = job(spark, store, now).run_once().summary
+    assert (s.pending_found, s.checked, s.committed, s.rolled_back, s.not_yet_due) == (
+        3,
+        2,
+        1,
+        1,
+        1,
+    )
+    assert s.oldest_pending_age_seconds == pytest.approx(120, abs=60)
+    assert pending(store) == {fresh}
+    assert visible_ids(store) == [committed]
+
+
+def test_the_first_round_on_a_store_resolves_what_is_overdue(spark, store: Store) -> None:
+    """A store's first round rebuilds its pending list from a full scan, which knows no
+    version per transaction: it takes each as stored when the latest half message was (never
+    older than it is), which on a store whose producers went quiet minutes ago is overdue."""
+    (committed,) = prepare(store, "COMMIT")
+    _stored_ago(store, 120)
+    s = job(spark, store, lambda: datetime.now(UTC)).run_once().summary
+    assert (s.pending_found, s.checked, s.committed) == (1, 1, 1)
+    assert visible_ids(store) == [committed]
+
+
+def test_a_producers_clock_does_not_make_a_transaction_due(spark, tmp_path: Path) -> None:
+    """A producer whose clock is an hour behind writes store timestamps an hour old; its
+    transaction is still not due in the first round (apache/rocketmq#9640)."""
+    behind = Store.open(tmp_path / "store", clock=lambda: datetime.now(UTC) - timedelta(hours=1))
+    prepare(behind, "COMMIT")
+    s = job(spark, Store.open(tmp_path / "store"), lambda: datetime.now(UTC)).run_once().summary
+    assert (s.pending_found, s.checked, s.not_yet_due) == (1, 0, 1)
+    # rmqtx status shows the age check-back measures, not the producer's clock's.
+    (group,) = store_status(Store.open(tmp_path / "store"))["producer_groups"]
+    assert group["oldest_pending_age_seconds"] < 60
