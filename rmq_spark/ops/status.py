@@ -12,6 +12,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from rmq_spark.spark.epoch_records import staged_in
 from rmq_spark.store.facade import Store
 
 #: The ``check_runs`` columns ``status`` reports for the last check-back run.
@@ -43,6 +44,7 @@ def store_status(store: Store, now: datetime | None = None) -> dict[str, Any]:
     committed = {r["partition.topic"]: r["num_records_sum"] for r in counts}
     latest = _next_offsets(shards)
     pending = {s.shard: _pending(s) for s in shards}
+    writing = {t: w for s in shards for t, w in _sink_writers(s, pending[s.shard]).items()}
     return {
         "store": store.root,
         "generated": now.isoformat(),
@@ -64,6 +66,7 @@ def store_status(store: Store, now: datetime | None = None) -> dict[str, Any]:
         ],
         "producer_groups": _producer_groups(
             pa.concat_tables(pending.values()),
+            writing,
             _union(
                 shards, lambda s: s.read("op", ["transaction_id", "producer_group", "decision"])
             ),
@@ -106,7 +109,10 @@ def _pending(store: Store) -> pa.Table:
     where check-back's clock for the transaction started (``check_state.first_seen``), so that
     the ages shown are the ones check-back measures, and the producer's stamp until a round
     has seen it."""
-    half = store.read("half", ["transaction_id", "producer_group", "store_timestamp"])
+    half = store.read(
+        "half",
+        ["transaction_id", "producer_group", "store_timestamp", "sink_id", "epoch", "generation"],
+    )
     op = store.read("op", ["transaction_id"])
     pending = half.filter(
         pc.invert(pc.is_in(half.column("transaction_id"), op.column("transaction_id")))
@@ -119,7 +125,17 @@ def _pending(store: Store) -> pa.Table:
     )
 
 
-def _producer_groups(pending: pa.Table, op: pa.Table, now: datetime) -> list[dict[str, Any]]:
+def _sink_writers(store: Store, pending: pa.Table) -> dict[str, bool]:
+    """For each pending transaction a transactional writer staged, whether its writer is at
+    work (its epoch open in its generation) or its epoch was aborted (the next check-back round
+    rolls it back): :func:`rmq_spark.spark.epoch_records.staged_in`."""
+    staged = pending.filter(pc.is_valid(pending.column("sink_id")))
+    return staged_in(store, staged.to_pylist()) if staged.num_rows else {}
+
+
+def _producer_groups(
+    pending: pa.Table, writing: Mapping[str, bool], op: pa.Table, now: datetime
+) -> list[dict[str, Any]]:
     groups: dict[str, dict[str, Any]] = {}
 
     def group(name: str) -> dict[str, Any]:
@@ -130,6 +146,8 @@ def _producer_groups(pending: pa.Table, op: pa.Table, now: datetime) -> list[dic
                 "pending_transactions": 0,
                 "pending_messages": 0,
                 "oldest_pending_age_seconds": None,
+                "in_running_sink_epochs": 0,
+                "in_aborted_sink_epochs": 0,
                 "committed_transactions": 0,
                 "rolled_back_transactions": 0,
             },
@@ -152,6 +170,16 @@ def _producer_groups(pending: pa.Table, op: pa.Table, now: datetime) -> list[dic
         g["oldest_pending_age_seconds"] = round(
             (now - row["store_timestamp_min"]).total_seconds(), 3
         )
+    for transaction, group_name in dict(
+        zip(
+            pending.column("transaction_id").to_pylist(),
+            pending.column("producer_group").to_pylist(),
+            strict=True,
+        )
+    ).items():
+        if transaction in writing:
+            key = "in_running_sink_epochs" if writing[transaction] else "in_aborted_sink_epochs"
+            group(group_name)[key] += 1
     for row in (
         op.group_by(["producer_group", "decision"])
         .aggregate([("transaction_id", "count")])
@@ -239,6 +267,7 @@ def format_status(status: Mapping[str, Any]) -> str:
             "pending txns",
             "pending msgs",
             "oldest pending",
+            "sink epochs",
             "committed",
             "rolled back",
         ],
@@ -248,6 +277,7 @@ def format_status(status: Mapping[str, Any]) -> str:
                 g["pending_transactions"],
                 g["pending_messages"],
                 _age(g["oldest_pending_age_seconds"]),
+                _sink_epochs(g),
                 g["committed_transactions"],
                 g["rolled_back_transactions"],
             ]
@@ -287,6 +317,15 @@ def printable(text: str) -> str:
     if text.isprintable():
         return text
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def _sink_epochs(group: Mapping[str, Any]) -> str:
+    """What a group's pending transactions staged by sinks wait for: their writer (running),
+    or the next check-back round, which rolls back an aborted epoch's (aborted)."""
+    running, aborted = group["in_running_sink_epochs"], group["in_aborted_sink_epochs"]
+    parts = [f"{running} running"] if running else []
+    parts += [f"{aborted} aborted (rolled back next round)"] if aborted else []
+    return ", ".join(parts) or "-"
 
 
 def _age(seconds: float | None) -> str:

@@ -80,6 +80,23 @@ def read_epochs(store: Store, keys: Iterable[tuple[str, int]]) -> dict[tuple[str
     return found
 
 
+def staged_in(store: Store, staged: Iterable[Mapping[str, Any]]) -> dict[str, bool]:
+    """For transactions a transactional writer staged (rows with ``transaction_id``,
+    ``sink_id``, ``epoch`` and ``generation``), whether their writer is still at work: True
+    while their epoch is OPEN in their generation, False once it was closed without them,
+    abandoned or reopened (the next check-back round rolls them back)."""
+    rows = list(staged)
+    epochs = read_epochs(store, {(r["sink_id"], r["epoch"]) for r in rows})
+    running = {}
+    for r in rows:
+        e = epochs.get((r["sink_id"], r["epoch"]))
+        # No row yet: the writer's first task is opening it.
+        running[r["transaction_id"]] = e is None or (
+            e.state == OPEN and e.generation == (r["generation"] or 0)
+        )
+    return running
+
+
 def read_epoch(store: Store, sink_id: str, epoch: int) -> Epoch | None:
     """The ``epochs`` row of one (sink, epoch), or None if no writer has touched it."""
     return read_epochs(store, [(sink_id, epoch)]).get((sink_id, epoch))

@@ -18,6 +18,7 @@ import pytest
 
 from rmq_spark import Store
 from rmq_spark.model.failpoints import ENV, MARKER_ENV
+from rmq_spark.ops.status import format_status, store_status
 from rmq_spark.spark.epoch_records import ABANDONED, CLOSED, OPEN, read_epoch
 from rmq_spark.spark.epochs import close, hold
 from rmq_spark.spark.sink import RmqTxBatchWriter, RmqTxStreamWriter
@@ -194,6 +195,8 @@ def test_an_abort_rolls_back_what_a_zombie_task_stages_after_it(
     writer = RmqTxStreamWriter(WriterOptions.parse(_options(spark, store), schema))
     held = hold(store, "q", 3, "q", lease_seconds=600)
     reported = _stage(store, spark, "q", 3, held.generation, "a")
+    (group,) = store_status(store)["producer_groups"]
+    assert (group["in_running_sink_epochs"], group["in_aborted_sink_epochs"]) == (1, 0)
     with caplog.at_level("INFO", logger="rmq_spark"):
         writer.abort([reported, None], 3)
     (line,) = [r for r in caplog.records if r.name.startswith("rmq_spark")]
@@ -202,6 +205,10 @@ def test_an_abort_rolls_back_what_a_zombie_task_stages_after_it(
     zombie = _stage(store, spark, "q", 3, held.generation, "b")  # staged after the abort
     assert reported.transaction_id not in pending(store)  # rolled back by the abort itself
     assert read_epoch(store, "q", 3).state == ABANDONED
+    # rmqtx status says what the zombie's half waits for: the next check-back round.
+    (group,) = [g for g in store_status(store)["producer_groups"] if g["pending_transactions"]]
+    assert (group["in_running_sink_epochs"], group["in_aborted_sink_epochs"]) == (0, 1)
+    assert "1 aborted (rolled back next round)" in format_status(store_status(store))
     check_back(spark, store)
     assert pending(store) == set()  # the zombie's halves too
     assert zombie.transaction_id is not None
