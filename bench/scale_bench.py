@@ -15,10 +15,10 @@ p50 and p99, the share of the machine's CPU busy during the run (near 100%: the 
 the machine, not the store), and the requests per transaction the proxy counted, by kind.
 
 The store of each run has one shard per producer process (``rmq_spark.store.shards``: each
-process appends to logs of its own), or ``--shards`` N for every run (``--shards 1``: every
-process appends to the same logs, as before shards).
+process appends to logs of its own), or ``--shards`` N for every run, or K for one run written
+``PxSxK`` (``16x4x1``: every process appends to the same logs, as before shards).
 
-Usage: python bench/scale_bench.py [--runs 1x4,16x4,1x64] [--seconds 20] [--delay-ms 20]
+Usage: python bench/scale_bench.py [--runs 1x4,16x4,16x4x1,1x64] [--seconds 20] [--delay-ms 20]
                                    [--shards N] [--local]
 """
 
@@ -169,7 +169,7 @@ def main() -> None:
     parser.add_argument("--shards", type=int, default=None)
     parser.add_argument("--local", action="store_true")
     args = parser.parse_args()
-    runs = [tuple(int(n) for n in r.split("x")) for r in args.runs.split(",")]
+    runs = [[int(n) for n in r.split("x")] for r in args.runs.split(",")]
     with tempfile.TemporaryDirectory(prefix="rmq-scale-") as tmp:
         server = proxy = None
         if args.local:
@@ -186,9 +186,9 @@ def main() -> None:
         )
         first = None
         try:
-            for i, (processes, senders) in enumerate(runs):
+            for i, (processes, senders, *fixed) in enumerate(runs):
                 root = f"{base}/run{i}"
-                shards = args.shards or processes
+                shards = fixed[0] if fixed else args.shards or processes
                 made = StoreSettings(path=root, storage_options=options, shards=shards)
                 Store.open(settings=made, create=True)
                 rate, lat, counts, busy = run(
