@@ -38,28 +38,32 @@ def test_two_processes_closing_the_same_epochs(store: Store) -> None:
     assert rows.num_rows == EPOCHS  # one row per epoch, never two
 
 
-def _close_or_abandon(root: str, name: str, barrier, out) -> None:
-    """The writer's close and the check-back's abandonment of expired epochs, racing."""
+def _writer_or_abandon(root: str, name: str, barrier, out) -> None:
+    """A writer's transition of each epoch (``name`` "close": its commit closes it,
+    "release": its abort abandons it) and the check-back's abandonment of expired epochs
+    ("checker"), racing; puts each side's ``(state, generation)`` per epoch."""
     store = Store.open(root, create=False)
     results = []
     for epoch in range(EPOCHS):
         barrier.wait(timeout=60)
-        if name == "writer":
+        if name == "close":
             row = close(store, "s", epoch, 0, [f"t{epoch}"], "sink")
+        elif name == "release":
+            row = release(store, "s", epoch, "w")
         else:
             row = abandon(store, "s", epoch, 0, LATER)
-        results.append(row.state)
+        results.append((row.state, row.generation))
     out.put((name, results))
 
 
 def test_close_and_abandon_racing_never_both_win(store: Store) -> None:
     for epoch in range(EPOCHS):
         hold(store, "s", epoch, "w", lease_seconds=1)  # expired at LATER
-    results = race(_close_or_abandon, [(store.root, name) for name in ("writer", "checker")])
+    results = race(_writer_or_abandon, [(store.root, name) for name in ("close", "checker")])
     for epoch in range(EPOCHS):
         final = read_epoch(store, "s", epoch)
         # Both sides see the same outcome: whichever transition committed first.
-        assert results["writer"][epoch] == results["checker"][epoch] == final.state
+        assert results["close"][epoch][0] == results["checker"][epoch][0] == final.state
         assert final.state in (CLOSED, ABANDONED)
         assert (final.transaction_ids == (f"t{epoch}",)) == (final.state == CLOSED)
 
@@ -139,28 +143,14 @@ def test_epochs_stay_readable_as_the_table_grows_and_is_compacted(store: Store) 
     assert rows[("sink1", 1)].transaction_ids == ("t1",)
 
 
-def _abort_or_abandon(root: str, name: str, barrier, out) -> None:
-    """A writer's abort and the check-back's abandonment of expired epochs, racing."""
-    store = Store.open(root, create=False)
-    results = []
-    for epoch in range(EPOCHS):
-        barrier.wait(timeout=60)
-        if name == "writer":
-            row = release(store, "s", epoch, "w")
-        else:
-            row = abandon(store, "s", epoch, 0, LATER)
-        results.append((row.state, row.generation))
-    out.put((name, results))
-
-
 def test_abort_and_check_back_abandoning_at_once_agree(store: Store) -> None:
     for epoch in range(EPOCHS):
         hold(store, "s", epoch, "w", lease_seconds=1)  # expired at LATER
-    results = race(_abort_or_abandon, [(store.root, name) for name in ("writer", "checker")])
+    results = race(_writer_or_abandon, [(store.root, name) for name in ("release", "checker")])
     for epoch in range(EPOCHS):
         final = read_epoch(store, "s", epoch)
         assert (final.state, final.generation) == (ABANDONED, 0)
-        assert results["writer"][epoch] == results["checker"][epoch] == (ABANDONED, 0)
+        assert results["release"][epoch] == results["checker"][epoch] == (ABANDONED, 0)
         assert final.closed_by in ("abort", "check-back:lease-expired")
 
 
