@@ -114,16 +114,20 @@ def _write_marker(fs: fsspec.AbstractFileSystem, marker: str, meta: dict) -> Non
     fs.mv(staged, marker)
 
 
-def mark_sharded(tables: DeltaTables) -> None:
+def mark_sharded(tables: DeltaTables, shards: int = 1) -> None:
     """Raise the root marker of a store to :data:`LAYOUT_VERSION` before its first shard
     beyond the root is made (idempotent): from then on an older rmq-spark, which would read
-    the root's tables only, refuses the store."""
+    the root's tables only, refuses the store. With ``shards``, once they are made, record
+    that the store has at least that many (the marker's count never goes down), so that a
+    shard removed by hand is an error, not messages silently gone."""
     fs, root = filesystem(tables.root, tables.storage_options)
     marker = f"{root.rstrip('/')}/{MARKER_FILE}"
     meta = _check_marker(tables.root, fs, marker)
-    if int(meta["layout_version"]) < LAYOUT_VERSION:
-        _write_marker(fs, marker, {**meta, "layout_version": LAYOUT_VERSION})
-        log.info("store %s: layout version %d (shards)", tables.root, LAYOUT_VERSION)
+    wanted = {**meta, "layout_version": LAYOUT_VERSION}
+    wanted["shards"] = max(int(meta.get("shards", 1)), shards)
+    if wanted != meta:
+        _write_marker(fs, marker, wanted)
+        log.info("store %s: layout version %d, %d shard(s)", tables.root, LAYOUT_VERSION, shards)
 
 
 def shard_uri(root: str, shard: int) -> str:
@@ -133,17 +137,36 @@ def shard_uri(root: str, shard: int) -> str:
 
 def shards_found(tables: DeltaTables, known: Collection[int]) -> list[int]:
     """The shards beyond the root of the store at ``tables.root`` that exist and are not in
-    ``known``: one listing of ``shards/`` (a request on an object store), then a look at the
-    marker of each new one (a shard exists once its marker, written last, does)."""
+    ``known``: one listing of ``shards/`` (a request on an object store), a read of the root's
+    marker, then a look at the marker of each new one (a shard exists once its marker, written
+    last, does).
+
+    Raises
+    ------
+    CorruptStoreError
+        A shard the root's marker counts, or one in ``known``, is gone (removed by hand): its
+        messages, pending transactions and offsets would otherwise vanish without a word.
+    """
     fs, root = filesystem(tables.root, tables.storage_options)
     folder = f"{root.rstrip('/')}/{SHARDS_DIR}"
     fs.invalidate_cache(folder)
     try:
         names = [Path(p.rstrip("/")).name for p in fs.ls(folder, detail=False)]
     except FileNotFoundError:
-        return []
-    new = sorted(int(n) for n in names if n.isdigit() and int(n) > 0 and int(n) not in known)
-    return [k for k in new if fs.exists(f"{folder}/{k}/{MARKER_FILE}")]
+        names = []
+    listed = {int(n) for n in names if n.isdigit() and int(n) > 0}
+    recorded = int(
+        _check_marker(tables.root, fs, f"{root.rstrip('/')}/{MARKER_FILE}").get("shards", 1)
+    )
+    gone = sorted((set(range(1, recorded)) | set(known)) - listed - {0})
+    if gone:
+        raise CorruptStoreError(
+            f"shard(s) {gone} of the store at {tables.root!r} are missing (its marker counts "
+            f"{recorded} shard(s)): a shard's folder was removed, and with it its messages and "
+            "pending transactions. Restore it (shards/<k>/) from a backup; nothing reads or "
+            "writes the store until then."
+        )
+    return [k for k in sorted(listed - set(known)) if fs.exists(f"{folder}/{k}/{MARKER_FILE}")]
 
 
 def _check_shard(root: str, meta: dict, shard: int) -> None:

@@ -104,6 +104,7 @@ class Shards:
             return
         mark_sharded(self.root._tables)
         self._add(missing, create=True)
+        mark_sharded(self.root._tables, count)
         log.info("store %s: %d shard(s) now (made %s)", self.root.root, count, missing)
 
     def _add(self, numbers: list[int], *, create: bool) -> None:

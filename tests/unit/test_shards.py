@@ -196,3 +196,22 @@ def test_producer_processes_on_a_store_of_shards_publish_every_commit_once(
         by_queue.setdefault(r["queue_id"], []).append(r["queue_offset"])
     assert all(sorted(o) == list(range(len(o))) for o in by_queue.values())
     assert {q // 1000 for q in by_queue} == {0, 1, 2, 3}
+
+
+def test_a_shard_removed_by_hand_is_an_error_not_a_silent_loss(tmp_path: Path) -> None:
+    import shutil
+
+    from rmq_spark.model.errors import CorruptStoreError
+
+    root = tmp_path / "store"
+    store = _open(root, shards=3)
+    assert _marker(root)["shards"] == 3
+    two = store.shard_store(2)
+    two.end_transactions(
+        [Decision(p.transaction_id, "g", COMMIT) for p in two.prepare([Message("T", b"x")], "g")]
+    )
+    shutil.rmtree(root / "shards" / "2")
+    with pytest.raises(CorruptStoreError, match=r"shard\(s\) \[2\] of the store .* are missing"):
+        store.shards(refresh=True)  # a process that knew it
+    with pytest.raises(CorruptStoreError, match=r"its marker counts 3 shard\(s\)"):
+        Store.open(root).shards()  # and one that never did
