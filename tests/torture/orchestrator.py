@@ -23,7 +23,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tests import minio
-from tests.latency_proxy import LatencyProxy
 from tests.lifetime import die_with_parent
 from tests.torture import local_db
 from tests.torture.invariants import Violation, check_invariants
@@ -837,6 +836,22 @@ level = "INFO"
         }
 
 
+def _proxy(target: int, delay_ms: float) -> tuple[subprocess.Popen, str]:
+    """The latency proxy in a process of its own, and its endpoint. Not a thread of this one:
+    this process's foreign Delta writer (a deltalake RESTORE, OPTIMIZE...) holds the GIL while
+    its own requests wait on the proxy, which stalled every process's requests for minutes."""
+    port = minio.free_port()
+    proxy = subprocess.Popen(
+        [sys.executable, "-m", "tests.latency_proxy", str(port), str(target), str(delay_ms)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proxy.stdout is not None
+    proxy.stdout.readline()  # listening
+    return proxy, f"http://127.0.0.1:{port}"
+
+
 def run(seed: int | None = None, seconds: float = 120.0, root: str | Path | None = None,
         delay_ms: float | None = None, **overrides) -> tuple[dict, str]:  # fmt: skip
     """One torture run; returns (result, printable report). With ``delay_ms``, the store is on
@@ -860,11 +875,8 @@ def run(seed: int | None = None, seconds: float = 120.0, root: str | Path | None
             # The store on s3://, every request an object store's round trip; every process
             # (this one's own reads and meddling too) finds the server in its environment.
             server = minio.start(root / "minio" / "data")
-            proxy = LatencyProxy(int(server.endpoint.rsplit(":", 1)[1]), delay_ms).start()
-            overrides["storage_options"] = {
-                **server.storage_options,
-                "AWS_ENDPOINT_URL": proxy.endpoint,
-            }
+            proxy, endpoint = _proxy(int(server.endpoint.rsplit(":", 1)[1]), delay_ms)
+            overrides["storage_options"] = {**server.storage_options, "AWS_ENDPOINT_URL": endpoint}
             os.environ.update(overrides["storage_options"])
         orchestrator = Orchestrator(
             Options(seed=seed, chaos_seconds=seconds, root=root, **overrides)
@@ -883,7 +895,8 @@ def run(seed: int | None = None, seconds: float = 120.0, root: str | Path | None
         os.environ.clear()
         os.environ.update(saved)
         if proxy is not None:
-            proxy.stop()
+            proxy.kill()
+            proxy.wait()
         if server is not None:
             server.stop()
     report = format_report(result)
