@@ -162,10 +162,6 @@ class Store:
         """Shard ``shard`` of this store (0: the root)."""
         return self._shards.get(shard)
 
-    def for_transaction(self, transaction_id: str) -> Store:
-        """The shard that holds a transaction (named in its id: :func:`shard_of`)."""
-        return self._shards.get(shard_of(transaction_id))
-
     # ------------------------------------------------------------------ tables
     def table_uri(self, name: str) -> str:
         """URI of one of the store's tables (``half``, ``op``, ``commitlog``...)."""
