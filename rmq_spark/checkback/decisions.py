@@ -79,6 +79,13 @@ def recover_removed(store: Store, due: pa.Table, counts: Counter[str]) -> set[st
     discarded = store.discarded(ids) - published
     if not published and not discarded:
         return set()
+    # Decided since this round read them as pending (by their producer, by another round):
+    # nothing was removed, they are only counted.
+    decided = set(store.decisions(sorted(published | discarded)))
+    counts["already_decided"] += len(decided)
+    published, discarded = published - decided, discarded - decided
+    if not published and not discarded:
+        return decided
     rows = due.select(STATE_COLUMNS).to_pylist()
     log.error(
         "%d pending transaction(s) were decided before, e.g. %s: another Delta writer "
@@ -96,4 +103,4 @@ def recover_removed(store: Store, due: pa.Table, counts: Counter[str]) -> set[st
     ):
         again = [{**r, "answer": answer} for r in rows if r["transaction_id"] in found]
         counts["already_decided"] += len(decide(store, again, decided_by, counts))
-    return published | discarded
+    return published | discarded | decided

@@ -190,8 +190,23 @@ def _discards_to_redrive(
 
 
 def _redrive_shard(store: Store, rows: list[dict[str, object]]) -> list[str]:
-    """Claim ``rows`` (discard rows of this shard), then stage every claimed, unstaged row."""
-    claimed = _claim_discards(store, rows)
+    """Claim ``rows`` (discard rows of this shard), then stage every claimed, unstaged row.
+
+    A discarded transaction in the CommitLog (its ROLLBACK removed by another Delta writer and
+    a late COMMIT published before its discard rows were written) is not re-driven: its rows
+    are marked as re-driven as itself, so its message stays published once."""
+    published = store.published(sorted({str(r["transaction_id"]) for r in rows}))
+    if published:
+        log.error(
+            "%d discarded transaction(s), e.g. %s, are published already (another Delta "
+            "writer removed their check-max ROLLBACK from op and a late COMMIT won): not "
+            "re-driven, marked as re-driven as themselves (see the README's Guarantees)",
+            len(published),
+            min(published),
+        )
+        _claim_discards(store, [r for r in rows if r["transaction_id"] in published], str)
+        rows = [r for r in rows if r["transaction_id"] not in published]
+    claimed = _claim_discards(store, rows, lambda _: shard_transaction_id(store.shard))
     failpoint("redrive.claimed")
     staged = _stage_redriven(store, _claimed_unstaged(store, store.read("discard")))
     if claimed or staged:
@@ -203,12 +218,15 @@ def _redrive_shard(store: Store, rows: list[dict[str, object]]) -> list[str]:
     return sorted(claimed | staged)
 
 
-def _claim_discards(store: Store, rows: list[dict[str, object]]) -> set[str]:
-    """Give each discarded transaction of ``rows`` a new transaction id, in the discard rows
-    whose ``redriven_transaction_id`` is still null; return the new ids this call set."""
+def _claim_discards(
+    store: Store, rows: list[dict[str, object]], new_id: Callable[[str], str]
+) -> set[str]:
+    """Give each discarded transaction of ``rows`` the transaction id ``new_id`` makes of its
+    own, in the discard rows whose ``redriven_transaction_id`` is still null; return the new
+    ids this call set."""
     if not rows:
         return set()
-    new_ids = {r["transaction_id"]: shard_transaction_id(store.shard) for r in rows}
+    new_ids = {r["transaction_id"]: new_id(str(r["transaction_id"])) for r in rows}
     marks = pa.table(
         {
             "transaction_id": pa.array([r["transaction_id"] for r in rows], pa.string()),

@@ -484,6 +484,7 @@ def check_invariants(run: dict, root: str) -> Results:
     _in_their_shards(results, store, run.get("shards", 1))
 
     # ---- discards: re-driven once (and marked) or still listed
+    visible_txns = {c["transaction_id"] for c in store.commitlog}
     redrives = defaultdict(set)  # (original txn, msg id) -> re-driven txns found in half
     for h in store.half:
         origin = _props(h["properties"]).get(REDRIVEN_FROM)
@@ -507,6 +508,16 @@ def check_invariants(run: dict, root: str) -> Results:
                     f"msg {d['msg_id']} re-driven as {sorted(found)} but not marked",
                 )
             )
+        elif mark == d["transaction_id"]:
+            # Published under its own id before the discard (a foreign writer removed its
+            # check-max ROLLBACK and a late COMMIT won): the re-drive left it.
+            if d["transaction_id"] not in visible_txns:
+                results.violations.append(
+                    Violation(
+                        "discard marked re-driven as itself but not visible",
+                        f"msg {d['msg_id']} of txn {mark}",
+                    )
+                )
         elif mark is not None and mark not in found:
             results.violations.append(
                 Violation(

@@ -11,6 +11,7 @@ import pytest
 from deltalake import DeltaTable
 
 from rmq_spark import Decision, LocalTransactionState, Message, Store
+from rmq_spark.checkback.discards import DECIDED_BY_CHECK_MAX, insert_discards, redrive
 from rmq_spark.delta.txnlog import checkpoint_guess
 from rmq_spark.model.errors import DataLossError
 from rmq_spark.spark.offsets import latest_offsets
@@ -115,3 +116,53 @@ def test_a_read_of_a_dense_commitlog_is_planned_as_before(store: Store) -> None:
     slices = plan_slices(store, start, end)
     read = pa.concat_tables(pa.Table.from_batches(list(read_slice(s))) for s in slices)
     assert read.num_rows == 80 - len(end["T"])
+
+
+def _rolled_back_at_check_max(store: Store) -> tuple[str, int]:
+    """A transaction rolled back at the check max (its ROLLBACK in op, its messages in
+    discard is the caller's choice), and the op version before its ROLLBACK."""
+    (p,) = store.prepare([Message("T", b"maxed", keys="k")], "pg")
+    before = DeltaTable(store.table_uri("op")).version()
+    store.end_transactions(
+        [Decision(p.transaction_id, "pg", LocalTransactionState.ROLLBACK, DECIDED_BY_CHECK_MAX)]
+    )
+    return p.transaction_id, before
+
+
+def test_a_late_commit_after_a_restore_removed_a_check_max_rollback_is_not_published(
+    store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Torture, seed 5: check-back rolled a transaction back at the check max and listed it in
+    discard, a RESTORE of op removed the ROLLBACK, and a late COMMIT (a round that had read
+    the transaction as pending before, or the producer's late end) found no decision: it was
+    published, and published again when the discard was re-driven. A transaction in discard
+    is never published under its own id; its messages come back only through the re-drive."""
+    maxed, before = _rolled_back_at_check_max(store)
+    insert_discards(store, [maxed], store.clock(), 3)
+    DeltaTable(store.table_uri("op")).restore(before)
+    with caplog.at_level(logging.ERROR, logger="rmq_spark"):
+        store.end_transactions([Decision(maxed, "pg", COMMIT)])
+    assert maxed not in commitlog(store).column("transaction_id").to_pylist()
+    assert "in discard" in caplog.text
+    (again,) = redrive(store)
+    store.end_transactions([Decision(again, "pg", COMMIT)])
+    assert commitlog(store).column("body").to_pylist() == [b"maxed"]
+
+
+def test_a_discard_published_under_its_own_id_is_not_re_driven(
+    store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The same race, the other way round: the late COMMIT was published before check-back
+    wrote the discard rows, so the re-drive would publish the message a second time. The
+    re-drive leaves it, marked as re-driven as itself, and says why."""
+    maxed, before = _rolled_back_at_check_max(store)
+    DeltaTable(store.table_uri("op")).restore(before)
+    store.end_transactions([Decision(maxed, "pg", COMMIT)])
+    insert_discards(store, [maxed], store.clock(), 3)
+    with caplog.at_level(logging.ERROR, logger="rmq_spark"):
+        assert redrive(store) == []
+    assert "published already" in caplog.text
+    assert store.read("discard").column("redriven_transaction_id").to_pylist() == [maxed]
+    assert redrive(store) == []
+    store.publish()
+    assert commitlog(store).column("body").to_pylist() == [b"maxed"]
