@@ -18,6 +18,9 @@ Configure them in ``conf/rmq-spark.toml``::
     column = "payment_id"                        # a message key found here means COMMIT
     deadline = "1h"                              # absent after this long means ROLLBACK
 
+    [checkers.Orders]
+    kind = "clients"                             # RocketMQ 5 clients of rmqtx serve
+
 or pass them to :class:`rmq_spark.checkback.job.CheckBackJob` directly.
 """
 
@@ -247,7 +250,26 @@ def _ask(
         return LocalTransactionState.UNKNOWN, f"{type(exc).__name__}: {exc}"[:500]
 
 
-_KINDS = {"callable": ("function",), "table": ("table", "column", "deadline")}
+class ClientsChecker(Checker):
+    """The group's own RocketMQ 5 clients, connected to ``rmqtx serve``, answer for it.
+
+    The server asks them over their telemetry streams (``RecoverOrphanedTransactionCommand``)
+    and records their answers as decisions; this job only counts the checks: each round's
+    answer here is UNKNOWN, so a transaction no client answers (none connected, as RocketMQ
+    asks again later) is rolled back and discarded at the check max, as for every group.
+    """
+
+    kind = "clients"
+
+    def check(self, batch: DataFrame) -> DataFrame:
+        return batch.select(
+            "transaction_id",
+            F.lit(LocalTransactionState.UNKNOWN.value).alias("state"),
+            F.lit(None).cast("string").alias("error"),
+        )
+
+
+_KINDS = {"callable": ("function",), "table": ("table", "column", "deadline"), "clients": ()}
 
 
 def checkers_from_config(config: Mapping[str, Mapping[str, Any]]) -> dict[str, Checker]:
@@ -283,6 +305,8 @@ def checkers_from_config(config: Mapping[str, Mapping[str, Any]]) -> dict[str, C
             )
         if kind == "callable":
             checkers[group] = CallableChecker(str(section["function"]))
+        elif kind == "clients":
+            checkers[group] = ClientsChecker()
         else:
             checkers[group] = TableChecker(
                 str(section["table"]),

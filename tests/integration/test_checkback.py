@@ -21,6 +21,7 @@ from rmq_spark.checkback.checkers import (
     ANSWER_SCHEMA,
     CallableChecker,
     Checker,
+    ClientsChecker,
     TableChecker,
 )
 from rmq_spark.checkback.discards import redrive
@@ -657,3 +658,22 @@ def test_a_producers_clock_does_not_make_a_transaction_due(spark, tmp_path: Path
     # rmqtx status shows the age check-back measures, not the producer's clock's.
     (group,) = store_status(Store.open(tmp_path / "store"))["producer_groups"]
     assert group["oldest_pending_age_seconds"] < 60
+
+
+def test_a_clients_group_is_asked_by_rmqtx_serve_and_counts_as_unknown_here(
+    spark, store: Store
+) -> None:
+    """A group whose checker is its own clients (``kind = "clients"``, connected to ``rmqtx
+    serve``, which asks them over their telemetry streams) is UNKNOWN to the job: its
+    transactions wait for the clients' answers, and with no answer they are rolled back and
+    discarded at the check max, as RocketMQ does with a group no client of which is online."""
+    clock = Clock()
+    clients = {"Orders": ClientsChecker()}
+    (txn,) = prepare(store, "COMMIT", group="Orders")
+    start_clocks(spark, store, clock, clients, transaction_check_max=2)
+    s = job(spark, store, clock, clients, transaction_check_max=2).run_once().summary
+    assert (s.checked, s.unknown, s.committed, s.discarded) == (1, 1, 0, 0)
+    clock.advance(10)
+    s = job(spark, store, clock, clients, transaction_check_max=2).run_once().summary
+    assert s.discarded == 1
+    assert store.decisions([txn]) == {txn: LocalTransactionState.ROLLBACK}

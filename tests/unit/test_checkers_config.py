@@ -5,6 +5,7 @@ import pytest
 from rmq_spark.checkback.checkers import (
     CallableChecker,
     CheckerConfigError,
+    ClientsChecker,
     TableChecker,
     checkers_from_config,
     resolve_function,
@@ -16,9 +17,11 @@ def test_config_builds_each_kind() -> None:
         {
             "orders": {"kind": "callable", "function": "json:dumps"},
             "payments": {"kind": "table", "table": "/t", "column": "id", "deadline": "2h"},
+            "Orders": {"kind": "clients"},
         }
     )
     assert isinstance(checkers["orders"], CallableChecker)
+    assert isinstance(checkers["Orders"], ClientsChecker)
     payments = checkers["payments"]
     assert isinstance(payments, TableChecker) and payments.deadline == 7200
 
@@ -30,12 +33,13 @@ def test_config_builds_each_kind() -> None:
             {"bad group!": {"kind": "callable", "function": "json:dumps"}},
             r"\[checkers.bad group!\]",
         ),
-        ({"g": {"kind": "rpc"}}, "kind = 'rpc'; valid kinds: callable, table"),
+        ({"g": {"kind": "rpc"}}, "kind = 'rpc'; valid kinds: callable, table, clients"),
         ({"g": {"kind": "callable"}}, "misses function"),
         (
             {"g": {"kind": "table", "table": "/t", "column": "c", "colour": 1}},
             "unknown key.*colour",
         ),
+        ({"g": {"kind": "clients", "function": "json:dumps"}}, "unknown key.*function"),
     ],
 )
 def test_bad_config(config: dict, match: str) -> None:
