@@ -166,3 +166,33 @@ def test_a_discard_published_under_its_own_id_is_not_re_driven(
     assert redrive(store) == []
     store.publish()
     assert commitlog(store).column("body").to_pylist() == [b"maxed"]
+
+
+def test_a_transaction_decided_since_the_round_read_it_is_not_reported_as_removed(
+    store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Torture, seed 5: a round read a transaction as pending, then its producer committed it
+    and the publisher published it before the round looked it up in the CommitLog. Nothing was
+    removed, but the round logged an ERROR that another Delta writer had removed decisions."""
+    from collections import Counter
+    from datetime import UTC, datetime
+
+    from rmq_spark.checkback.decisions import recover_removed
+
+    (p,) = store.prepare([Message("T", b"m")], "pg")
+    due = pa.Table.from_pylist(
+        [
+            {
+                "transaction_id": p.transaction_id,
+                "producer_group": "pg",
+                "first_seen": datetime.now(UTC),
+                "check_count": 0,
+            }
+        ]
+    )
+    store.end_transactions([Decision(p.transaction_id, "pg", COMMIT)])
+    counts: Counter[str] = Counter()
+    with caplog.at_level(logging.ERROR, logger="rmq_spark"):
+        assert recover_removed(store, due, counts) == {p.transaction_id}
+    assert counts["already_decided"] == 1
+    assert "removed their decisions" not in caplog.text
