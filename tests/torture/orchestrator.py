@@ -507,10 +507,11 @@ level = "INFO"
         w.proc = None
         w.restart_at = self.elapsed() + self.rng.uniform(0.5, 3.0)
 
-    def maybe_resume(self) -> None:
-        """``rmqtx resume`` now and then; sometimes two at once, sometimes killed."""
+    def maybe_resume(self, dt: float) -> None:
+        """``rmqtx resume`` now and then (every 20 s on average); sometimes two at once,
+        sometimes killed."""
         self.transient = [t for t in self.transient if t[1].poll() is None]
-        if self.transient or self.rng.random() > 0.025:
+        if self.transient or self.rng.random() > dt / 20:
             return
         n = 2 if self.rng.random() < 0.35 else 1
         self.stats.resumes += n
@@ -523,7 +524,7 @@ level = "INFO"
         self.note(f"resume x{n}")
 
     # ------------------------------------------------------------------ other writers
-    def meddle(self) -> None:
+    def meddle(self, dt: float) -> None:
         """Now and then, between the workers' steps, what users and machines do to a store:
         another Delta writer (deltalake, as delta-spark would) compacts a table (OPTIMIZE),
         writes a checkpoint at an odd version, vacuums with Delta's retention, RESTOREs ``op``
@@ -542,7 +543,7 @@ level = "INFO"
                 self.signal_session(proc, signal.SIGCONT)
                 del self.stalled[name]
                 self.note(f"SIGCONT {name}")
-        if not self.o.meddle_every or self.rng.random() >= 0.5 / self.o.meddle_every:
+        if not self.o.meddle_every or self.rng.random() >= dt / self.o.meddle_every:
             return
         act = self.rng.choice(["optimize", "checkpoint", "vacuum", "stall", "restore", "delete"])
         table = {"restore": self.rng.choice(["op", "commitlog"]), "delete": "commitlog"}.get(
@@ -711,9 +712,12 @@ level = "INFO"
         # loaded machine), or after 240 s at the latest.
         end = None
         next_feed, next_batch, next_sample = 0.0, 0.0, 0.0
-        tick = 0.5
+        tick, last = 0.5, self.elapsed()
         while end is None or time.monotonic() < end:
+            # Chaos is drawn per second passed, not per step: a step that reads every shard
+            # of an s3:// root behind the latency proxy can take many seconds.
             now = self.elapsed()
+            dt, last = now - last, now
             self.reap(chaos=True)
             ready = [self.is_ready(w) for w in self.workers if w.proc is not None]
             if end is None and ((ready and all(ready)) or now > 240):
@@ -734,8 +738,8 @@ level = "INFO"
                 next_batch = now + self.rng.uniform(2, 6)
             if now >= next_sample:
                 self.sample()
-                next_sample = now + 2.0
-            if end is not None and self.rng.random() < tick / o.kill_every:
+                next_sample = now + max(2.0, 2 * (self.elapsed() - now))
+            if end is not None and self.rng.random() < dt / o.kill_every:
                 live = [w for w in self.workers if self.killable(w)]
                 weights = [
                     {"compactor": 1, "check-back": 1, "writer": 3}.get(w.kind, 3) for w in live
@@ -743,8 +747,8 @@ level = "INFO"
                 if live:
                     self.kill(self.rng.choices(live, weights)[0])
             if end is not None:
-                self.maybe_resume()
-                self.meddle()
+                self.maybe_resume(dt)
+                self.meddle(dt)
             time.sleep(tick)
         for name, (proc, _) in self.stalled.items():
             self.signal_session(proc, signal.SIGCONT)
