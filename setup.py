@@ -38,7 +38,12 @@ setup(
             "matplotlib>=3.8",
             # The object-store tier's s3:// roots (MinIO).
             "s3fs>=2024.6",
+            # rmqtx serve and its tests (the official RocketMQ 5 client).
+            "rocketmq-python-client==5.1.2",
+            "grpcio>=1.60",
         ],
+        # rmqtx serve: RocketMQ 5's gRPC protocol (the client's stubs) in front of a store.
+        "serve": ["rocketmq-python-client==5.1.2", "grpcio>=1.60"],
         "notebooks": ["jupyterlab>=4", "matplotlib>=3.8"],
         # Object-storage store roots (fsspec filesystems); see rmq_spark/delta/storage.py.
         "s3": ["s3fs>=2024.6"],

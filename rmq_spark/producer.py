@@ -42,7 +42,7 @@ from rmq_spark.model.messages import (
 )
 from rmq_spark.store.decisions import Decision, EndTransactionResult, PreparedMessage
 from rmq_spark.store.facade import Store
-from rmq_spark.store.publish_loop import BackgroundPublisher, publisher_for
+from rmq_spark.store.publish_loop import BackgroundPublisher, publish_own, publisher_for
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +235,7 @@ class TransactionMQProducer:
             for committer in committers:
                 committer.close()
             publisher.stop()
-            self._publish_own()
+            publish_own(self._writer, "this producer")
             self._writer.finish_maintenance()
         finally:
             with self._lock:
@@ -258,19 +258,7 @@ class TransactionMQProducer:
         for slot in pending:
             if not slot.wait(None if deadline is None else deadline - time.monotonic()):
                 return
-        self._publish_own()
-
-    def _publish_own(self) -> None:
-        """Publish up to this process's last decision (the publisher lease's holder may be
-        another process, or none right now)."""
-        try:
-            self._writer.publish(latest=False)
-        except Exception as exc:
-            log.warning(
-                "publishing this producer's COMMITs failed (%s); they are recorded, and the "
-                "holder of the publisher lease or the check-back job publishes them",
-                exc,
-            )
+        publish_own(self._writer, "this producer")
 
     @contextmanager
     def _admitted(

@@ -24,6 +24,7 @@ from rmq_spark.checkback.checkers import (
 from rmq_spark.model.config import Settings, configure_logging, load_settings, parse_duration
 from rmq_spark.model.errors import InvalidOptionError, RmqSparkError
 from rmq_spark.model.messages import MAX_SHARDS
+from rmq_spark.ops import serve_cli
 from rmq_spark.store.facade import Store
 
 log = logging.getLogger("rmq_spark.ops.cli")
@@ -56,6 +57,7 @@ EXAMPLES = {
     "tail": """\
   rmqtx tail OrderEvents                      the 10 newest committed messages of a topic
   rmqtx tail OrderEvents -n 50 --json         the 50 newest, as JSON""",
+    "serve": serve_cli.EXAMPLES,
 }
 
 
@@ -160,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     tail.add_argument("topic")
     tail.add_argument("-n", "--count", type=int, default=10, help="how many (default 10)")
     tail.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    serve_cli.add_arguments(command("serve", serve_cli.SUMMARY))
     return parser
 
 
@@ -307,6 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "status": _status,
             "shards": _shards,
             "tail": _tail,
+            "serve": serve_cli.run,
         }[args.command]
         return handler(args, settings)
     except RmqSparkError as exc:

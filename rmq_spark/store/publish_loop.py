@@ -78,6 +78,24 @@ def publisher_for(store: Store) -> BackgroundPublisher:
     return BackgroundPublisher(shared, holder)
 
 
+def publish_own(store: Store, who: str) -> None:
+    """Publish up to this thread's last decision on ``store`` (the publisher lease's holder
+    may be another process, or none right now); a failure is logged, not raised: the COMMITs
+    are recorded, and the lease's holder or the check-back job publishes them.
+
+    ``who`` names the caller in the log (``"this producer"``, ``"this server"``).
+    """
+    try:
+        store.publish(latest=False)
+    except Exception as exc:
+        log.warning(
+            "publishing %s's COMMITs failed (%s); they are recorded, and the holder of the "
+            "publisher lease or the check-back job publishes them",
+            who,
+            exc,
+        )
+
+
 class BackgroundPublisher:
     """Publishes a store's COMMITs on a background thread while this process holds the
     publisher lease (see the module docstring).

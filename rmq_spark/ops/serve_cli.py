@@ -1,0 +1,103 @@
+"""``rmqtx serve``: RocketMQ 5 clients write into the store through RocketMQ's gRPC protocol
+(:mod:`rmq_spark.serve`).
+
+:func:`add_arguments` adds its options to ``rmqtx``'s subparser and :func:`run` runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+
+from rmq_spark.model.config import Settings, parse_duration
+from rmq_spark.model.errors import InvalidMessageError, InvalidOptionError
+from rmq_spark.model.messages import check_topic
+
+#: Access keys from the environment, ``KEY:SECRET`` pairs separated by commas (used when no
+#: ``--access-key`` is given; the environment keeps secrets out of the process list).
+ACCESS_KEYS_ENV = "RMQTX_SERVE_ACCESS_KEYS"
+
+SUMMARY = "serve RocketMQ 5 clients (gRPC): their sends and transactions go into the store"
+EXAMPLES = """\
+  rmqtx serve                                 every topic, on 127.0.0.1:8081, no access keys
+  rmqtx serve --topic Orders --topic Payments --access-key orders:s3cr3t
+  rmqtx serve --host 0.0.0.0 --tls-cert server.pem --tls-key server.key
+  RMQTX_SERVE_ACCESS_KEYS=orders:s3cr3t,billing:t0ps3cr3t rmqtx serve --path s3://bucket/store"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the options of ``rmqtx serve`` to its subparser (``--conf`` and ``--path`` are
+    ``rmqtx``'s own)."""
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)"
+    )
+    parser.add_argument(
+        "--port", type=int, default=8081, help="port to listen on (default 8081; 0: any)"
+    )
+    parser.add_argument(
+        "--topic",
+        action="append",
+        default=[],
+        help="a topic to serve (repeatable; default: every valid topic name)",
+    )
+    parser.add_argument(
+        "--access-key",
+        action="append",
+        default=[],
+        metavar="KEY:SECRET",
+        help=f"an access key clients sign with (repeatable; default: ${ACCESS_KEYS_ENV}, "
+        "comma-separated; none: every client is accepted)",
+    )
+    parser.add_argument("--tls-cert", help="PEM certificate chain: serve TLS")
+    parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    parser.add_argument(
+        "--grace",
+        default="10s",
+        help="how long the calls under way get to finish at SIGTERM (default 10s)",
+    )
+
+
+def run(args: argparse.Namespace, settings: Settings) -> int:
+    """Run ``rmqtx serve`` until SIGTERM or SIGINT; return the exit code.
+
+    Parameters
+    ----------
+    args : argparse.Namespace
+        The parsed arguments (:func:`add_arguments`).
+    settings : Settings
+        The settings ``rmqtx`` loaded (``--conf``).
+
+    Raises
+    ------
+    RmqSparkError
+        For bad options (an invalid topic, a malformed access key, unreadable TLS files).
+    """
+    from rmq_spark.serve.auth import parse_access_keys
+    from rmq_spark.serve.server import ServeOptions, serve
+    from rmq_spark.store.facade import Store
+
+    if not 0 <= args.port <= 65535:
+        raise InvalidOptionError(f"--port needs to be 0 to 65535, not {args.port}.")
+    keys = args.access_key or [k for k in os.environ.get(ACCESS_KEYS_ENV, "").split(",") if k]
+    options = ServeOptions(
+        host=args.host,
+        port=args.port,
+        topics=_topics(args.topic),
+        access_keys=parse_access_keys(keys),
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        grace=parse_duration(args.grace, "--grace"),
+    )
+    store = Store.open(getattr(args, "path", None), settings=settings)
+    serve(store, options, settings.transaction)
+    return 0
+
+
+def _topics(names: Sequence[str]) -> frozenset[str] | None:
+    for name in names:
+        try:
+            check_topic(name)
+        except InvalidMessageError as exc:
+            raise InvalidOptionError(f"--topic {name!r}: {exc.message}") from exc
+    return frozenset(names) or None

@@ -1,0 +1,185 @@
+"""RocketMQ 5's protocol messages (``apache.rocketmq.v2``) to and from the store's messages.
+
+The generated code comes with the official Python client (``rocketmq.grpc_protocol`` of
+``rocketmq-python-client``). Importing it imports the client package, which creates
+``~/logs/rocketmq_python/`` for its own log file.
+
+The client's message id (``system_properties.message_id``) is kept in the stored message's
+properties as ``UNIQ_KEY``, RocketMQ's name for it, and is the id the server replies with; the
+store gives each stored message an id of its own (``msg_id``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import zlib
+from collections.abc import Mapping
+from typing import Any
+
+from google.protobuf import duration_pb2
+from rocketmq.grpc_protocol import definition_pb2 as pb
+from rocketmq.grpc_protocol import service_pb2 as service_pb
+
+from rmq_spark.model.errors import InvalidMessageError
+from rmq_spark.model.messages import Message, check_topic, is_tag, validate_message
+
+#: The property holding the client's message id (RocketMQ ``MessageConst.PROPERTY_UNIQ_CLIENT_
+#: MESSAGE_ID_KEYIDX``).
+UNIQ_KEY = "UNIQ_KEY"
+#: Properties a client may not set: the server sets them.
+RESERVED_PROPERTIES = frozenset({UNIQ_KEY})
+
+Code = pb.Code
+
+
+class RequestError(Exception):
+    """A request refused with RocketMQ's status ``code`` and a message saying why."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def status(code: int, message: str | None = None) -> pb.Status:
+    """A response status; every response carries one (clients refuse a response without)."""
+    return pb.Status(code=code, message=message if message is not None else Code.Name(code))
+
+
+def check_topic_name(topic: str, topics: frozenset[str] | None) -> None:
+    """Refuse an invalid topic name (``ILLEGAL_TOPIC``) or, when the server serves a fixed set
+    of topics, one outside it (``TOPIC_NOT_FOUND``)."""
+    try:
+        check_topic(topic)
+    except InvalidMessageError as exc:
+        raise RequestError(Code.ILLEGAL_TOPIC, exc.message) from exc
+    if topics is not None and topic not in topics:
+        raise RequestError(
+            Code.TOPIC_NOT_FOUND,
+            f"topic {topic!r} not found; this server serves {', '.join(sorted(topics))}.",
+        )
+
+
+def to_message(proto: pb.Message, topics: frozenset[str] | None, max_body_bytes: int) -> Message:
+    """The store's message for a message a client sent, checked in the order RocketMQ's proxy
+    checks it.
+
+    Raises
+    ------
+    RequestError
+        With the code RocketMQ's proxy answers for the broken rule.
+    """
+    topic = proto.topic.name
+    check_topic_name(topic, topics)
+    system = proto.system_properties
+    if not system.message_id:
+        raise RequestError(Code.ILLEGAL_MESSAGE_ID, f"a message to {topic!r} has no message_id.")
+    reserved = RESERVED_PROPERTIES.intersection(proto.user_properties)
+    if reserved:
+        raise RequestError(
+            Code.ILLEGAL_MESSAGE_PROPERTY_KEY,
+            f"property {min(reserved)!r} is reserved for the server; use another name.",
+        )
+    if system.message_type not in (pb.NORMAL, pb.TRANSACTION):
+        raise RequestError(
+            Code.UNSUPPORTED,
+            f"message type {pb.MessageType.Name(system.message_type)} is not supported; "
+            "this server takes NORMAL and TRANSACTION messages.",
+        )
+    body = _decoded_body(proto, max_body_bytes)
+    if not body:
+        raise RequestError(Code.MESSAGE_BODY_EMPTY, f"a message to {topic!r} has an empty body.")
+    if system.HasField("tag") and not is_tag(system.tag):
+        raise RequestError(
+            Code.ILLEGAL_MESSAGE_TAG,
+            f"tag {system.tag!r} is not valid (empty, with '|' or surrounding whitespace).",
+        )
+    message = Message(
+        topic=topic,
+        body=body,
+        tags=system.tag if system.HasField("tag") else None,
+        keys=tuple(system.keys) or None,
+        properties={**proto.user_properties, UNIQ_KEY: system.message_id},
+    )
+    try:
+        return validate_message(message, max_body_bytes)
+    except InvalidMessageError as exc:
+        raise RequestError(Code.BAD_REQUEST, exc.message) from exc
+
+
+def _decoded_body(proto: pb.Message, max_body_bytes: int) -> bytes:
+    """The body as sent, or unzipped (refused when it is or unzips to over the limit)."""
+    body = proto.body
+    if proto.system_properties.body_encoding == pb.GZIP:
+        try:
+            body = zlib.decompressobj(16 + zlib.MAX_WBITS).decompress(body, max_body_bytes + 1)
+        except zlib.error as exc:
+            raise RequestError(
+                Code.MESSAGE_CORRUPTED, f"the GZIP body of a message cannot be unzipped: {exc}"
+            ) from exc
+    if len(body) > max_body_bytes:
+        raise RequestError(
+            Code.MESSAGE_BODY_TOO_LARGE,
+            f"the body of a message to {proto.topic.name!r} is over the limit of "
+            f"{max_body_bytes} bytes (store.max_body_bytes); send smaller messages.",
+        )
+    return body
+
+
+def check_command(row: Mapping[str, Any], transaction_id: str) -> service_pb.TelemetryCommand:
+    """The ``RecoverOrphanedTransactionCommand`` for a pending half message (a ``half`` row).
+
+    It carries what the client sent (its message id, tag, keys and properties), an IDENTITY
+    encoding and an MD5 digest: MD5 in upper-case hex is what every official client computes
+    alike (their CRC32 texts differ), and a client drops a command without a known encoding.
+    """
+    properties = dict(row["properties"] or {})
+    message = pb.Message(body=row["body"])
+    message.topic.name = row["topic"]
+    message.user_properties.update(
+        {k: v for k, v in properties.items() if k not in RESERVED_PROPERTIES}
+    )
+    system = message.system_properties
+    system.message_id = properties.get(UNIQ_KEY, row["msg_id"])
+    system.message_type = pb.TRANSACTION
+    system.body_encoding = pb.IDENTITY
+    system.body_digest.type = pb.MD5
+    system.body_digest.checksum = hashlib.md5(row["body"]).hexdigest().upper()
+    system.queue_id = row["queue_id"]
+    if row["tags"] is not None:
+        system.tag = row["tags"]
+    if row["keys"]:
+        system.keys.extend(row["keys"].split(" "))
+    system.born_timestamp.FromDatetime(row["born_timestamp"])
+    system.store_timestamp.FromDatetime(row["store_timestamp"])
+    return service_pb.TelemetryCommand(
+        recover_orphaned_transaction_command=service_pb.RecoverOrphanedTransactionCommand(
+            message=message, transaction_id=transaction_id
+        )
+    )
+
+
+def settings_reply(client: pb.Settings, max_body_bytes: int) -> service_pb.TelemetryCommand:
+    """The server's answer to a client's settings: its topics echoed, the store's body limit
+    (0 would make the Python client refuse every send), an exponential backoff (the Java, Go,
+    C# and Node clients require one) and metrics off (on, clients would export them to the
+    endpoints named here)."""
+    reply = pb.Settings()
+    reply.client_type = client.client_type or pb.PRODUCER
+    if client.HasField("access_point"):
+        reply.access_point.CopyFrom(client.access_point)
+    reply.backoff_policy.max_attempts = 3
+    backoff = reply.backoff_policy.exponential_backoff
+    backoff.initial.CopyFrom(duration_pb2.Duration(nanos=10_000_000))
+    backoff.max.CopyFrom(duration_pb2.Duration(seconds=1))
+    backoff.multiplier = 2.0
+    if client.HasField("request_timeout"):
+        reply.request_timeout.CopyFrom(client.request_timeout)
+    else:
+        reply.request_timeout.CopyFrom(duration_pb2.Duration(seconds=3))
+    reply.publishing.topics.extend(client.publishing.topics)
+    reply.publishing.max_body_size = max_body_bytes
+    reply.publishing.validate_message_type = True
+    reply.user_agent.CopyFrom(client.user_agent)
+    reply.metric.on = False
+    return service_pb.TelemetryCommand(status=status(Code.OK), settings=reply)

@@ -1,0 +1,202 @@
+"""Check-back through the clients, as RocketMQ 5 does it: the connected clients' telemetry
+streams, and the loop that asks them about orphaned transactions.
+
+A gRPC producer names no producer group; the server uses the topic (see
+:mod:`rmq_spark.serve.service`). A client belongs to the groups of the topics it declared in its
+settings or sent to. Every ``transaction.transaction_check_interval`` the loop reads each
+shard's ``pending`` table, which the check-back job keeps (``rmqtx check``, with
+``[checkers.<topic>] kind = "clients"``: :class:`rmq_spark.checkback.checkers.ClientsChecker`,
+which counts the checks and rolls back at the check max, as for every group; the server only
+reads, so any number of servers add no commits), and, for every pending transaction of a group
+with a connected client that is older than ``transaction.transaction_timeout`` (or its
+message's ``CHECK_IMMUNITY_TIME_IN_SECONDS``), writes a ``RecoverOrphanedTransactionCommand``
+on the stream of one client of the group, at most once per interval, trying the group's
+clients in turn. The client's ``TransactionChecker`` answers with an ``EndTransaction`` of source
+``SOURCE_SERVER_CHECK``, decided as ``check-back:client``. A group with no connected client is
+not asked (RocketMQ's UNKNOWN: ask again later); with several ``rmqtx serve`` processes, each
+asks the clients connected to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from rocketmq.grpc_protocol import service_pb2 as service_pb
+
+from rmq_spark.model.config import TransactionSettings
+from rmq_spark.model.messages import PROPERTY_CHECK_IMMUNITY
+from rmq_spark.serve.protocol import check_command
+from rmq_spark.store.facade import Store
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Client:
+    """A client's telemetry stream: the commands to write on it (None ends it), and the topics
+    (producer groups) it declared or sent to."""
+
+    client_id: str
+    outbox: asyncio.Queue[service_pb.TelemetryCommand | None] = field(default_factory=asyncio.Queue)
+    topics: set[str] = field(default_factory=set)
+
+
+class Clients:
+    """The clients connected to this server by a telemetry stream, by client id (the
+    ``x-mq-client-id`` metadata of their calls). Used on the event loop's thread only."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[str, Client] = {}
+
+    def connect(self, client_id: str) -> Client:
+        """Register a new stream of ``client_id`` (replacing an older one of it)."""
+        client = Client(client_id)
+        self._by_id[client_id] = client
+        return client
+
+    def disconnect(self, client: Client) -> None:
+        """Forget ``client``'s stream (unless a newer one of it replaced it already)."""
+        if self._by_id.get(client.client_id) is client:
+            del self._by_id[client.client_id]
+
+    def note_topics(self, client_id: str, topics: Iterable[str]) -> None:
+        """Add topics a client declared or sent to (a producer made without topics declares
+        them only at its next settings sync, minutes later)."""
+        client = self._by_id.get(client_id)
+        if client is not None:
+            client.topics.update(topics)
+
+    def groups(self) -> set[str]:
+        """The producer groups (topics) that have a connected client."""
+        return {t for c in self._by_id.values() for t in c.topics}
+
+    def of_group(self, group: str) -> list[Client]:
+        """The connected clients of a producer group, oldest connection first."""
+        return [c for c in self._by_id.values() if group in c.topics]
+
+    def close_all(self) -> None:
+        """End every stream (the server is stopping)."""
+        for client in list(self._by_id.values()):
+            client.outbox.put_nowait(None)
+
+
+@dataclass(frozen=True)
+class Orphan:
+    """A pending transaction due for a check: its group and the command that asks."""
+
+    transaction_id: str
+    producer_group: str
+    command: service_pb.TelemetryCommand
+
+
+class ClientCheckBack:
+    """The loop that asks connected clients about their groups' orphaned transactions.
+
+    Parameters
+    ----------
+    store : Store
+        The store's root (every shard is read).
+    clients : Clients
+        The connected clients.
+    settings : TransactionSettings
+        ``transaction_timeout`` and ``transaction_check_interval``.
+    """
+
+    def __init__(self, store: Store, clients: Clients, settings: TransactionSettings) -> None:
+        self.store = store
+        self.clients = clients
+        self.settings = settings
+        #: Commands written to clients so far.
+        self.checks_sent = 0
+        self._last_asked: dict[str, float] = {}
+        self._asked_count: dict[str, int] = {}
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Run rounds every check interval until ``stop`` is set; a failed round is logged
+        and the next one tries again."""
+        while not stop.is_set():
+            try:
+                await self.round()
+            except Exception:
+                log.exception("a check-back round through the clients failed; retrying later")
+            try:
+                await asyncio.wait_for(stop.wait(), self.settings.transaction_check_interval)
+            except TimeoutError:
+                pass
+
+    async def round(self) -> int:
+        """Ask the clients about every transaction due now; return how many were asked."""
+        groups = self.clients.groups()
+        if not groups:
+            return 0
+        orphans = await asyncio.get_running_loop().run_in_executor(None, self._due, groups)
+        asked = 0
+        for orphan in orphans:
+            candidates = self.clients.of_group(orphan.producer_group)
+            if not candidates:
+                continue  # disconnected meanwhile: UNKNOWN, ask again later
+            count = self._asked_count.get(orphan.transaction_id, 0)
+            client = candidates[count % len(candidates)]
+            self._asked_count[orphan.transaction_id] = count + 1
+            self._last_asked[orphan.transaction_id] = time.monotonic()
+            client.outbox.put_nowait(orphan.command)
+            log.info(
+                "asked client %s about transaction %s of group %s",
+                client.client_id,
+                orphan.transaction_id,
+                orphan.producer_group,
+            )
+            asked += 1
+        self.checks_sent += asked
+        return asked
+
+    def _due(self, groups: set[str]) -> list[Orphan]:
+        """The pending transactions of ``groups`` due for a check, over every shard (blocking:
+        runs on a worker thread)."""
+        due: list[Orphan] = []
+        pending_ids: set[str] = set()
+        now, interval = time.monotonic(), self.settings.transaction_check_interval
+        for shard in self.store.shards(refresh=True):
+            rows = shard.read("pending")
+            pending_ids.update(rows.column("transaction_id").to_pylist())
+            rows = rows.filter(
+                pc.is_in(rows.column("producer_group"), pa.array(sorted(groups), pa.string()))
+            )
+            clock = shard.clock()
+            ripe = [
+                r
+                for r in rows.to_pylist()
+                if clock - r["store_timestamp"] >= timedelta(seconds=self._timeout(r))
+                and now - self._last_asked.get(r["transaction_id"], -interval) >= interval
+            ]
+            if not ripe:
+                continue
+            halves = shard.half_messages([r["transaction_id"] for r in ripe]).to_pylist()
+            first = {h["msg_id"]: h for h in halves}
+            due.extend(
+                Orphan(
+                    r["transaction_id"],
+                    r["producer_group"],
+                    check_command(first[r["msg_id"]], r["transaction_id"]),
+                )
+                for r in ripe
+                if r["msg_id"] in first
+            )
+        for gone in set(self._last_asked) - pending_ids:
+            del self._last_asked[gone]
+            self._asked_count.pop(gone, None)
+        return due
+
+    def _timeout(self, row: dict[str, Any]) -> float:
+        """Seconds before a transaction is checked: its message's check immunity, else the
+        store's transaction timeout."""
+        immunity = dict(row["properties"] or {}).get(PROPERTY_CHECK_IMMUNITY)
+        return float(immunity) if immunity else self.settings.transaction_timeout

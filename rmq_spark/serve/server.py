@@ -1,0 +1,198 @@
+"""The ``rmqtx serve`` process: a gRPC server (``grpc.aio``) speaking RocketMQ 5's client
+protocol in front of a store, until SIGTERM or SIGINT.
+
+A stop is graceful: the server stops accepting calls, ends the clients' telemetry streams, lets
+the calls under way finish for up to the grace period (the store's writes of sends already
+received finish even when their client gave up), publishes its COMMITs and logs one line of
+what it did.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from rocketmq.grpc_protocol import service_pb2_grpc as service_grpc
+
+from rmq_spark.model.config import TransactionSettings
+from rmq_spark.model.errors import InvalidOptionError
+from rmq_spark.serve.recovery import ClientCheckBack, Clients
+from rmq_spark.serve.service import Counters, MessagingService
+from rmq_spark.store.facade import Store
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """How ``rmqtx serve`` listens and whom it serves.
+
+    Parameters
+    ----------
+    host : str, default "127.0.0.1"
+        The address to listen on (loopback: only this host's clients).
+    port : int, default 8081
+        The port (0: any free port, logged at start).
+    topics : frozenset of str, optional
+        The topics served (others are ``TOPIC_NOT_FOUND``); None serves every valid name.
+    access_keys : mapping of str to str
+        ``{access key: secret key}`` accepted; empty accepts every client.
+    tls_cert, tls_key : str, optional
+        PEM files of the server's certificate chain and private key: TLS when given.
+    grace : float, default 10.0
+        Seconds the calls under way get to finish at a stop.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8081
+    topics: frozenset[str] | None = None
+    access_keys: Mapping[str, str] = field(default_factory=dict)
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    grace: float = 10.0
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise InvalidOptionError(
+                "TLS needs both a certificate and a key (--tls-cert, --tls-key)."
+            )
+        for path in (self.tls_cert, self.tls_key):
+            if path is not None and not Path(path).is_file():
+                raise InvalidOptionError(f"TLS file {path!r} does not exist or is not a file.")
+
+
+@dataclass(frozen=True)
+class ServeSummary:
+    """What a server did between its start and its stop."""
+
+    sends: int
+    committed: int
+    rolled_back: int
+    checks_sent: int
+
+
+def serve(
+    store: Store, options: ServeOptions, transaction: TransactionSettings | None = None
+) -> ServeSummary:
+    """Serve RocketMQ 5 clients from ``store`` until SIGTERM or SIGINT.
+
+    Parameters
+    ----------
+    store : Store
+        The store's root.
+    options : ServeOptions
+        Where to listen, topics, access keys, TLS.
+    transaction : TransactionSettings, optional
+        The check-back pace (``transaction_timeout``, ``transaction_check_interval``);
+        default: the built-in settings.
+
+    Returns
+    -------
+    ServeSummary
+        What the server did (also logged at stop).
+
+    Raises
+    ------
+    InvalidOptionError
+        An unreadable TLS file, or an address the server cannot listen on.
+    """
+    credentials = _credentials(options)
+    return asyncio.run(_serve(store, options, transaction or TransactionSettings(), credentials))
+
+
+def _credentials(options: ServeOptions) -> grpc.ServerCredentials | None:
+    if options.tls_cert is None or options.tls_key is None:
+        return None
+    try:
+        pair = (Path(options.tls_key).read_bytes(), Path(options.tls_cert).read_bytes())
+    except OSError as exc:
+        raise InvalidOptionError(f"cannot read a TLS file: {exc}") from exc
+    return grpc.ssl_server_credentials([pair])
+
+
+async def _serve(
+    store: Store,
+    options: ServeOptions,
+    transaction: TransactionSettings,
+    credentials: grpc.ServerCredentials | None,
+) -> ServeSummary:
+    loop = asyncio.get_running_loop()
+    limit = store.settings.max_body_bytes
+    # Room for a body over the limit, so that it is refused with RocketMQ's code.
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 2 * limit + (1 << 20))])
+    address = f"{options.host}:{options.port}"
+    try:
+        if credentials is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, credentials)
+    except RuntimeError as exc:
+        raise InvalidOptionError(f"cannot listen on {address}: {exc} (is it in use?)") from exc
+    clients = Clients()
+    service = MessagingService(
+        store,
+        topics=options.topics,
+        access_keys=options.access_keys,
+        clients=clients,
+        endpoint=(options.host, port),
+    )
+    await loop.run_in_executor(None, service.start)
+    service_grpc.add_MessagingServiceServicer_to_server(service, server)
+    checkback = ClientCheckBack(store, clients, transaction)
+    stop = asyncio.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await server.start()
+    _announce(options, port, credentials is not None, store.root)
+    checking = asyncio.create_task(checkback.run(stop))
+    await stop.wait()
+    log.info("stopping: no new calls; the calls under way get %.0f s", options.grace)
+    clients.close_all()
+    await server.stop(options.grace)
+    clients.close_all()
+    await service.finish_sends()
+    await checking
+    await loop.run_in_executor(None, service.close)
+    summary = _summary(service.counters, checkback.checks_sent)
+    log.info(
+        "rmqtx serve stopped: %d sends, %d transactions committed, %d rolled back, %d checks sent",
+        summary.sends,
+        summary.committed,
+        summary.rolled_back,
+        summary.checks_sent,
+    )
+    return summary
+
+
+def _announce(options: ServeOptions, port: int, tls: bool, root: str) -> None:
+    log.info(
+        "rmqtx serve listening on %s:%d (%s) for the store at %s",
+        options.host,
+        port,
+        "TLS" if tls else "plaintext",
+        root,
+    )
+    if options.topics is None:
+        log.info("serving every valid topic name (no --topic given)")
+    else:
+        log.info("serving topics %s", ", ".join(sorted(options.topics)))
+    log.info(
+        "open transactions are asked of their clients once the check-back job lists them: run "
+        "'rmqtx check' with [checkers.<topic>] kind = \"clients\" (the topic is the group)"
+    )
+    if not options.access_keys:
+        log.warning(
+            "no access keys configured: any client that can reach %s:%d may send and end "
+            "transactions; give --access-key KEY:SECRET",
+            options.host,
+            port,
+        )
+
+
+def _summary(counters: Counters, checks_sent: int) -> ServeSummary:
+    return ServeSummary(counters.sends, counters.committed, counters.rolled_back, checks_sent)

@@ -1,0 +1,455 @@
+"""RocketMQ 5's ``MessagingService`` (producer side) over an rmq-spark store.
+
+Each call becomes the store's own operation:
+
+* ``QueryRoute``: the store's queues (of the shard this server writes to) as the route, with
+  the endpoint the client used as the broker, so that a client reaching the server by any name
+  keeps using that name;
+* ``SendMessage``: a NORMAL message is published at once (like :meth:`Store.send`); a
+  TRANSACTION message is a half message, durable before the reply. Sends are group-committed:
+  one Delta commit carries every send that arrived while the previous one was written;
+* ``EndTransaction``: COMMIT or ROLLBACK; the first decision wins. A repeated identical
+  decision is OK; an unknown transaction, or one already decided the other way, is refused
+  with ``INVALID_TRANSACTION_ID``. An answer to a check (source ``SOURCE_SERVER_CHECK``) is
+  recorded as decided by ``check-back:client``;
+* ``Telemetry``: settings sync, and the stream check-back writes to
+  (:mod:`rmq_spark.serve.recovery`);
+* ``Heartbeat`` and ``NotifyClientTermination``: acknowledged.
+
+**The producer group is the topic.** RocketMQ 5 clients send no producer group; RocketMQ's
+proxy registers a producer under each of its topics and stamps half messages with the topic
+as their group, so check-back asks the clients of that topic. The server does the same.
+
+**Retried sends are stored once per process.** A client retries a send that failed or timed
+out with the same message id; a retry of a send in flight or done (by topic and message id,
+the last :data:`REMEMBERED_SENDS` sends) gets the first send's result, so a retried half
+message never becomes a second transaction. Retries reaching another ``rmqtx serve`` process
+are not recognised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+from rocketmq.grpc_protocol import definition_pb2 as pb
+from rocketmq.grpc_protocol import service_pb2 as service_pb
+from rocketmq.grpc_protocol import service_pb2_grpc as service_grpc
+
+from rmq_spark.group_commit import GroupCommitter, Slot
+from rmq_spark.model.errors import RmqSparkError
+from rmq_spark.model.messages import LocalTransactionState, Message, shard_of
+from rmq_spark.serve.auth import authorization_error
+from rmq_spark.serve.protocol import (
+    UNIQ_KEY,
+    Code,
+    RequestError,
+    check_topic_name,
+    settings_reply,
+    status,
+    to_message,
+)
+from rmq_spark.serve.recovery import Client, Clients
+from rmq_spark.store.decisions import Decision, EndTransactionResult, EndTransactionStatus
+from rmq_spark.store.facade import Store
+from rmq_spark.store.publish_loop import BackgroundPublisher, publish_own, publisher_for
+
+log = logging.getLogger(__name__)
+
+#: How many sends (topic, message id) a process remembers to recognise retries.
+REMEMBERED_SENDS = 100_000
+#: How many of its own open transactions a process remembers (others are looked up in the
+#: store when they are ended).
+REMEMBERED_TRANSACTIONS = 100_000
+#: Who decided, in ``op``, a transaction ended by a client's answer to a check.
+DECIDED_BY_CLIENT_CHECK = "check-back:client"
+#: See :data:`rmq_spark.producer._LINGER_SECONDS`: concurrent senders come back in waves.
+_LINGER_SECONDS = 0.003
+_RESOLUTIONS = {
+    pb.COMMIT: LocalTransactionState.COMMIT,
+    pb.ROLLBACK: LocalTransactionState.ROLLBACK,
+}
+
+R = TypeVar("R")
+
+
+@dataclass
+class Counters:
+    """What a server did, for its summary at stop."""
+
+    sends: int = 0
+    committed: int = 0
+    rolled_back: int = 0
+
+
+class MessagingService(service_grpc.MessagingServiceServicer):
+    """The ``MessagingService`` servicer (for ``grpc.aio``) over one store.
+
+    Parameters
+    ----------
+    store : Store
+        The store's root.
+    topics : frozenset of str, optional
+        The topics served; None serves every valid topic name.
+    access_keys : mapping of str to str
+        ``{access key: secret key}``; empty accepts unsigned requests.
+    clients : Clients
+        The registry of telemetry streams, shared with the check-back loop.
+    endpoint : tuple of (str, int)
+        The server's own host and port, the broker of a route when the client named none.
+    max_batch : int, default 1024
+        Most sends or decisions in one Delta commit.
+
+    Notes
+    -----
+    The method names are gRPC's. Call :meth:`start` before serving and :meth:`close` after
+    the gRPC server stopped.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        topics: frozenset[str] | None,
+        access_keys: Mapping[str, str],
+        clients: Clients,
+        endpoint: tuple[str, int],
+        max_batch: int = 1024,
+    ) -> None:
+        self.store = store
+        self.topics = topics
+        self.access_keys = dict(access_keys)
+        self.clients = clients
+        self.endpoint = endpoint
+        self.counters = Counters()
+        self._max_batch = max_batch
+        self._max_body = store.settings.max_body_bytes
+        self._writer = store
+        self._publisher: BackgroundPublisher | None = None
+        self._prepare: GroupCommitter[tuple[Message, str], Any] | None = None
+        self._end: GroupCommitter[Decision | tuple[Message, str], Any] | None = None
+        self._sends: OrderedDict[tuple[str, str], asyncio.Task[service_pb.SendResultEntry]] = (
+            OrderedDict()
+        )
+        self._transactions: OrderedDict[str, str] = OrderedDict()
+
+    # -------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        """Pick the shard to write to (as a producer process does), start the publisher and
+        the group committers (blocking)."""
+        self._publisher = publisher_for(self.store)
+        self._writer = self._publisher.store
+        self._writer.maintain_in_background()
+        self._prepare = GroupCommitter(
+            "rmqtx-serve-prepare", self._prepare_batch, self._max_batch, _LINGER_SECONDS
+        )
+        self._end = GroupCommitter(
+            "rmqtx-serve-end", self._end_batch, self._max_batch, _LINGER_SECONDS
+        )
+
+    async def finish_sends(self) -> None:
+        """Wait for the sends under way (their clients may have gone)."""
+        running = [t for t in self._sends.values() if not t.done()]
+        if running:
+            await asyncio.wait(running)
+
+    def close(self) -> None:
+        """Finish what the committers hold, publish this process's COMMITs, stop the
+        publisher and wait for the maintenance asked for (blocking)."""
+        for committer in (self._prepare, self._end):
+            if committer is not None:
+                committer.close()
+        if self._publisher is not None:
+            self._publisher.stop()
+        publish_own(self._writer, "this server")
+        self._writer.finish_maintenance()
+
+    # -------------------------------------------------------------- helpers
+    def _refusal(self, context: grpc.aio.ServicerContext) -> pb.Status | None:
+        error = authorization_error(_metadata(context), self.access_keys)
+        if error is None:
+            return None
+        log.warning("refused a request from %s: %s", context.peer(), error)
+        return status(Code.UNAUTHORIZED, error)
+
+    # -------------------------------------------------------------- routes, liveness
+    async def QueryRoute(
+        self, request: service_pb.QueryRouteRequest, context: grpc.aio.ServicerContext
+    ) -> service_pb.QueryRouteResponse:
+        refusal = self._refusal(context)
+        if refusal is not None:
+            return service_pb.QueryRouteResponse(status=refusal)
+        try:
+            check_topic_name(request.topic.name, self.topics)
+        except RequestError as exc:
+            log.info("route of %r refused: %s", request.topic.name, exc.message)
+            return service_pb.QueryRouteResponse(status=status(exc.code, exc.message))
+        endpoints = request.endpoints
+        if not endpoints.addresses:
+            host, port = self.endpoint
+            endpoints = pb.Endpoints(scheme=pb.IPv4, addresses=[pb.Address(host=host, port=port)])
+        broker = pb.Broker(name="rmqtx", id=0, endpoints=endpoints)  # id 0: a master
+        queues = [
+            pb.MessageQueue(
+                topic=request.topic,
+                id=self._writer.queue_base + i,
+                permission=pb.READ_WRITE,
+                broker=broker,
+                accept_message_types=[pb.NORMAL, pb.TRANSACTION],
+            )
+            for i in range(self._writer.settings.queue_nums)
+        ]
+        return service_pb.QueryRouteResponse(status=status(Code.OK), message_queues=queues)
+
+    async def Heartbeat(
+        self, request: service_pb.HeartbeatRequest, context: grpc.aio.ServicerContext
+    ) -> service_pb.HeartbeatResponse:
+        return service_pb.HeartbeatResponse(status=self._refusal(context) or status(Code.OK))
+
+    async def NotifyClientTermination(
+        self,
+        request: service_pb.NotifyClientTerminationRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> service_pb.NotifyClientTerminationResponse:
+        refusal = self._refusal(context)
+        if refusal is None:
+            log.info("client %s terminated", _metadata(context).get("x-mq-client-id"))
+        return service_pb.NotifyClientTerminationResponse(status=refusal or status(Code.OK))
+
+    # -------------------------------------------------------------- telemetry
+    async def Telemetry(
+        self,
+        request_iterator: AsyncIterator[service_pb.TelemetryCommand],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[service_pb.TelemetryCommand]:
+        metadata = _metadata(context)
+        error = authorization_error(metadata, self.access_keys)
+        if error is not None:
+            log.warning("refused a telemetry stream from %s: %s", context.peer(), error)
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, error)
+        client = self.clients.connect(metadata.get("x-mq-client-id") or uuid.uuid4().hex)
+        log.info("client %s connected (%s)", client.client_id, context.peer())
+        reader = asyncio.create_task(self._read_telemetry(request_iterator, client))
+        try:
+            while (command := await client.outbox.get()) is not None:
+                yield command
+        finally:
+            reader.cancel()
+            self.clients.disconnect(client)
+            log.info("client %s disconnected", client.client_id)
+
+    async def _read_telemetry(
+        self, commands: AsyncIterator[service_pb.TelemetryCommand], client: Client
+    ) -> None:
+        try:
+            async for command in commands:
+                if command.WhichOneof("command") == "settings":
+                    topics = [t.name for t in command.settings.publishing.topics]
+                    self.clients.note_topics(client.client_id, topics)
+                    client.outbox.put_nowait(settings_reply(command.settings, self._max_body))
+                else:
+                    log.debug("client %s sent %s", client.client_id, command.WhichOneof("command"))
+        except (grpc.aio.AioRpcError, asyncio.CancelledError):
+            pass  # the stream ended; the writer below ends too
+        finally:
+            client.outbox.put_nowait(None)
+
+    # -------------------------------------------------------------- sends
+    async def SendMessage(
+        self, request: service_pb.SendMessageRequest, context: grpc.aio.ServicerContext
+    ) -> service_pb.SendMessageResponse:
+        refusal = self._refusal(context)
+        if refusal is not None:
+            return service_pb.SendMessageResponse(status=refusal)
+        if not request.messages:
+            return service_pb.SendMessageResponse(
+                status=status(Code.MESSAGE_CORRUPTED, "the request has no message to send.")
+            )
+        client_id = _metadata(context).get("x-mq-client-id", "")
+        entries = await asyncio.gather(*(self._send(m, client_id) for m in request.messages))
+        codes = {e.status.code for e in entries}
+        overall = (
+            entries[0].status
+            if len(codes) == 1
+            else status(Code.MULTIPLE_RESULTS, "the messages have different results")
+        )
+        return service_pb.SendMessageResponse(status=overall, entries=entries)
+
+    async def _send(self, proto: pb.Message, client_id: str) -> service_pb.SendResultEntry:
+        try:
+            message = to_message(proto, self.topics, self._max_body)
+        except RequestError as exc:
+            log.info("send to %r refused: %s", proto.topic.name, exc.message)
+            return service_pb.SendResultEntry(status=status(exc.code, exc.message))
+        self.clients.note_topics(client_id, [message.topic])
+        key = (message.topic, proto.system_properties.message_id)
+        task = self._sends.get(key)
+        if task is None:
+            transactional = proto.system_properties.message_type == pb.TRANSACTION
+            task = asyncio.create_task(self._store(key, message, transactional))
+            self._sends[key] = task
+            while len(self._sends) > REMEMBERED_SENDS:
+                self._sends.popitem(last=False)
+        else:
+            log.info("send of message %s to %r retried: answered once", key[1], key[0])
+        # Shielded: a client giving up on its call must not stop the store's write.
+        return await asyncio.shield(task)
+
+    async def _store(
+        self, key: tuple[str, str], message: Message, transactional: bool
+    ) -> service_pb.SendResultEntry:
+        """Store one message (the send's task, shared with its retries)."""
+        group = message.topic
+        message_id = message.properties[UNIQ_KEY]
+        try:
+            if transactional:
+                assert self._prepare is not None
+                prepared = await _result(self._prepare.submit((message, group)))
+                self._remember_transaction(prepared.transaction_id, group)
+                entry = service_pb.SendResultEntry(
+                    message_id=message_id, transaction_id=prepared.transaction_id
+                )
+            else:
+                assert self._end is not None
+                _, _, offset = await _result(self._end.submit((message, group)))
+                entry = service_pb.SendResultEntry(message_id=message_id, offset=offset)
+        except Exception as exc:
+            log.exception("storing message %s of topic %r failed", message_id, message.topic)
+            if self._sends.get(key) is asyncio.current_task():
+                del self._sends[key]  # a retry tries again
+            return service_pb.SendResultEntry(
+                status=status(
+                    Code.INTERNAL_ERROR, f"the store failed to write the message ({exc}); retry."
+                )
+            )
+        self.counters.sends += 1
+        entry.status.CopyFrom(status(Code.OK))
+        return entry
+
+    def _remember_transaction(self, transaction_id: str, group: str) -> None:
+        self._transactions[transaction_id] = group
+        while len(self._transactions) > REMEMBERED_TRANSACTIONS:
+            self._transactions.popitem(last=False)
+
+    # -------------------------------------------------------------- transactions
+    async def EndTransaction(
+        self, request: service_pb.EndTransactionRequest, context: grpc.aio.ServicerContext
+    ) -> service_pb.EndTransactionResponse:
+        refusal = self._refusal(context)
+        if refusal is not None:
+            return service_pb.EndTransactionResponse(status=refusal)
+        try:
+            outcome = await self._end_transaction(request)
+        except RequestError as exc:
+            log.info("end of transaction %r refused: %s", request.transaction_id, exc.message)
+            return service_pb.EndTransactionResponse(status=status(exc.code, exc.message))
+        return service_pb.EndTransactionResponse(status=status(Code.OK, outcome))
+
+    async def _end_transaction(self, request: service_pb.EndTransactionRequest) -> str:
+        """Decide the transaction; return what happened, or raise :class:`RequestError`."""
+        transaction_id = request.transaction_id
+        if not transaction_id:
+            raise RequestError(Code.INVALID_TRANSACTION_ID, "the request has no transaction_id.")
+        state = _RESOLUTIONS.get(request.resolution)
+        if state is None:
+            return "no resolution: the transaction stays open for check-back"
+        group = self._transactions.get(transaction_id)
+        if group is None:
+            loop = asyncio.get_running_loop()
+            group = await loop.run_in_executor(None, self._group_of, transaction_id)
+        if group is None:
+            raise RequestError(
+                Code.INVALID_TRANSACTION_ID,
+                f"unknown transaction {transaction_id!r}: the store has no half message with "
+                "this id; end the transaction_id that the transactional send returned.",
+            )
+        by_check = request.source == pb.SOURCE_SERVER_CHECK
+        decided_by = DECIDED_BY_CLIENT_CHECK if by_check else "producer"
+        assert self._end is not None
+        result: EndTransactionResult = await _result(
+            self._end.submit(Decision(transaction_id, group, state, decided_by))
+        )
+        if result.status is EndTransactionStatus.REFUSED:
+            raise RequestError(
+                Code.INVALID_TRANSACTION_ID,
+                f"transaction {transaction_id!r} is already {result.decision.value}; the first "
+                f"decision wins, so {state.value} is refused.",
+            )
+        if result.status is EndTransactionStatus.APPLIED:
+            self._transactions.pop(transaction_id, None)
+            if state is LocalTransactionState.COMMIT:
+                self.counters.committed += 1
+            else:
+                self.counters.rolled_back += 1
+            log.debug("transaction %s: %s by %s", transaction_id, state.value, decided_by)
+        return f"{state.value} {result.status.value.lower()}"
+
+    def _group_of(self, transaction_id: str) -> str | None:
+        """The producer group of a transaction the store holds, or None (blocking)."""
+        try:
+            shard = self.store.shard_store(shard_of(transaction_id))
+        except RmqSparkError:
+            return None  # a shard the store does not have
+        groups = shard.half_messages([transaction_id]).column("producer_group").to_pylist()
+        return groups[0] if groups else None
+
+    # -------------------------------------------------------------- batch handlers
+    def _prepare_batch(self, items: list[tuple[Message, str]]) -> list[Any]:
+        by_group: dict[str, list[int]] = {}
+        for i, (_, group) in enumerate(items):
+            by_group.setdefault(group, []).append(i)
+        results: list[Any] = [None] * len(items)
+        for group, indexes in by_group.items():
+            prepared = self._writer.prepare([items[i][0] for i in indexes], group, validated=True)
+            for i, p in zip(indexes, prepared, strict=True):
+                results[i] = p
+        return results
+
+    def _end_batch(self, items: list[Decision | tuple[Message, str]]) -> list[Any]:
+        decisions = [i for i in items if isinstance(i, Decision)]
+        normal = [i for i in items if not isinstance(i, Decision)]
+        ended = iter(self.store.end_transactions(decisions, publish=False) if decisions else [])
+        if self._publisher is not None and any(
+            d.state is LocalTransactionState.COMMIT for d in decisions
+        ):
+            self._publisher.wake()
+        try:
+            sent: Sequence[Any] = self._writer.publish(normal, latest=False).sent if normal else []
+        except Exception as exc:
+            if not decisions:
+                raise
+            # The decisions are recorded (their callers succeeded); the normal messages failed.
+            sent = [exc] * len(normal)
+        published = iter(sent)
+        return [next(ended) if isinstance(i, Decision) else next(published) for i in items]
+
+
+def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
+    return {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
+
+
+async def _result(slot: Slot[R]) -> R:
+    """Await a group committer's result without holding a thread."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[R] = loop.create_future()
+
+    def settle(done: Slot[R]) -> None:
+        if future.cancelled():
+            return
+        error = done.exception()
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(done.result())
+
+    def on_done(done: Slot[R]) -> None:
+        loop.call_soon_threadsafe(settle, done)
+
+    slot.add_done_callback(on_done)
+    return await future

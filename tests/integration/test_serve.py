@@ -1,0 +1,313 @@
+"""``rmqtx serve`` as a real process, with RocketMQ's official Python client
+(``rocketmq-python-client``) and a raw gRPC stub in child processes
+(tests/serve_clients/producer.py); what they did is read back from the store's tables."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from rmq_spark import Store
+from rmq_spark.checkback.checkers import ClientsChecker
+from rmq_spark.checkback.job import CheckBackJob
+from rmq_spark.model.config import TransactionSettings
+from tests.lifetime import die_with_parent
+
+# Not imported here: importing the client creates ~/logs/rocketmq_python/ in the real home.
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("rocketmq") is None,
+    reason="the serve extra (rocketmq-python-client) is not installed",
+)
+
+CLIENT = Path(__file__).resolve().parents[1] / "serve_clients" / "producer.py"
+AK, SK = "test-ak", "test-sk"
+MAX_BODY = 65536
+SETTINGS = f"""\
+[store]
+max_body_bytes = {MAX_BODY}
+
+[transaction]
+transaction_timeout = "2s"
+transaction_check_interval = "1s"
+"""
+LISTENING = re.compile(r"listening on 127\.0\.0\.1:(\d+)")
+
+
+@dataclass
+class Server:
+    process: subprocess.Popen[bytes]
+    endpoint: str
+    root: Path
+    log: Path
+
+    def stop(self, timeout: float = 60) -> int:
+        self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout)
+
+
+def start_server(folder: Path, *extra: str) -> Server:
+    """``python -m rmq_spark.serve`` on a new store under ``folder``, on a free port."""
+    folder.mkdir(parents=True, exist_ok=True)
+    conf = folder / "rmq-spark.toml"
+    conf.write_text(SETTINGS)
+    root, log = folder / "store", folder / "server.log"
+    command = [
+        sys.executable,
+        "-m",
+        "rmq_spark.ops.cli",
+        "--conf",
+        str(conf),
+        "--path",
+        str(root),
+        "serve",
+    ]
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [*command, "--port", "0", *extra],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            preexec_fn=die_with_parent,
+        )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        found = LISTENING.search(log.read_text())
+        if found:
+            return Server(process, f"127.0.0.1:{found.group(1)}", root, log)
+        assert process.poll() is None, log.read_text()
+        time.sleep(0.1)
+    process.kill()
+    raise AssertionError(f"the server did not start:\n{log.read_text()}")
+
+
+def run_client(
+    folder: Path,
+    server: Server,
+    scenario: str,
+    *args: str,
+    secret: str = SK,
+    env: dict[str, str] | None = None,
+):
+    """Run a client scenario in a child process; return its JSON result."""
+    home = folder / "home"
+    home.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(
+        [sys.executable, str(CLIENT), scenario, server.endpoint, AK, secret, *args],
+        env={**os.environ, "HOME": str(home), **(env or {})},
+        capture_output=True,
+        timeout=120,
+        preexec_fn=die_with_parent,
+    )
+    assert done.returncode == 0, done.stderr.decode() + done.stdout.decode()
+    return json.loads(done.stdout.decode().strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A server with access keys and two topics, shared by the module's tests."""
+    folder = tmp_path_factory.mktemp("serve")
+    served = start_server(
+        folder, "--topic", "Orders", "--topic", "TxOrders", "--access-key", f"{AK}:{SK}"
+    )
+    try:
+        yield served
+    finally:
+        if served.process.poll() is None:
+            served.stop()
+
+
+def stored(root: Path, timeout: float = 30, until=lambda counts: True) -> Counter[str]:
+    """How many times each client message id (``UNIQ_KEY``) is in the CommitLog, once
+    ``until(counts)`` holds (COMMITs are published in the background) or ``timeout`` passed."""
+    store = Store.open(root, create=False)
+    deadline = time.monotonic() + timeout
+    while True:
+        properties = store.read("commitlog", ["properties"]).column("properties").to_pylist()
+        counts = Counter(dict(p)["UNIQ_KEY"] for p in properties)
+        if until(counts) or time.monotonic() > deadline:
+            return counts
+        time.sleep(0.2)
+
+
+def decisions(root: Path) -> dict[str, tuple[str, str]]:
+    op = Store.open(root, create=False).read("op").to_pylist()
+    return {r["transaction_id"]: (r["decision"], r["decided_by"]) for r in op}
+
+
+def test_send_commit_rollback_with_the_official_client(server: Server, tmp_path: Path) -> None:
+    result = run_client(tmp_path, server, "basic")
+    counts = stored(server.root, until=lambda c: c[result["committed"]] > 0)
+    assert counts[result["normal"]] == 1
+    assert counts[result["committed"]] == 1
+    assert counts[result["rolled_back"]] == 0
+    assert "40008" in result["refused"] and "already ROLLBACK" in result["refused"]
+    ops = decisions(server.root)
+    assert ops[result["committed_txn"]] == ("COMMIT", "producer")
+    assert ops[result["rolled_back_txn"]] == ("ROLLBACK", "producer")
+    rows = Store.open(server.root, create=False).read("commitlog").to_pylist()
+    (normal,) = [r for r in rows if dict(r["properties"])["UNIQ_KEY"] == result["normal"]]
+    assert (normal["topic"], normal["producer_group"]) == ("Orders", "Orders")
+    assert (normal["tags"], normal["keys"], normal["body"]) == ("TagA", "k-normal", b"normal")
+    assert dict(normal["properties"])["origin"] == "serve-test"
+
+
+@contextlib.contextmanager
+def check_back_job(spark, root: Path, group: str) -> Iterator[CheckBackJob]:
+    """The check-back job on a thread, with the ``clients`` checker for ``group``: it keeps
+    the ``pending`` table the server reads, and counts the checks."""
+    store = Store.open(root, create=False)
+    job = CheckBackJob(
+        spark,
+        store,
+        {group: ClientsChecker()},
+        TransactionSettings(transaction_timeout=2.0, transaction_check_interval=1.0),
+    )
+    stop = threading.Event()
+    thread = threading.Thread(target=job.run_forever, args=(1.0, stop))
+    thread.start()
+    try:
+        yield job
+    finally:
+        stop.set()
+        thread.join(120)
+
+
+def test_open_transactions_resolved_by_the_clients_checker(
+    spark, server: Server, tmp_path: Path
+) -> None:
+    """The check-back job (``kind = "clients"`` for the topic's group) and the server together:
+    the job keeps the pending transactions, the server asks the group's connected clients."""
+    orphan = run_client(tmp_path / "killed", server, "orphan")
+    # A new client of the group answers for the one that died, and for its own open ones.
+    with check_back_job(spark, server.root, "TxOrders"):
+        result = run_client(tmp_path / "new", server, "checked", orphan["orphan"])
+    commit_id, commit_txn = result["sent"]["commit: open"]
+    rollback_id, rollback_txn = result["sent"]["rollback: open"]
+    assert {k: result["checked"].get(k) for k in (orphan["orphan"], commit_id, rollback_id)} == {
+        orphan["orphan"]: "COMMIT",
+        commit_id: "COMMIT",
+        rollback_id: "ROLLBACK",
+    }
+    ops = decisions(server.root)
+    assert ops[orphan["orphan_txn"]] == ("COMMIT", "check-back:client")
+    assert ops[commit_txn] == ("COMMIT", "check-back:client")
+    assert ops[rollback_txn] == ("ROLLBACK", "check-back:client")
+    counts = stored(server.root, until=lambda c: c[commit_id] and c[orphan["orphan"]])
+    assert (counts[orphan["orphan"]], counts[commit_id], counts[rollback_id]) == (1, 1, 0)
+
+
+def test_wrong_secret_and_unknown_topic_refused(server: Server, tmp_path: Path) -> None:
+    wrong = run_client(tmp_path, server, "refused-send", "Orders", secret="not-the-secret")
+    unknown = run_client(tmp_path, server, "refused-send", "NoSuchTopic")
+    # The client only logs why a route failed, and then cannot send.
+    assert wrong["refused"] and unknown["refused"]
+    client_log = (tmp_path / "home/logs/rocketmq_python/rocketmq_client.log").read_text()
+    assert "40100" in client_log and "signature mismatch" in client_log
+    assert "40402" in client_log and "'NoSuchTopic' not found" in client_log
+    store = Store.open(server.root, create=False)
+    for table in ("half", "commitlog"):
+        assert b"must not be stored" not in store.read(table, ["body"]).column("body").to_pylist()
+
+
+def test_raw_requests_retries_and_refusals(server: Server, tmp_path: Path) -> None:
+    run_id = uuid.uuid4().hex[:8]
+    result = run_client(tmp_path, server, "raw", run_id, str(MAX_BODY))
+    first, retry = result["normal"]
+    assert first["code"] == retry["code"] == "OK"
+    assert first["message_id"] == retry["message_id"] == f"RAW-NORMAL-{run_id}"
+    half, half_retry = result["half"]
+    assert half["code"] == half_retry["code"] == "OK"
+    assert half["transaction_id"] == half_retry["transaction_id"]
+    assert result["commit"]["code"] == result["commit_again"]["code"] == "OK"
+    assert result["rollback_late"]["code"] == "INVALID_TRANSACTION_ID"
+    assert "already COMMIT" in result["rollback_late"]["message"]
+    assert result["unknown_txn"]["code"] == "INVALID_TRANSACTION_ID"
+    assert "unknown transaction" in result["unknown_txn"]["message"]
+    assert result["illegal_topic"]["code"] == "ILLEGAL_TOPIC"
+    assert "'bad topic!'" in result["illegal_topic"]["message"]
+    assert result["unknown_topic"]["code"] == "TOPIC_NOT_FOUND"
+    assert result["too_large"]["code"] == "MESSAGE_BODY_TOO_LARGE"
+    assert f"limit of {MAX_BODY} bytes" in result["too_large"]["message"]
+    assert result["unsigned"] == "UNAUTHORIZED"
+    halves = Store.open(server.root, create=False).read("half").to_pylist()
+    ids = Counter(dict(h["properties"])["UNIQ_KEY"] for h in halves)
+    assert ids[f"RAW-HALF-{run_id}"] == 1
+    counts = stored(server.root, until=lambda c: c[f"RAW-HALF-{run_id}"] > 0)
+    assert counts[f"RAW-NORMAL-{run_id}"] == 1 and counts[f"RAW-HALF-{run_id}"] == 1
+    assert not any(run_id in k and ("BAD" in k or "LARGE" in k or "UNKNOWN" in k) for k in ids)
+
+
+def test_sigterm_stops_cleanly(tmp_path: Path) -> None:
+    server = start_server(tmp_path / "server")
+    log = server.log.read_text()
+    assert "no access keys configured" in log and "serving every valid topic name" in log
+    result = run_client(tmp_path, server, "basic")
+    assert server.stop() == 0
+    log = server.log.read_text()
+    assert "rmqtx serve stopped: 3 sends, 1 transactions committed, 1 rolled back" in log
+    assert "Traceback" not in log
+    counts = stored(server.root, timeout=0)
+    assert (counts[result["normal"]], counts[result["committed"]]) == (1, 1)
+
+
+def test_tls(tmp_path: Path) -> None:
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"]
+        + ["-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"]
+        + ["-keyout", str(key), "-out", str(cert)],
+        check=True,
+        capture_output=True,
+    )
+    server = start_server(tmp_path / "server", "--tls-cert", str(cert), "--tls-key", str(key))
+    try:
+        assert "(TLS)" in server.log.read_text()
+        trust = {"GRPC_DEFAULT_SSL_ROOTS_FILE_PATH": str(cert)}
+        result = run_client(tmp_path, server, "tls-send", env=trust)
+        assert stored(server.root, timeout=0)[result["normal"]] == 1
+    finally:
+        assert server.stop() == 0
+
+
+@pytest.mark.parametrize(
+    ("option", "error"),
+    [
+        (["--access-key", "no-secret"], "an access key needs to be KEY:SECRET"),
+        (["--topic", "RMQ_SYS_TRANS_HALF_TOPIC"], "is a system topic"),
+        (["--tls-cert", "cert.pem"], "TLS needs both a certificate and a key"),
+        (["--tls-cert", "cert.pem", "--tls-key", "key.pem"], "TLS file 'cert.pem' does not exist"),
+        (["--port", "70000"], "--port needs to be 0 to 65535"),
+    ],
+)
+def test_bad_options_refused_before_serving(tmp_path: Path, option: list[str], error: str) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rmq_spark.ops.cli",
+            "--path",
+            str(tmp_path / "store"),
+            "serve",
+            *option,
+        ],
+        env={**os.environ, "HOME": str(tmp_path)},
+        capture_output=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert error in done.stderr.decode()
+    assert not (tmp_path / "store").exists()

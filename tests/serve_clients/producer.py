@@ -1,0 +1,230 @@
+"""RocketMQ 5 clients against ``rmqtx serve``, run as child processes by
+tests/integration/test_serve.py: the official Python client (``rocketmq-python-client``),
+unchanged, and a raw gRPC stub for what the client never sends (a retry with the same message
+id, an illegal topic, a body over the limit).
+
+Usage: ``python producer.py SCENARIO ENDPOINT ACCESS_KEY SECRET_KEY [ARG...]``; the last line
+printed is the scenario's result as JSON. Run it with ``HOME`` set to a temporary folder: the
+client writes its log under ``~/logs/rocketmq_python/``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import hmac
+import json
+import os
+import sys
+import threading
+import time
+
+import grpc
+from rocketmq import (
+    ClientConfiguration,
+    Credentials,
+    Message,
+    Producer,
+    TransactionChecker,
+    TransactionResolution,
+)
+from rocketmq.grpc_protocol import definition_pb2 as pb
+from rocketmq.grpc_protocol import service_pb2 as service_pb
+from rocketmq.grpc_protocol import service_pb2_grpc as service_grpc
+
+TOPIC, TX_TOPIC = "Orders", "TxOrders"
+
+
+def message(topic: str, body: bytes, key: str | None = None) -> Message:
+    m = Message()
+    m.topic = topic
+    m.body = body
+    m.tag = "TagA"
+    if key:
+        m.keys = key
+    m.add_property("origin", "serve-test")
+    return m
+
+
+class BodyChecker(TransactionChecker):
+    """Commits a transaction whose body starts with ``commit``, rolls back the others."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, str] = {}
+        self.changed = threading.Condition()
+
+    def check(self, msg: Message) -> TransactionResolution:
+        commit = msg.body.startswith(b"commit")
+        with self.changed:
+            self.seen[msg.message_id] = "COMMIT" if commit else "ROLLBACK"
+            self.changed.notify_all()
+        return TransactionResolution.COMMIT if commit else TransactionResolution.ROLLBACK
+
+
+def producer(
+    endpoint: str, ak: str, sk: str, checker: TransactionChecker | None = None, tls: bool = False
+):
+    config = ClientConfiguration(endpoint, Credentials(ak, sk), request_timeout=5)
+    p = Producer(config, (TOPIC, TX_TOPIC), checker, tls_enable=tls)
+    p.startup()
+    return p
+
+
+def basic(endpoint: str, ak: str, sk: str) -> dict:
+    """A normal send, a transaction committed, one rolled back and then committed (refused)."""
+    p = producer(endpoint, ak, sk, BodyChecker())
+    try:
+        normal = p.send(message(TOPIC, b"normal", "k-normal"))
+        tx = p.begin_transaction()
+        committed = p.send(message(TX_TOPIC, b"committed", "k-commit"), tx)
+        tx.commit()
+        tx = p.begin_transaction()
+        rolled_back = p.send(message(TX_TOPIC, b"rolled back", "k-rollback"), tx)
+        tx.rollback()
+        try:
+            tx.commit()
+            refused = None
+        except Exception as exc:  # ClientException(code, message)
+            refused = str(exc)
+        return {
+            "normal": normal.message_id,
+            "committed": committed.message_id,
+            "committed_txn": committed.transaction_id,
+            "rolled_back": rolled_back.message_id,
+            "rolled_back_txn": rolled_back.transaction_id,
+            "refused": refused,
+        }
+    finally:
+        p.shutdown()
+
+
+def orphan(endpoint: str, ak: str, sk: str) -> None:
+    """Send a half message whose body says commit, print it, and die without ending it."""
+    p = producer(endpoint, ak, sk, BodyChecker())
+    tx = p.begin_transaction()
+    sent = p.send(message(TX_TOPIC, b"commit: orphaned"), tx)
+    print(json.dumps({"orphan": sent.message_id, "orphan_txn": sent.transaction_id}), flush=True)
+    os._exit(0)  # no shutdown, no end-transaction: as if killed
+
+
+def checked(endpoint: str, ak: str, sk: str, *waited: str) -> dict:
+    """Leave two transactions open and answer the server's checks until they and the
+    ``waited`` message ids were checked."""
+    checker = BodyChecker()
+    p = producer(endpoint, ak, sk, checker)
+    try:
+        sent = {}
+        for body in (b"commit: open", b"rollback: open"):
+            receipt = p.send(message(TX_TOPIC, body), p.begin_transaction())
+            sent[body.decode()] = (receipt.message_id, receipt.transaction_id)
+        expected = {mid for mid, _ in sent.values()} | set(waited)
+        with checker.changed:
+            checker.changed.wait_for(lambda: expected <= set(checker.seen), timeout=60)
+        time.sleep(1.0)  # the checker's EndTransaction is sent after check() returns
+        return {"sent": sent, "checked": checker.seen}
+    finally:
+        p.shutdown()
+
+
+def refused_send(endpoint: str, ak: str, sk: str, topic: str) -> dict:
+    """A normal send that should fail (wrong secret, unknown topic)."""
+    p = producer(endpoint, ak, sk)
+    try:
+        p.send(message(topic, b"must not be stored"))
+        return {"refused": False}
+    except Exception as exc:
+        return {"refused": True, "error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        p.shutdown()
+
+
+def tls_send(endpoint: str, ak: str, sk: str) -> dict:
+    """A normal send over TLS (the server's certificate is trusted through
+    ``GRPC_DEFAULT_SSL_ROOTS_FILE_PATH``)."""
+    p = producer(endpoint, ak, sk, tls=True)
+    try:
+        return {"normal": p.send(message(TOPIC, b"over TLS")).message_id}
+    finally:
+        p.shutdown()
+
+
+def _metadata(ak: str, sk: str) -> list[tuple[str, str]]:
+    stamp = datetime.datetime.now().strftime("%Y%m%dT%H%M%SZ")
+    signature = hmac.new(sk.encode(), stamp.encode(), hashlib.sha1).hexdigest()
+    return [
+        ("x-mq-date-time", stamp),
+        ("x-mq-client-id", "raw-stub"),
+        (
+            "authorization",
+            f"MQv2-HMAC-SHA1 Credential={ak}, SignedHeaders=x-mq-date-time, Signature={signature}",
+        ),
+    ]
+
+
+def _raw_message(topic: str, message_id: str, body: bytes, kind: int) -> pb.Message:
+    m = pb.Message(topic=pb.Resource(name=topic), body=body)
+    m.system_properties.message_id = message_id
+    m.system_properties.message_type = kind
+    m.system_properties.body_encoding = pb.IDENTITY
+    return m
+
+
+def raw(endpoint: str, ak: str, sk: str, run_id: str, limit: str) -> dict:
+    """Sends and end-transactions through a raw stub; the status code of each."""
+    stub = service_grpc.MessagingServiceStub(grpc.insecure_channel(endpoint))
+    md = _metadata(ak, sk)
+
+    def send(topic: str, message_id: str, body: bytes, kind: int = pb.NORMAL):
+        request = service_pb.SendMessageRequest(
+            messages=[_raw_message(topic, message_id, body, kind)]
+        )
+        response = stub.SendMessage(request, metadata=md, timeout=30)
+        entry = response.entries[0] if response.entries else None
+        return {
+            "code": pb.Code.Name(response.status.code),
+            "message": response.status.message,
+            "message_id": entry.message_id if entry else None,
+            "transaction_id": entry.transaction_id if entry else None,
+        }
+
+    def end(transaction_id: str, resolution: int) -> dict:
+        request = service_pb.EndTransactionRequest(
+            topic=pb.Resource(name=TX_TOPIC),
+            transaction_id=transaction_id,
+            resolution=resolution,
+            source=pb.SOURCE_CLIENT,
+        )
+        response = stub.EndTransaction(request, metadata=md, timeout=30)
+        return {"code": pb.Code.Name(response.status.code), "message": response.status.message}
+
+    normal_id, half_id = f"RAW-NORMAL-{run_id}", f"RAW-HALF-{run_id}"
+    first_half = send(TX_TOPIC, half_id, b"retried half", pb.TRANSACTION)
+    txn = first_half["transaction_id"]
+    return {
+        "normal": [send(TOPIC, normal_id, b"retried normal") for _ in range(2)],
+        "half": [first_half, send(TX_TOPIC, half_id, b"retried half", pb.TRANSACTION)],
+        "commit": end(txn, pb.COMMIT),
+        "commit_again": end(txn, pb.COMMIT),
+        "rollback_late": end(txn, pb.ROLLBACK),
+        "unknown_txn": end("0" * 32, pb.COMMIT),
+        "illegal_topic": send("bad topic!", f"RAW-BAD-{run_id}", b"x"),
+        "unknown_topic": send("NoSuchTopic", f"RAW-UNKNOWN-{run_id}", b"x"),
+        "too_large": send(TOPIC, f"RAW-LARGE-{run_id}", b"x" * (int(limit) + 1)),
+        "unsigned": pb.Code.Name(
+            stub.Heartbeat(service_pb.HeartbeatRequest(), timeout=30).status.code
+        ),
+    }
+
+
+SCENARIOS = {
+    "basic": basic,
+    "orphan": orphan,
+    "checked": checked,
+    "refused-send": refused_send,
+    "raw": raw,
+    "tls-send": tls_send,
+}
+
+if __name__ == "__main__":
+    scenario, *args = sys.argv[1:]
+    print(json.dumps(SCENARIOS[scenario](*args)), flush=True)
