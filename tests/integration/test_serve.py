@@ -311,3 +311,30 @@ def test_bad_options_refused_before_serving(tmp_path: Path, option: list[str], e
     assert done.returncode == 2
     assert error in done.stderr.decode()
     assert not (tmp_path / "store").exists()
+
+
+def test_the_readme_example_runs_against_the_server(server: Server, tmp_path: Path) -> None:
+    """README.md's producer example, as pasted but for the endpoint and the access key."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    start = readme.index("```python\nfrom rocketmq import")
+    code = readme[start + len("```python\n") : readme.index("```", start + 3)]
+    code = code.replace("127.0.0.1:8081", server.endpoint)
+    code = code.replace('Credentials("orders", "s3cr3t")', f'Credentials("{AK}", "{SK}")')
+    home = tmp_path / "home"
+    home.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "HOME": str(home)},
+        capture_output=True,
+        timeout=120,
+        preexec_fn=die_with_parent,
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    store = Store.open(server.root, create=False)
+    deadline = time.monotonic() + 30
+    while True:
+        rows = [r for r in store.read("commitlog").to_pylist() if r["keys"] == "order-42"]
+        if rows or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert [(r["topic"], r["body"]) for r in rows] == [("TxOrders", b"order 42 paid")]
