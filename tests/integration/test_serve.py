@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from rmq_spark import Store
-from rmq_spark.checkback.checkers import ClientsChecker
+from rmq_spark.checkback.checkers import CallableChecker, ClientsChecker
 from rmq_spark.checkback.job import CheckBackJob
 from rmq_spark.model.config import TransactionSettings
 from tests.lifetime import die_with_parent
@@ -338,3 +338,52 @@ def test_the_readme_example_runs_against_the_server(server: Server, tmp_path: Pa
             break
         time.sleep(0.2)
     assert [(r["topic"], r["body"]) for r in rows] == [("TxOrders", b"order 42 paid")]
+
+
+def test_a_server_killed_with_sends_in_flight_loses_and_doubles_nothing(
+    spark, tmp_path: Path
+) -> None:
+    """``kill -9`` of the server while 8 senders send and commit: every commit a client saw
+    succeed is published once; the other sends are absent or resolved by check-back, once."""
+    server = start_server(tmp_path / "server", "--topic", "TxOrders")
+    home = tmp_path / "home"
+    home.mkdir()
+    client = subprocess.Popen(
+        [sys.executable, str(CLIENT), "flood", server.endpoint, AK, SK, "8"],
+        env={**os.environ, "HOME": str(home)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        preexec_fn=die_with_parent,
+    )
+    assert client.stdout is not None
+    events = []
+    for line in client.stdout:
+        events.append(json.loads(line))
+        if sum("committed" in e for e in events) >= 40:
+            break
+    server.process.kill()  # SIGKILL, sends and commits under way
+    server.process.wait()
+    time.sleep(3)  # replies that reached the client are printed; its retries would go on
+    client.kill()
+    rest, _ = client.communicate(timeout=60)
+    events += [json.loads(line) for line in rest.decode().splitlines()]
+    sent = {e["sent"] for e in events if "sent" in e}
+    committed = {e["committed"] for e in events if "committed" in e}
+
+    store = Store.open(server.root, create=False)
+    store.publish()  # what the next server, producer or check-back round publishes
+    job = CheckBackJob(
+        spark,
+        store,
+        {"TxOrders": CallableChecker("tests.checker_functions:always_commit")},
+        TransactionSettings(transaction_timeout=0.0),
+    )
+    for _ in range(3):
+        if not job.run_once().summary.pending_found:
+            break
+    counts = stored(server.root, timeout=0)
+    assert committed and committed <= set(counts)
+    assert set(counts.values()) == {1}
+    halves = store.read("half", ["properties"]).column("properties").to_pylist()
+    assert set(counts) <= {dict(p)["UNIQ_KEY"] for p in halves}
+    assert sent <= set(counts)  # always_commit: every half message the server kept commits

@@ -216,6 +216,35 @@ def raw(endpoint: str, ak: str, sk: str, run_id: str, limit: str) -> dict:
     }
 
 
+def flood(endpoint: str, ak: str, sk: str, senders: str) -> None:
+    """Send and commit transactions from ``senders`` threads until the server goes; print a
+    JSON line as each send and each commit returns (the test kills the server meanwhile)."""
+    p = producer(endpoint, ak, sk, BodyChecker())
+    out = threading.Lock()
+
+    def report(**fields: str) -> None:
+        with out:
+            print(json.dumps(fields), flush=True)
+
+    def send(thread: int) -> None:
+        for i in range(1_000_000):
+            try:
+                tx = p.begin_transaction()
+                receipt = p.send(message(TX_TOPIC, f"commit: {thread}-{i}".encode()), tx)
+                report(sent=receipt.message_id)
+                tx.commit()
+                report(committed=receipt.message_id)
+            except Exception:
+                return
+
+    threads = [threading.Thread(target=send, args=(t,)) for t in range(int(senders))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    os._exit(0)  # the server is gone: no orderly shutdown
+
+
 SCENARIOS = {
     "basic": basic,
     "orphan": orphan,
@@ -223,6 +252,7 @@ SCENARIOS = {
     "refused-send": refused_send,
     "raw": raw,
     "tls-send": tls_send,
+    "flood": flood,
 }
 
 if __name__ == "__main__":
