@@ -4,7 +4,9 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import os
@@ -26,6 +28,8 @@ from rmq_spark import Store
 from rmq_spark.checkback.checkers import CallableChecker, ClientsChecker
 from rmq_spark.checkback.job import CheckBackJob
 from rmq_spark.model.config import TransactionSettings
+from rmq_spark.model.messages import shard_of
+from tests.conftest import settings_file
 from tests.lifetime import die_with_parent
 
 # Not imported here: importing the client creates ~/logs/rocketmq_python/ in the real home.
@@ -60,22 +64,17 @@ class Server:
         return self.process.wait(timeout)
 
 
-def start_server(folder: Path, *extra: str) -> Server:
-    """``python -m rmq_spark.serve`` on a new store under ``folder``, on a free port."""
+def start_server(folder: Path, *extra: str, conf: Path | None = None) -> Server:
+    """``rmqtx serve`` on a new store under ``folder`` (or the store of the settings file
+    ``conf``), on a free port."""
     folder.mkdir(parents=True, exist_ok=True)
-    conf = folder / "rmq-spark.toml"
-    conf.write_text(SETTINGS)
     root, log = folder / "store", folder / "server.log"
-    command = [
-        sys.executable,
-        "-m",
-        "rmq_spark.ops.cli",
-        "--conf",
-        str(conf),
-        "--path",
-        str(root),
-        "serve",
-    ]
+    command = [sys.executable, "-m", "rmq_spark.ops.cli"]
+    if conf is None:
+        conf = folder / "rmq-spark.toml"
+        conf.write_text(SETTINGS)
+        command += ["--path", str(root)]
+    command += ["--conf", str(conf), "serve"]
     with log.open("wb") as out:
         process = subprocess.Popen(
             [*command, "--port", "0", *extra],
@@ -130,14 +129,18 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
             served.stop()
 
 
-def stored(root: Path, timeout: float = 30, until=lambda counts: True) -> Counter[str]:
-    """How many times each client message id (``UNIQ_KEY``) is in the CommitLog, once
+def stored(root: Path | Store, timeout: float = 30, until=lambda counts: True) -> Counter[str]:
+    """How many times each client message id (``UNIQ_KEY``) is in the CommitLog (of every
+    shard), once
     ``until(counts)`` holds (COMMITs are published in the background) or ``timeout`` passed."""
-    store = Store.open(root, create=False)
+    store = root if isinstance(root, Store) else Store.open(root, create=False)
     deadline = time.monotonic() + timeout
     while True:
-        properties = store.read("commitlog", ["properties"]).column("properties").to_pylist()
-        counts = Counter(dict(p)["UNIQ_KEY"] for p in properties)
+        counts = Counter(
+            dict(p)["UNIQ_KEY"]
+            for shard in store.shards(refresh=True)
+            for p in shard.read("commitlog", ["properties"]).column("properties").to_pylist()
+        )
         if until(counts) or time.monotonic() > deadline:
             return counts
         time.sleep(0.2)
@@ -387,3 +390,30 @@ def test_a_server_killed_with_sends_in_flight_loses_and_doubles_nothing(
     halves = store.read("half", ["properties"]).column("properties").to_pylist()
     assert set(counts) <= {dict(p)["UNIQ_KEY"] for p in halves}
     assert sent <= set(counts)  # always_commit: every half message the server kept commits
+
+
+@pytest.mark.objectstore
+def test_two_servers_side_by_side_on_one_s3_root(s3_settings, tmp_path: Path) -> None:
+    """Servers keep no state of their own: two on one ``s3://`` root of two shards each
+    write to a shard of their own, and what their clients did is stored once."""
+    settings = dataclasses.replace(
+        s3_settings, store=dataclasses.replace(s3_settings.store, shards=2)
+    )
+    store = Store.open(settings=settings)
+    conf = settings_file(store, tmp_path)
+    servers = [start_server(tmp_path / f"server-{i}", conf=conf) for i in range(2)]
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            results = list(
+                pool.map(
+                    lambda i: run_client(tmp_path / f"client-{i}", servers[i], "basic"), range(2)
+                )
+            )
+        wanted = {r[k] for r in results for k in ("normal", "committed")}
+        counts = stored(store, until=lambda c: wanted <= set(c))
+        assert {k: counts[k] for k in wanted} == dict.fromkeys(wanted, 1)
+        assert all(counts[r["rolled_back"]] == 0 for r in results)
+        assert {shard_of(r["committed_txn"]) for r in results} == {0, 1}
+    finally:
+        for server in servers:
+            assert server.stop() == 0
