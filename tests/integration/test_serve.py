@@ -211,6 +211,17 @@ def test_open_transactions_resolved_by_the_clients_checker(
     assert ops[rollback_txn] == ("ROLLBACK", "check-back:client")
     counts = stored(server.root, until=lambda c: c[commit_id] and c[orphan["orphan"]])
     assert (counts[orphan["orphan"]], counts[commit_id], counts[rollback_id]) == (1, 1, 0)
+    # Read as every consumer reads: format("rmqtx"), exactly once, the rolled back never.
+    read = (
+        spark.read.format("rmqtx")
+        .option("path", str(server.root))
+        .option("topic", "TxOrders")
+        .load()
+        .selectExpr("properties['UNIQ_KEY'] AS id")
+        .collect()
+    )
+    ids = Counter(r.id for r in read)
+    assert (ids[orphan["orphan"]], ids[commit_id], ids[rollback_id]) == (1, 1, 0)
 
 
 def test_wrong_secret_and_unknown_topic_refused(server: Server, tmp_path: Path) -> None:
