@@ -22,7 +22,7 @@ MINIO_VERSION := v0.0.0-20260212201848-7aac2a2c5b7c
 CACHE         ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/rmq-spark
 export RMQ_SPARK_MINIO := $(abspath $(TOOLS))/bin/minio
 
-.PHONY: setup objectstore demo test torture lint bench bench-objectstore bench-scale bench-peers check-back notebooks notebook-outputs clean
+.PHONY: setup objectstore demo test torture lint bench bench-objectstore bench-scale bench-peers bench-serve check-back notebooks notebook-outputs clean
 setup: $(VENV)/.installed $(JARS)/.fetched
 
 $(VENV)/.installed: setup.py
@@ -102,6 +102,11 @@ bench-scale: objectstore
 # from ../shared/anchors when present; each fetches its own jars from Maven Central).
 bench-peers: setup
 	$(PY) bench/side_by_side.py
+
+# The official RocketMQ 5 Java client's transactional producer against rmqtx serve and against
+# RocketMQ 5.5.0's gRPC proxy (local mode), in one run (jars from Maven Central; needs a JDK).
+bench-serve: setup
+	$(PY) bench/java_client_bench.py $(ARGS)
 
 # The sink and source benchmarks on local disk and on an S3 root (MinIO), side by side.
 bench-objectstore: objectstore
