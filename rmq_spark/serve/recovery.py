@@ -177,6 +177,9 @@ class ClientCheckBack:
                 if clock - r["store_timestamp"] >= timedelta(seconds=self._timeout(r))
                 and now - self._last_asked.get(r["transaction_id"], -interval) >= interval
             ]
+            # The list is as old as the job's last round: not those decided since.
+            decided = shard.decisions([r["transaction_id"] for r in ripe]) if ripe else {}
+            ripe = [r for r in ripe if r["transaction_id"] not in decided]
             if not ripe:
                 continue
             halves = shard.half_messages([r["transaction_id"] for r in ripe]).to_pylist()
