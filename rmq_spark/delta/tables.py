@@ -47,12 +47,16 @@ _CHORES = ("checkpoint", "maintain")
 class Head:
     """A table as a writer last found it: its latest ``version`` and application transactions
     ``txns``, when that was found (``time.monotonic()``, before looking), and a snapshot (at or
-    before ``version``) for its metadata."""
+    before ``version``) for its metadata, with the application transactions as of it
+    (``snapshot_txns``): an application id whose version differs between the two was
+    recorded by a commit after the snapshot (each commit recording one has seen every commit
+    before it that recorded it, so its version only grows)."""
 
     snapshot: DeltaTable
     version: int
     txns: Mapping[str, int]
     found: float
+    snapshot_txns: Mapping[str, int]
 
 
 class DeltaTables:
@@ -172,11 +176,12 @@ class DeltaTables:
         if not reload and head is not None and now - head.found < self.fresh_seconds:
             followed = follow(self.uri(name), self.storage_options, head.version, head.txns)
             if followed is not None:
-                head = Head(head.snapshot, *followed, now)
+                head = Head(head.snapshot, *followed, now, head.snapshot_txns)
                 setattr(self._heads, name, head)
                 return head
         snapshot = self.snapshot(name)
-        head = Head(snapshot, snapshot.version(), self.app_transactions(name, snapshot), now)
+        txns = self.app_transactions(name, snapshot)
+        head = Head(snapshot, snapshot.version(), txns, now, txns)
         direct = self.direct_interval(name, snapshot) is not None
         setattr(self._heads, name, head if direct else None)
         return head
@@ -313,7 +318,8 @@ class DeltaTables:
             head: Head | None = getattr(self._heads, name, None)
             if head is not None and head.version == version - 1 and not removes:
                 txns = {**head.txns, **(app_ids or {})}
-                setattr(self._heads, name, Head(head.snapshot, version, txns, started))
+                head = Head(head.snapshot, version, txns, started, head.snapshot_txns)
+                setattr(self._heads, name, head)
             if version % interval == 0:
                 self.soon("checkpoint", name, lambda: self._checkpoint(name, version))
         if not removes:

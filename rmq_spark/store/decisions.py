@@ -249,14 +249,20 @@ class Decisions(StoreConcept):
         decision; the ones this call decided are not in it.
         """
         ids = [d.transaction_id for d in decisions]
+        arbiters = {decision_app_id(t) for t in ids}
 
-        def attempt(_: int) -> tuple[dict[str, LocalTransactionState], int | None]:
-            op = self.tables.snapshot("op")
-            existing = decisions_of(self.tables, op, ids)
+        def attempt(n: int) -> tuple[dict[str, LocalTransactionState], int | None]:
+            # The log as this thread last found it, followed without a listing (the hot path);
+            # its snapshot holds every decision of these transactions unless an arbiter of
+            # theirs was recorded after it: then, and on a retry, the latest snapshot.
+            head = self.tables.head("op", reload=n > 0)
+            if any(head.txns.get(a) != head.snapshot_txns.get(a) for a in arbiters):
+                head = self.tables.head("op", reload=True)
+            existing = decisions_of(self.tables, head.snapshot, ids)
             fresh = [d for d in decisions if d.transaction_id not in existing]
             if not fresh:
                 return existing, None
-            return existing, self.write_decisions(op, fresh)
+            return existing, self.write_decisions(head.snapshot, fresh, after=head.version)
 
         existing, _ = retry_commits(f"record {len(decisions)} decision(s)", "op", attempt)
         return existing
@@ -272,13 +278,17 @@ class Decisions(StoreConcept):
                 "Store.end_transactions on the store's root routes each decision to its shard)."
             )
 
-    def write_decisions(self, op: DeltaTable, decisions: Sequence[Decision]) -> int:
+    def write_decisions(
+        self, op: DeltaTable, decisions: Sequence[Decision], *, after: int | None = None
+    ) -> int:
         """Append ``decisions`` to the ``op`` snapshot ``op``, in which none of them is decided;
         return the committed version.
 
         The commit records :func:`decision_app_id` of every transaction, so it fails with
-        ``CommitFailedError`` (nothing landed) when a commit after ``op``'s version decided one
-        of them, or another transaction of the same bucket: the caller reads again and retries.
+        ``CommitFailedError`` (nothing landed) when a commit after ``op``'s version (or after
+        ``after``, a later version up to which the caller knows that no commit recorded one of
+        those application ids) decided one of them, or another transaction of the same bucket:
+        the caller reads again and retries.
         """
         self._check_shard([d.transaction_id for d in decisions])
         decided_at = self.clock()
@@ -292,7 +302,7 @@ class Decisions(StoreConcept):
             },
             schema=OP_SCHEMA,
         )
-        version = op.version() + 1
+        version = (op.version() if after is None else after) + 1
         arbiters = sorted({decision_app_id(d.transaction_id) for d in decisions})
         files = self.tables.write("op", [rows])
         committed = [
@@ -306,4 +316,5 @@ class Decisions(StoreConcept):
             op,
             app_ids=dict.fromkeys(arbiters, version),
             info={"rmqtx.operation": "decide", COMMITS_KEY: json.dumps(committed)},
+            after=after,
         )

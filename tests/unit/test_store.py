@@ -686,3 +686,28 @@ def test_a_compaction_changes_no_data_and_keeps_partitions(store: Store) -> None
         changes += [a.get("add") or a.get("remove") for a in actions if "add" in a or "remove" in a]
     assert len(changes) == 14 and not any(c["dataChange"] for c in changes)
     assert {c["partitionValues"]["topic"] for c in changes} == {"A", "B"}
+
+
+def test_a_decision_another_writer_made_since_this_writers_last_look_wins(store: Store) -> None:
+    """A writer decides on the ``op`` log as it last found it, without listing the log again:
+    another process's decision of the same transaction in between must still win (first
+    decision wins), and one of another transaction must not get in the way."""
+    other = Store.open(store.root, create=False)  # another process's view of the store
+    p, q, r = store.prepare([Message("T", f"m{i}") for i in range(3)], "pg")
+    store.end_transactions([Decision(q.transaction_id, "pg", LocalTransactionState.COMMIT)])
+    other.end_transactions([Decision(p.transaction_id, "pg", LocalTransactionState.ROLLBACK)])
+    other.end_transactions([Decision(r.transaction_id, "pg", LocalTransactionState.COMMIT)])
+    (late,) = store.end_transactions(
+        [Decision(p.transaction_id, "pg", LocalTransactionState.COMMIT)]
+    )
+    assert (late.status, late.decision) == (
+        EndTransactionStatus.REFUSED,
+        LocalTransactionState.ROLLBACK,
+    )
+    (again,) = store.end_transactions(
+        [Decision(r.transaction_id, "pg", LocalTransactionState.ROLLBACK)]
+    )
+    assert again.status is EndTransactionStatus.REFUSED
+    assert sorted(store.read("commitlog").column("transaction_id").to_pylist()) == sorted(
+        [q.transaction_id, r.transaction_id]
+    )
