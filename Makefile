@@ -22,7 +22,7 @@ MINIO_VERSION := v0.0.0-20260212201848-7aac2a2c5b7c
 CACHE         ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/rmq-spark
 export RMQ_SPARK_MINIO := $(abspath $(TOOLS))/bin/minio
 
-.PHONY: setup objectstore demo test torture lint bench bench-objectstore bench-scale bench-peers bench-serve check-back notebooks notebook-outputs clean
+.PHONY: setup objectstore demo test torture lint bench bench-objectstore bench-scale bench-peers bench-serve java-client-example check-back notebooks notebook-outputs clean
 setup: $(VENV)/.installed $(JARS)/.fetched
 
 $(VENV)/.installed: setup.py
@@ -107,6 +107,11 @@ bench-peers: setup
 # RocketMQ 5.5.0's gRPC proxy (local mode), in one run (jars from Maven Central; needs a JDK).
 bench-serve: setup
 	$(PY) bench/java_client_bench.py $(ARGS)
+
+# The official Java client's transactional-producer example, unchanged but for the endpoint,
+# against rmqtx serve; passes when its message is read once with format("rmqtx") (on demand).
+java-client-example: setup
+	$(PY) bench/java_client_example.py
 
 # The sink and source benchmarks on local disk and on an S3 root (MinIO), side by side.
 bench-objectstore: objectstore

@@ -87,11 +87,11 @@ kind = "clients"
 """
 
 
-def serve_commands(conf: Path, port: int, cert: Path, key: Path) -> list[list[str]]:
+def serve_commands(conf: Path, port: int, cert: Path, key: Path, topic: str) -> list[list[str]]:
     """`rmqtx serve` and the check-back job beside it, on the store of ``conf``."""
     rmqtx = [str(REPO / ".venv" / "bin" / "rmqtx"), "--conf", str(conf)]
     serve = ["serve", "--port", str(port), "--tls-cert", str(cert), "--tls-key", str(key)]
-    serve += ["--access-key", f"{ACCESS_KEY}:{SECRET_KEY}", "--topic", TOPIC]
+    serve += ["--access-key", f"{ACCESS_KEY}:{SECRET_KEY}", "--topic", topic]
     return [rmqtx + serve, rmqtx + ["check", "--interval", "5s"]]
 
 
@@ -231,13 +231,14 @@ def stop_process(name: str, proc: subprocess.Popen, grace: float = 30) -> None:
 class Serve:
     """`rmqtx serve` and the check-back job on a fresh store, TLS, started and stopped here."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, topic: str = TOPIC) -> None:
         self.workdir = workdir
         self.port = free_port()
         self.cert, self.key = make_cert(workdir)
+        self.store = workdir / "store"
         conf = workdir / "rmq-spark.toml"
-        conf.write_text(SERVE_SETTINGS.format(store=workdir / "store", topic=TOPIC))
-        self.cmd, self.check_cmd = serve_commands(conf, self.port, self.cert, self.key)
+        conf.write_text(SERVE_SETTINGS.format(store=self.store, topic=topic))
+        self.cmd, self.check_cmd = serve_commands(conf, self.port, self.cert, self.key, topic)
         self.procs: list[tuple[str, subprocess.Popen]] = []
 
     @property
