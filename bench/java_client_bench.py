@@ -61,6 +61,7 @@ from rocketmq_proxy import (  # noqa: E402
     free_port,
     port_open,
     run_mvn,
+    stop_process,
     tail,
 )
 
@@ -213,19 +214,6 @@ def make_cert(directory: Path) -> tuple[Path, Path]:
         capture_output=True,
     )
     return cert, key
-
-
-def stop_process(name: str, proc: subprocess.Popen, grace: float = 30) -> None:
-    """SIGTERM one process started here, SIGKILL after ``grace`` seconds."""
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(grace)
-    except subprocess.TimeoutExpired:
-        print(f"  {name} pid {proc.pid} did not stop, killing", file=sys.stderr)
-        proc.kill()
-        proc.wait()
 
 
 class Serve:

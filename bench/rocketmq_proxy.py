@@ -151,6 +151,19 @@ def tail(path: Path, lines: int = 40) -> str:
         return f"(no {path})"
 
 
+def stop_process(name: str, proc: subprocess.Popen, grace: float = 30) -> None:
+    """SIGTERM one process started here, SIGKILL after ``grace`` seconds."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        print(f"  {name} pid {proc.pid} did not stop, killing", file=sys.stderr)
+        proc.kill()
+        proc.wait()
+
+
 class RocketMQProxy:
     """A name server and a local-mode proxy (with its embedded broker), started and stopped here.
 
@@ -382,15 +395,8 @@ class RocketMQProxy:
         """SIGTERM the JVMs started here (proxy first), SIGKILL after ``grace`` seconds."""
         for name in ("proxy", "namesrv"):
             proc = self._procs.pop(name, None)
-            if proc is None or proc.poll() is not None:
-                continue
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                print(f"[rocketmq] {name} pid {proc.pid} did not stop, killing", file=sys.stderr)
-                proc.kill()
-                proc.wait()
+            if proc is not None:
+                stop_process(f"[rocketmq] {name}", proc, grace)
 
     def stop(self, grace: float = 30) -> None:
         """Stop the JVMs; delete the work directory if it was made here (unless ``keep``)."""
