@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pyarrow as pa
@@ -176,7 +176,7 @@ class DeltaTables:
         if not reload and head is not None and now - head.found < self.fresh_seconds:
             followed = follow(self.uri(name), self.storage_options, head.version, head.txns)
             if followed is not None:
-                head = Head(head.snapshot, *followed, now, head.snapshot_txns)
+                head = replace(head, version=followed[0], txns=followed[1], found=now)
                 setattr(self._heads, name, head)
                 return head
         snapshot = self.snapshot(name)
@@ -318,8 +318,7 @@ class DeltaTables:
             head: Head | None = getattr(self._heads, name, None)
             if head is not None and head.version == version - 1 and not removes:
                 txns = {**head.txns, **(app_ids or {})}
-                head = Head(head.snapshot, version, txns, started, head.snapshot_txns)
-                setattr(self._heads, name, head)
+                setattr(self._heads, name, replace(head, version=version, txns=txns, found=started))
             if version % interval == 0:
                 self.soon("checkpoint", name, lambda: self._checkpoint(name, version))
         if not removes:

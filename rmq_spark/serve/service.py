@@ -30,10 +30,11 @@ are not recognised.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -77,6 +78,7 @@ _RESOLUTIONS = {
 }
 
 R = TypeVar("R")
+_Handler = Callable[..., Awaitable[Any]]
 
 
 @dataclass
@@ -86,6 +88,29 @@ class Counters:
     sends: int = 0
     committed: int = 0
     rolled_back: int = 0
+
+
+def _signed(response: Callable[..., Any]) -> Callable[[_Handler], _Handler]:
+    """A handler of signed requests: one whose signature is refused (see
+    :func:`rmq_spark.serve.auth.authorization_error`), or whose handling raises
+    :class:`RequestError`, is answered ``response(status=...)`` with the reason."""
+
+    def wrap(handler: _Handler) -> _Handler:
+        @functools.wraps(handler)
+        async def answer(self: MessagingService, request: Any, context: Any) -> Any:
+            error = authorization_error(_metadata(context), self.access_keys)
+            if error is not None:
+                log.warning("refused a request from %s: %s", context.peer(), error)
+                return response(status=status(Code.UNAUTHORIZED, error))
+            try:
+                return await handler(self, request, context)
+            except RequestError as exc:
+                log.info("%s refused: %s", handler.__name__, exc.message)
+                return response(status=status(exc.code, exc.message))
+
+        return answer
+
+    return wrap
 
 
 class MessagingService(service_grpc.MessagingServiceServicer):
@@ -171,25 +196,12 @@ class MessagingService(service_grpc.MessagingServiceServicer):
         self._writer.finish_maintenance()
 
     # -------------------------------------------------------------- helpers
-    def _refusal(self, context: grpc.aio.ServicerContext) -> pb.Status | None:
-        error = authorization_error(_metadata(context), self.access_keys)
-        if error is None:
-            return None
-        log.warning("refused a request from %s: %s", context.peer(), error)
-        return status(Code.UNAUTHORIZED, error)
-
     # -------------------------------------------------------------- routes, liveness
+    @_signed(service_pb.QueryRouteResponse)
     async def QueryRoute(
         self, request: service_pb.QueryRouteRequest, context: grpc.aio.ServicerContext
     ) -> service_pb.QueryRouteResponse:
-        refusal = self._refusal(context)
-        if refusal is not None:
-            return service_pb.QueryRouteResponse(status=refusal)
-        try:
-            check_topic_name(request.topic.name, self.topics)
-        except RequestError as exc:
-            log.info("route of %r refused: %s", request.topic.name, exc.message)
-            return service_pb.QueryRouteResponse(status=status(exc.code, exc.message))
+        check_topic_name(request.topic.name, self.topics)
         endpoints = request.endpoints
         if not endpoints.addresses:
             host, port = self.endpoint
@@ -207,20 +219,20 @@ class MessagingService(service_grpc.MessagingServiceServicer):
         ]
         return service_pb.QueryRouteResponse(status=status(Code.OK), message_queues=queues)
 
+    @_signed(service_pb.HeartbeatResponse)
     async def Heartbeat(
         self, request: service_pb.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> service_pb.HeartbeatResponse:
-        return service_pb.HeartbeatResponse(status=self._refusal(context) or status(Code.OK))
+        return service_pb.HeartbeatResponse(status=status(Code.OK))
 
+    @_signed(service_pb.NotifyClientTerminationResponse)
     async def NotifyClientTermination(
         self,
         request: service_pb.NotifyClientTerminationRequest,
         context: grpc.aio.ServicerContext,
     ) -> service_pb.NotifyClientTerminationResponse:
-        refusal = self._refusal(context)
-        if refusal is None:
-            log.info("client %s terminated", _metadata(context).get("x-mq-client-id"))
-        return service_pb.NotifyClientTerminationResponse(status=refusal or status(Code.OK))
+        log.info("client %s terminated", _metadata(context).get("x-mq-client-id"))
+        return service_pb.NotifyClientTerminationResponse(status=status(Code.OK))
 
     # -------------------------------------------------------------- telemetry
     async def Telemetry(
@@ -261,12 +273,10 @@ class MessagingService(service_grpc.MessagingServiceServicer):
             client.outbox.put_nowait(None)
 
     # -------------------------------------------------------------- sends
+    @_signed(service_pb.SendMessageResponse)
     async def SendMessage(
         self, request: service_pb.SendMessageRequest, context: grpc.aio.ServicerContext
     ) -> service_pb.SendMessageResponse:
-        refusal = self._refusal(context)
-        if refusal is not None:
-            return service_pb.SendMessageResponse(status=refusal)
         if not request.messages:
             return service_pb.SendMessageResponse(
                 status=status(Code.MESSAGE_CORRUPTED, "the request has no message to send.")
@@ -317,7 +327,10 @@ class MessagingService(service_grpc.MessagingServiceServicer):
                 )
             else:
                 assert self._end is not None
-                _, _, offset = await _result(self._end.submit((message, group)))
+                sent = await _result(self._end.submit((message, group)))
+                if isinstance(sent, Exception):
+                    raise sent  # the publish of this batch's normal messages failed
+                _, _, offset = sent
                 entry = service_pb.SendResultEntry(message_id=message_id, offset=offset)
         except Exception as exc:
             log.exception("storing message %s of topic %r failed", message_id, message.topic)
@@ -338,17 +351,11 @@ class MessagingService(service_grpc.MessagingServiceServicer):
             self._transactions.popitem(last=False)
 
     # -------------------------------------------------------------- transactions
+    @_signed(service_pb.EndTransactionResponse)
     async def EndTransaction(
         self, request: service_pb.EndTransactionRequest, context: grpc.aio.ServicerContext
     ) -> service_pb.EndTransactionResponse:
-        refusal = self._refusal(context)
-        if refusal is not None:
-            return service_pb.EndTransactionResponse(status=refusal)
-        try:
-            outcome = await self._end_transaction(request)
-        except RequestError as exc:
-            log.info("end of transaction %r refused: %s", request.transaction_id, exc.message)
-            return service_pb.EndTransactionResponse(status=status(exc.code, exc.message))
+        outcome = await self._end_transaction(request)
         return service_pb.EndTransactionResponse(status=status(Code.OK, outcome))
 
     async def _end_transaction(self, request: service_pb.EndTransactionRequest) -> str:
