@@ -251,7 +251,11 @@ def test_a_failed_batch_write_rolls_back_everything(
         "the failed write's tasks to end",
         60,
     )
-    check_back(spark, store)
+    for _ in range(3):  # a round may count a just-staged half as not yet due (see the note)
+        check_back(spark, store)
+        if not pending(store):
+            break
+        time.sleep(1)
     assert pending(store) == set()
     assert bodies(store) == []
     (row,) = store.read("epochs").to_pylist()
