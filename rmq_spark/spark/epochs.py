@@ -18,7 +18,9 @@ an epoch (how the rows are read and written: :mod:`rmq_spark.spark.epoch_records
 * **ABANDONED** (generation *g*): the check-back job found the lease run out (the writer is
   presumed dead) and :func:`abandon`\\ ed the epoch, or the writer's abort :func:`release`\\ d
   it at once (no attempt of it will close the epoch); only then are generation-*g*
-  transactions rolled back, those of tasks the driver never heard from included. A writer that
+  transactions rolled back, those of tasks the driver never heard from included. A task of
+  the aborted attempt that holds the epoch after the abort (Spark cancels tasks
+  asynchronously) is refused: only a new attempt reopens it. A writer that
   was alive after all cannot close it any more: its commit fails loudly
   (:class:`EpochLostError`), Spark retries, and the retry reopens the epoch.
 
@@ -35,6 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
+from rmq_spark.delta.reads import sql_string
 from rmq_spark.model.errors import EpochLostError
 from rmq_spark.model.failpoints import failpoint
 from rmq_spark.model.messages import LocalTransactionState
@@ -80,6 +83,21 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
+def aborted_by(attempt: str | None) -> str:
+    """``closed_by`` of an epoch that attempt ``attempt`` of its writer aborted."""
+    return "abort" if attempt is None else f"abort:{attempt}"
+
+
+def _refuse_aborted(row: Epoch, attempt: str | None) -> None:
+    """Refuse to reopen an epoch for a task of the attempt that aborted it."""
+    if attempt is not None and row.state == ABANDONED and row.closed_by == aborted_by(attempt):
+        raise EpochLostError(
+            f"epoch {row.epoch} of sink {row.sink_id!r} was aborted by this task's own write "
+            "attempt (its job failed or its query stopped): the task stages nothing. A new "
+            "attempt (a re-run, a restarted query) reopens the epoch."
+        )
+
+
 # --------------------------------------------------------------------------- transitions
 def hold(
     store: Store,
@@ -88,6 +106,7 @@ def hold(
     owner: str,
     lease_seconds: float,
     clock: Callable[[], datetime] = _now,
+    attempt: str | None = None,
 ) -> Epoch:
     """Take the epoch for a writer about to stage: open it (generation 0), reopen it when it
     was ABANDONED (next generation), or renew its lease when it is OPEN. Stage with the
@@ -97,13 +116,16 @@ def hold(
     ------
     EpochLostError
         The epoch belongs to another owner (e.g. a stream restarted with the same ``sinkId``
-        but a new checkpoint).
+        but a new checkpoint), or write attempt ``attempt`` (made on the writer's driver)
+        aborted it: a late task of a failed job must not reopen it for itself.
     """
     row = read_epoch(store, sink_id, epoch)
     now = clock()
     _check_owner(row, owner)
-    if row is not None and (row.state == CLOSED or _fresh(row, now, lease_seconds)):
-        return row
+    if row is not None:
+        _refuse_aborted(row, attempt)
+        if row.state == CLOSED or _fresh(row, now, lease_seconds):
+            return row
     expires = now + timedelta(seconds=lease_seconds)
     row = merge_epoch(
         store,
@@ -129,11 +151,17 @@ def hold(
                     "closed_by": "s.closed_by",
                     "closed_timestamp": "s.closed_timestamp",
                 },
-                predicate=f"t.state = '{ABANDONED}'",
+                predicate=f"t.state = '{ABANDONED}'"
+                + (
+                    ""
+                    if attempt is None
+                    else f" AND coalesce(t.closed_by, '') <> {sql_string(aborted_by(attempt))}"
+                ),
             )
         ),
     )
     _check_owner(row, owner)
+    _refuse_aborted(row, attempt)
     return row
 
 
@@ -203,15 +231,28 @@ class Lease:
     """
 
     def __init__(
-        self, store: Store, sink_id: str, epoch: int, owner: str, lease_seconds: float
+        self,
+        store: Store,
+        sink_id: str,
+        epoch: int,
+        owner: str,
+        lease_seconds: float,
+        attempt: str | None = None,
     ) -> None:
         self.store, self.sink_id, self.epoch = store, sink_id, epoch
-        self.owner, self.lease_seconds = owner, lease_seconds
+        self.owner, self.lease_seconds, self.attempt = owner, lease_seconds, attempt
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def __enter__(self) -> Epoch:
-        row = hold(self.store, self.sink_id, self.epoch, self.owner, self.lease_seconds)
+        row = hold(
+            self.store,
+            self.sink_id,
+            self.epoch,
+            self.owner,
+            self.lease_seconds,
+            attempt=self.attempt,
+        )
         if row.state == OPEN:
             self._thread = threading.Thread(
                 target=self._beat, args=(row.generation,), name="rmqtx-lease", daemon=True
@@ -393,7 +434,9 @@ def _settle(store: Store, row: Epoch | None, staged: Sequence[tuple[str, int]], 
         _roll_back(store, [t for t, _ in staged], group, "abort")
 
 
-def release(store: Store, sink_id: str, epoch: int, owner: str | None) -> Epoch | None:
+def release(
+    store: Store, sink_id: str, epoch: int, owner: str | None, attempt: str | None = None
+) -> Epoch | None:
     """Abandon an OPEN epoch at once, whatever its lease, in its current generation: what a
     writer's abort does, since no attempt of that writer will close the epoch any more.
 
@@ -404,7 +447,8 @@ def release(store: Store, sink_id: str, epoch: int, owner: str | None) -> Epoch 
     sink id) reopens it in the next generation (:func:`hold`). Only an OPEN epoch changes, and,
     when ``owner`` is given, only one that ``owner`` holds: a CLOSED epoch keeps its list; an
     abandonment by the check-back job racing this one conflicts with it, and one of them
-    applies (the same state).
+    applies (the same state). ``closed_by`` names the aborting ``attempt``
+    (:func:`aborted_by`), whose late tasks :func:`hold` then refuses.
 
     Returns
     -------
@@ -419,7 +463,12 @@ def release(store: Store, sink_id: str, epoch: int, owner: str | None) -> Epoch 
         store,
         sink_id,
         epoch,
-        {"state": ABANDONED, "owner": owner, "closed_by": "abort", "closed_timestamp": _now()},
+        {
+            "state": ABANDONED,
+            "owner": owner,
+            "closed_by": aborted_by(attempt),
+            "closed_timestamp": _now(),
+        },
         lambda m: m.when_matched_update(
             {
                 "state": "s.state",
@@ -440,6 +489,7 @@ def abort_attempt(
     owner: str | None,
     *,
     reused: bool = True,
+    attempt: str | None = None,
 ) -> Epoch | None:
     """A writer's abort: end the epoch for this writer, then decide the (transaction,
     generation) pairs its tasks reported.
@@ -464,6 +514,9 @@ def abort_attempt(
         is never used again: the epoch is closed empty, so every attempt's halves, of any
         generation, are rolled back. A stream's epoch must never be closed empty: its replay
         would publish nothing.
+    attempt : str or None
+        The aborting write attempt (made on the writer's driver): its late tasks cannot
+        reopen the released epoch (:func:`hold`).
 
     Returns
     -------
@@ -471,7 +524,7 @@ def abort_attempt(
         The epoch's row after, or None when no writer ever held it.
     """
     if reused:
-        row = release(store, sink_id, epoch, owner)
+        row = release(store, sink_id, epoch, owner, attempt)
     else:
         row = close(store, sink_id, epoch, None, [], "abort")
     _settle(store, row, staged, group)

@@ -166,6 +166,9 @@ class _EpochWriter:
 
     def __init__(self, options: WriterOptions) -> None:
         self.options = options
+        #: This write attempt (a batch write, a run of a streaming query), made on the
+        #: driver: its tasks cannot reopen an epoch its own abort released.
+        self.attempt = new_id()
         # On the driver, before any task: a new path becomes a store (as format("delta")
         # makes a table); a path holding anything else is refused here.
         Store.open(options.path, settings=options.settings)
@@ -177,7 +180,8 @@ class _EpochWriter:
         self, iterator: Iterator[pa.RecordBatch], sink_id: str, epoch: int, owner: str
     ) -> Staged:
         store = self._store()
-        with Lease(store, sink_id, epoch, owner, self.options.lease_seconds) as held:
+        lease = Lease(store, sink_id, epoch, owner, self.options.lease_seconds, self.attempt)
+        with lease as held:
             staged = stage(store, iterator, self.options, sink_id, epoch, held.generation)
         return dataclasses.replace(staged, owner=owner)
 
@@ -214,7 +218,14 @@ class _EpochWriter:
         staged = _staged(messages)
         group = self.options.producer_group
         row = abort_attempt(
-            self._store(), sink_id, epoch, _pairs(staged), group, owner, reused=reused
+            self._store(),
+            sink_id,
+            epoch,
+            _pairs(staged),
+            group,
+            owner,
+            reused=reused,
+            attempt=self.attempt,
         )
         log.info("rmqtx sink %s epoch %d aborted: %s", sink_id, epoch, _aborted(row, len(staged)))
 
