@@ -89,8 +89,8 @@ def aborted_by(attempt: str | None) -> str:
 
 
 def _refuse_aborted(row: Epoch, attempt: str | None) -> None:
-    """Refuse to reopen an epoch for a task of the attempt that aborted it."""
-    if attempt is not None and row.state == ABANDONED and row.closed_by == aborted_by(attempt):
+    """Refuse an epoch to a task of the attempt that aborted it (released, or closed empty)."""
+    if attempt is not None and row.state != OPEN and row.closed_by == aborted_by(attempt):
         raise EpochLostError(
             f"epoch {row.epoch} of sink {row.sink_id!r} was aborted by this task's own write "
             "attempt (its job failed or its query stopped): the task stages nothing. A new "
@@ -526,6 +526,6 @@ def abort_attempt(
     if reused:
         row = release(store, sink_id, epoch, owner, attempt)
     else:
-        row = close(store, sink_id, epoch, None, [], "abort")
+        row = close(store, sink_id, epoch, None, [], aborted_by(attempt))
     _settle(store, row, staged, group)
     return row
