@@ -611,6 +611,8 @@ def check_invariants(run: dict, root: str) -> Results:
             ).most_common(5)
         ),
     }
-    facts["epochs closed"] = dict(Counter(e["closed_by"] or "(open)" for e in store.epochs))
+    # An abort names its write attempt (abort:<id>); counted as one kind.
+    closers = (re.sub(r"^abort:.*", "abort", e["closed_by"] or "(open)") for e in store.epochs)
+    facts["epochs closed"] = dict(Counter(closers))
     facts["epochs by state"] = dict(Counter(e.get("state") or "CLOSED" for e in store.epochs))
     return results
