@@ -75,9 +75,13 @@ class GroupCommitter(Generic[T, R]):
 
     ``handler`` gets a list of items and returns one result per item, in order (an exception
     as an item's result fails that item's caller alone; one raised fails them all). When the
-    last batch had several items (callers are concurrent), the committer waits ``linger``
-    seconds after the first item so the callers that are about to submit share the batch;
-    a lone caller never waits.
+    last batch had several items (callers are concurrent), the committer waits after the
+    first item so that the callers about to submit share the batch; a lone caller never waits.
+    With ``wave`` (threads of this process, which come back together when their batch is
+    done) it waits until as many items as the last batch had are queued, ``linger`` seconds at
+    most; without (remote callers, whose requests arrive spread out) the whole ``linger``: a
+    batch then holds what arrived in that time, and fewer, larger commits leave more of a
+    busy machine's CPU to the callers.
     """
 
     _STOP = object()
@@ -88,10 +92,12 @@ class GroupCommitter(Generic[T, R]):
         handler: Callable[[list[T]], Sequence[R]],
         max_batch: int,
         linger: float = 0.0,
+        wave: bool = True,
     ) -> None:
         self._handler = handler
         self._max_batch = max_batch
         self._linger = linger
+        self._wave = wave
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -120,7 +126,10 @@ class GroupCommitter(Generic[T, R]):
             if first is self._STOP:
                 return
             if self._linger and last_batch_size > 1:
-                self._await_wave(last_batch_size)
+                if self._wave:
+                    self._await_wave(last_batch_size)
+                else:
+                    time.sleep(self._linger)
             batch = [first]
             while len(batch) < self._max_batch:
                 try:
