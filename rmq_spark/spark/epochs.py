@@ -36,6 +36,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from rmq_spark.delta.reads import sql_string
 from rmq_spark.model.errors import EpochLostError
@@ -453,30 +454,42 @@ def release(
     Returns
     -------
     Epoch or None
-        The row after (whoever changed it), or None when no writer ever held the epoch.
+        The row after (whoever changed it), or None when no writer ever held the epoch and
+        no ``attempt`` is given (with one, the abort is recorded: ABANDONED, generation 0).
     """
     row = read_epoch(store, sink_id, epoch)
-    if row is None or row.state != OPEN or (owner is not None and row.owner != owner):
+    # No task held it yet (one failed before it could): the abort is recorded all the same,
+    # so that the attempt's tasks that start after it are refused.
+    record = row is None and attempt is not None
+    if not record and (
+        row is None or row.state != OPEN or (owner is not None and row.owner != owner)
+    ):
         return row
     held = f"t.state = '{OPEN}'" + ("" if owner is None else " AND t.owner = s.owner")
-    return merge_epoch(
-        store,
-        sink_id,
-        epoch,
-        {
-            "state": ABANDONED,
-            "owner": owner,
-            "closed_by": aborted_by(attempt),
-            "closed_timestamp": _now(),
-        },
-        lambda m: m.when_matched_update(
+
+    def clauses(m: Any) -> Any:
+        released = m.when_matched_update(
             {
                 "state": "s.state",
                 "closed_by": "s.closed_by",
                 "closed_timestamp": "s.closed_timestamp",
             },
             predicate=held,
-        ),
+        )
+        return insert_all(released) if record else released
+
+    return merge_epoch(
+        store,
+        sink_id,
+        epoch,
+        {
+            "state": ABANDONED,
+            "generation": 0,
+            "owner": owner,
+            "closed_by": aborted_by(attempt),
+            "closed_timestamp": _now(),
+        },
+        clauses,
     )
 
 
@@ -521,7 +534,8 @@ def abort_attempt(
     Returns
     -------
     Epoch or None
-        The epoch's row after, or None when no writer ever held it.
+        The epoch's row after, or None when no writer ever held it and no ``attempt`` is
+        given.
     """
     if reused:
         row = release(store, sink_id, epoch, owner, attempt)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
+from pyspark.sql.types import StringType, StructField, StructType
 
 from rmq_spark import Store
 from rmq_spark.model.errors import EpochLostError
@@ -155,20 +156,29 @@ def test_a_stopped_stream_rolls_back_every_task_and_restarts_exactly_once(
         kill_if_alive(marker)
 
     row = read_epoch(store, query_id, 0)
-    assert (row.state, row.generation) == (ABANDONED, 0)
-    assert row.closed_by.startswith("abort:")  # by this run of the query
+    # query.stop() interrupts the stream's thread, which then calls the writer's abort: now
+    # and then the interrupt lands in the abort's own call to its Python worker, and Spark
+    # logs "failed to abort" (seen in about 1 run in 3 under load). Then the epoch stays
+    # OPEN, and the paused task's halves are rolled back once the restart closes the epoch
+    # without them (or its lease runs out); that is the only excuse taken here.
+    abort_failed = [line for line in logged if "failed to abort" in line]
+    aborted = not abort_failed
+    assert (row.state, row.generation) == ((ABANDONED if aborted else OPEN), 0)
+    assert not aborted or row.closed_by.startswith("abort:")  # by this run of the query
     assert bodies(store) == []  # nothing of the stopped attempt is visible
-    check_back(spark, store)
-    assert pending(store) == set()  # one round: the paused task's halves too
-    assert bodies(store) == []
+    if aborted:
+        check_back(spark, store)
+        assert pending(store) == set()  # one round: the paused task's halves too
+        assert bodies(store) == []
     # A quiet stop: nothing from Spark at ERROR, no TaskKilledException stack traces.
     assert not [line for line in logged if "TaskKilledException" in line]
-    assert [line for line in logged if line.startswith(("ERROR", "FATAL"))] == []
+    errors = [line for line in logged if line.startswith(("ERROR", "FATAL"))]
+    assert errors == abort_failed
 
     run_stream(spark, store, source, checkpoint)  # the restart replays batch 0
     assert bodies(store) == sorted(ROWS)  # every row once
     row = read_epoch(store, query_id, 0)
-    assert (row.state, row.generation) == (CLOSED, 1)
+    assert (row.state, row.generation) == (CLOSED, 1 if aborted else 0)
     assert staged.isdisjoint(row.transaction_ids)
     check_back(spark, store)
     assert pending(store) == set()
@@ -248,6 +258,28 @@ def test_a_task_that_holds_the_epoch_after_its_write_was_aborted_stages_nothing(
         again.commit([again.write(iter([batch]))])
         assert bodies(store) == ["a"]
         assert read_epoch(store, sink_id, 0).generation == 1
+
+
+@pytest.mark.parametrize("sink_id", [None, "nightly"])
+def test_an_abort_before_any_task_held_the_epoch_fences_the_late_tasks_too(
+    store: Store, sink_id: str | None
+) -> None:
+    """A write whose job failed before any of its tasks held the epoch (a task failing before
+    it staged): the abort still records the attempt, so a task of it that starts afterwards
+    stages nothing, and a new attempt publishes."""
+    schema = StructType([StructField(c, StringType()) for c in ("body", "keys", "tags")])
+    extra = {} if sink_id is None else {"sinkId": sink_id}
+    options = WriterOptions.parse(_options(None, store, **extra), schema)
+    writer = RmqTxBatchWriter(options)
+    writer.abort([None, None])
+    batch = pa.record_batch({"body": ["a"], "keys": ["a"], "tags": ["T"]})
+    with pytest.raises(EpochLostError, match="aborted"):
+        writer.write(iter([batch]))
+    assert pending(store) == set()
+    if sink_id is not None:
+        again = RmqTxBatchWriter(options)
+        again.commit([again.write(iter([batch]))])
+        assert bodies(store) == ["a"]
 
 
 def test_an_abort_after_the_commit_closed_the_epoch_changes_nothing(spark, store: Store) -> None:
