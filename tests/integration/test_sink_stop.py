@@ -158,7 +158,7 @@ def test_a_stopped_stream_rolls_back_every_task_and_restarts_exactly_once(
     row = read_epoch(store, query_id, 0)
     # query.stop() interrupts the stream's thread, which then calls the writer's abort: now
     # and then the interrupt lands in the abort's own call to its Python worker, and Spark
-    # logs "failed to abort" (seen in about 1 run in 3 under load). Then the epoch stays
+    # logs "failed to abort" (3 runs in about 9 here). Then the epoch stays
     # OPEN, and the paused task's halves are rolled back once the restart closes the epoch
     # without them (or its lease runs out); that is the only excuse taken here.
     abort_failed = [line for line in logged if "failed to abort" in line]
