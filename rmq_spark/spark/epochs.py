@@ -128,6 +128,9 @@ def hold(
         if row.state == CLOSED or _fresh(row, now, lease_seconds):
             return row
     expires = now + timedelta(seconds=lease_seconds)
+    reopen = f"t.state = '{ABANDONED}'"
+    if attempt is not None:  # never for the attempt that aborted it
+        reopen += f" AND coalesce(t.closed_by, '') <> {sql_string(aborted_by(attempt))}"
     row = merge_epoch(
         store,
         sink_id,
@@ -152,12 +155,7 @@ def hold(
                     "closed_by": "s.closed_by",
                     "closed_timestamp": "s.closed_timestamp",
                 },
-                predicate=f"t.state = '{ABANDONED}'"
-                + (
-                    ""
-                    if attempt is None
-                    else f" AND coalesce(t.closed_by, '') <> {sql_string(aborted_by(attempt))}"
-                ),
+                predicate=reopen,
             )
         ),
     )
@@ -458,12 +456,9 @@ def release(
         no ``attempt`` is given (with one, the abort is recorded: ABANDONED, generation 0).
     """
     row = read_epoch(store, sink_id, epoch)
-    # No task held it yet (one failed before it could): the abort is recorded all the same,
-    # so that the attempt's tasks that start after it are refused.
-    record = row is None and attempt is not None
-    if not record and (
-        row is None or row.state != OPEN or (owner is not None and row.owner != owner)
-    ):
+    if row is None and attempt is None:
+        return None
+    if row is not None and (row.state != OPEN or (owner is not None and row.owner != owner)):
         return row
     held = f"t.state = '{OPEN}'" + ("" if owner is None else " AND t.owner = s.owner")
 
@@ -476,7 +471,9 @@ def release(
             },
             predicate=held,
         )
-        return insert_all(released) if record else released
+        # No task held it yet (one failed before it could): the abort is recorded all the
+        # same, so that the attempt's tasks that start after it are refused.
+        return insert_all(released) if row is None else released
 
     return merge_epoch(
         store,
