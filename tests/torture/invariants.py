@@ -13,7 +13,9 @@ Read with deltalake (no Spark), after quiescence:
   failed;
 * offsets per (topic, queue) are dense from 0 with no repeat; msg ids are unique; a message
   another Delta writer removed (a RESTORE or DELETE of the CommitLog, recorded by the
-  orchestrator) may be missing, but a read of its queue must fail with ``DATA_LOSS``;
+  orchestrator) may be missing, but a read of its queue must fail with ``DATA_LOSS``; it is
+  published again (at a new offset, its old one a hole) only if a RESTORE of ``op`` removed
+  its decision too;
 * every discarded message is re-driven at most once (and then marked), or still listed;
 * in a store of several shards, every table above is read in every shard (found by its marker);
   each transaction's rows (half, op, discard, CommitLog) are in the shard its id names, and
@@ -71,6 +73,11 @@ def _shard_rows(roots: dict[int, str], name: str, columns: list[str] | None = No
     ]
 
 
+def _jsonl(path: Path) -> list:
+    """The values of a JSON-lines file the orchestrator appends to (none if it never did)."""
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
 def _props(value) -> dict:
     if value is None:
         return {}
@@ -81,21 +88,29 @@ class _Store:
     """The store's tables (the union of every shard's) as Python rows, each with the index of
     the shard that stores it (``shard``), indexed for diagnostics."""
 
-    def __init__(self, root: str, removed: Path) -> None:
+    def __init__(self, root: str, removed: Path, undecided: Path) -> None:
         self.roots = shard_roots(root)
         self.commitlog = _shard_rows(
             self.roots,
             "commitlog",
             ["topic", "queue_id", "queue_offset", "msg_id", "transaction_id", "keys"],
         )
-        # Published messages another Delta writer removed, and not added back by a RESTORE.
-        visible = {c["msg_id"] for c in self.commitlog}
-        recorded = [json.loads(line) for line in removed.read_text().splitlines()] if (
-            removed.exists()
-        ) else []  # fmt: skip
-        self.removed = list(
-            {r["msg_id"]: r for r in recorded if r["msg_id"] not in visible}.values()
-        )
+        # Published messages another Delta writer removed: not added back (by a RESTORE), or
+        # published again at a new offset (their decisions removed too, by a RESTORE of op).
+        visible = {c["msg_id"]: c for c in self.commitlog}
+        recorded = list({r["msg_id"]: r for r in _jsonl(removed)}.values())
+        self.removed = [r for r in recorded if r["msg_id"] not in visible]
+        self.republished = [
+            visible[r["msg_id"]]
+            for r in recorded
+            if r["msg_id"] in visible and visible[r["msg_id"]]["queue_offset"] != r["queue_offset"]
+        ]
+        #: Queue offsets left empty by another writer (their messages removed, not added back).
+        self.holes = {(r["topic"], r["queue_id"], r["queue_offset"]) for r in recorded} - {
+            (c["topic"], c["queue_id"], c["queue_offset"]) for c in self.commitlog
+        }
+        #: Transactions whose decisions another writer's commit on op removed.
+        self.undecided = set(_jsonl(undecided))
         self.half = _shard_rows(
             self.roots,
             "half",
@@ -189,6 +204,7 @@ def _exactly_once(
 ) -> dict:
     counts = Counter(c["keys"] for c in store.commitlog if c["topic"] == topic)
     lost = {r["keys"] for r in store.removed if r["topic"] == topic}
+    again = {c["keys"] for c in store.republished if c["topic"] == topic}
     missing = sorted(expected - set(counts) - lost)
     dups = sorted(k for k, n in counts.items() if n > 1)
     leaked = sorted(k for k in counts if k in forbidden)
@@ -208,7 +224,7 @@ def _exactly_once(
         "visible": sum(counts.values()),
         "missing": len(missing),
         "removed by another writer (DATA_LOSS)": len((expected & lost) - set(counts)),
-        "removed, then published again": len(expected & lost & set(counts)),
+        "removed, then published again": len(expected & again),
         "duplicated": len(dups),
         "leaked": len(leaked) + len(unexpected),
     }
@@ -350,7 +366,7 @@ def _shard_facts(store: _Store, shard: int) -> dict:
 
 def check_invariants(run: dict, root: str) -> Results:
     results = Results()
-    store = _Store(root, Path(run["foreign_removed"]))
+    store = _Store(root, Path(run["foreign_removed"]), Path(run["foreign_undecided"]))
     facts = results.facts
 
     # ---- producers: the SQLite databases are the truth
@@ -463,8 +479,10 @@ def check_invariants(run: dict, root: str) -> Results:
     # ---- offsets dense from 0 but where another writer removed messages, no repeat; msg ids
     # unique; every removed message makes a read fail loudly
     queues = defaultdict(list)
-    for c in store.commitlog + store.removed:
+    for c in store.commitlog:
         queues[(c["topic"], c["queue_id"])].append(c["queue_offset"])
+    for topic, queue, offset in store.holes:
+        queues[(topic, queue)].append(offset)
     for (topic, queue), offsets in sorted(queues.items()):
         offsets.sort()
         if offsets != list(range(len(offsets))):
@@ -475,6 +493,15 @@ def check_invariants(run: dict, root: str) -> Results:
                     "offsets not dense",
                     f"{topic}/{queue}: {len(offsets)} rows, max {max(offsets)}, repeated "
                     f"{repeats}, missing {gaps}",
+                )
+            )
+    for c in store.republished:
+        if c["transaction_id"] not in store.undecided:
+            results.violations.append(
+                Violation(
+                    "removed, then published again though its decision stayed",
+                    f"msg {c['msg_id']} txn {c['transaction_id']} now at {c['topic']}/"
+                    f"{c['queue_id']} offset {c['queue_offset']}: {store.explain(c['keys'])}",
                 )
             )
     for msg_id, n in Counter(c["msg_id"] for c in store.commitlog).items():

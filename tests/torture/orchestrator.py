@@ -290,6 +290,7 @@ level = "INFO"
             "batch_progress": str(self.root / "batch-progress.txt"),
             "business_table": str(self.root / "business"),
             "foreign_removed": str(self.root / "foreign-removed.jsonl"),
+            "foreign_undecided": str(self.root / "foreign-undecided.jsonl"),
             "slow_task_probability": 0.15,
             "very_slow_task_probability": 0.04,
             "failing_task_probability": 0.12,
@@ -595,11 +596,16 @@ level = "INFO"
         """A transaction whose decision a RESTORE of ``op`` removed is pending again: its
         ``check_state`` row goes when check-back forgets the decided transaction (before or
         after the RESTORE), and a later round starts its clock anew before it records the
-        decision again without asking. Its check counts are not sampled any more."""
+        decision again without asking. Its check counts are not sampled any more; it is
+        recorded for the invariants (its checker is asked again if a RESTORE of the CommitLog
+        removed its messages too, and they may then be published again)."""
         version = op.version()
         before = read_delta(op.table_uri, ["transaction_id"], version - 1).column(0).to_pylist()
         after = set(read_delta(op.table_uri, ["transaction_id"], version).column(0).to_pylist())
-        self.undecided_by_restore.update(set(before) - after)
+        undecided = set(before) - after
+        self.undecided_by_restore.update(undecided)
+        with open(self.run["foreign_undecided"], "a") as out:
+            out.writelines(json.dumps(txn) + "\n" for txn in sorted(undecided))
 
     def some_published(self, commitlog, shard: int) -> str:
         """A DELETE predicate for one to three published messages of one queue of shard
