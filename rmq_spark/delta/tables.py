@@ -57,6 +57,9 @@ class Head:
     txns: Mapping[str, int]
     found: float
     snapshot_txns: Mapping[str, int]
+    #: ``version`` is this thread's own commit, put at the first version it tried: no other
+    #: writer was seen, and the next commit goes on without reading the log first.
+    calm: bool = False
 
 
 class DeltaTables:
@@ -168,12 +171,17 @@ class DeltaTables:
         Its snapshot update would list the table's whole log each time on a local filesystem.
         So, while the version this thread found last is younger than :attr:`fresh_seconds`
         (no entry after it can have been cleaned), the entries after it are read instead
-        (:func:`follow`). A table change among them, ``reload`` (a retry), an older head, or
-        a table that deltalake commits to (it needs the latest snapshot) loads the snapshot.
+        (:func:`follow`), or none at all while the head is :attr:`Head.calm` (this thread's
+        own commit found no other writer: a commit on it checks the entries it finds taken, so
+        one that another writer made since only costs a retry). A table change among them,
+        ``reload`` (a retry), an older head, or a table that deltalake commits to (it needs the
+        latest snapshot) loads the snapshot.
         """
         now = time.monotonic()
         head: Head | None = getattr(self._heads, name, None)
         if not reload and head is not None and now - head.found < self.fresh_seconds:
+            if head.calm:
+                return head
             followed = follow(self.uri(name), self.storage_options, head.version, head.txns)
             if followed is not None:
                 head = replace(head, version=followed[0], txns=followed[1], found=now)
@@ -318,7 +326,11 @@ class DeltaTables:
             head: Head | None = getattr(self._heads, name, None)
             if head is not None and head.version == version - 1 and not removes:
                 txns = {**head.txns, **(app_ids or {})}
-                setattr(self._heads, name, replace(head, version=version, txns=txns, found=started))
+                calm = version == after + 1
+                head = replace(head, version=version, txns=txns, found=started, calm=calm)
+                setattr(self._heads, name, head)
+            elif head is not None and head.calm:
+                setattr(self._heads, name, replace(head, calm=False))  # another writer came
             if version % interval == 0:
                 self.soon("checkpoint", name, lambda: self._checkpoint(name, version))
         if not removes:

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
 
@@ -39,7 +40,7 @@ from rmq_spark.model.messages import (
     validate_message,
 )
 from rmq_spark.model.schema import HALF_SCHEMA, OP_SCHEMA, WRITER_COLUMNS
-from rmq_spark.store.context import StoreConcept
+from rmq_spark.store.context import StoreConcept, StoreContext
 from rmq_spark.store.oplog import COMMITS_KEY, DECIDED_BY_RECOVERY
 from rmq_spark.store.reads import decisions_of
 
@@ -117,8 +118,44 @@ class PreparedMessage:
     store_timestamp: datetime
 
 
+#: A thread keeps at most this many of its own decisions after its ``op`` snapshot before it
+#: loads a newer one (:class:`_OwnDecisions`).
+_OWN_COMMITS_KEPT = 256
+
+
+@dataclass
+class _OwnDecisions:
+    """The ``op`` commits one thread made after its snapshot: by the arbiter version each
+    recorded (see :meth:`Decisions.write_decisions`), the version it landed at and the
+    transactions it decided.
+
+    A thread's decisions move the arbiters of its transactions past its snapshot; loading the
+    latest snapshot each time (a listing and a replay of the log, tens of milliseconds on an
+    object store) would cost nearly every decision, as each shares a bucket with a recent one.
+    An arbiter whose latest recording is one of these commits was recorded after the snapshot
+    by nobody else: each of them found the same (or the arbiter unmoved), and Delta's conflict
+    check covered the versions its head had not read. So the snapshot holds every decision of
+    the other transactions of that bucket. A transaction decided by one of these commits is
+    looked up in the latest snapshot (a retried or late end: another writer may have removed
+    the decision since).
+    """
+
+    commits: dict[int, tuple[int, frozenset[str]]] = field(default_factory=dict)
+
+    def since(self, snapshot_version: int) -> dict[int, tuple[int, frozenset[str]]]:
+        """Forget the commits the snapshot holds; the rest, by recorded arbiter version."""
+        for recorded, (version, _) in list(self.commits.items()):
+            if version <= snapshot_version:
+                del self.commits[recorded]
+        return self.commits
+
+
 class Decisions(StoreConcept):
     """Half messages written and transactions decided in one store's ``half`` and ``op``."""
+
+    def __init__(self, context: StoreContext) -> None:
+        super().__init__(context)
+        self._own = threading.local()
 
     def prepare(
         self,
@@ -250,19 +287,34 @@ class Decisions(StoreConcept):
         """
         ids = [d.transaction_id for d in decisions]
         arbiters = {decision_app_id(t) for t in ids}
+        if not hasattr(self._own, "decisions"):
+            self._own.decisions = _OwnDecisions()
+        own: _OwnDecisions = self._own.decisions
 
         def attempt(n: int) -> tuple[dict[str, LocalTransactionState], int | None]:
-            # The log as this thread last found it, followed without a listing (the hot path);
-            # its snapshot holds every decision of these transactions unless an arbiter of
-            # theirs was recorded after it: then, and on a retry, the latest snapshot.
+            # The log as this thread last found it (the hot path: no listing); its snapshot
+            # holds every decision of these transactions unless another writer recorded an
+            # arbiter of theirs after it, or this thread decided one of them since: then, on a
+            # retry, and every _OWN_COMMITS_KEPT own commits, the latest snapshot.
             head = self.tables.head("op", reload=n > 0)
-            if any(head.txns.get(a) != head.snapshot_txns.get(a) for a in arbiters):
+            mine = own.since(head.snapshot.version())
+            moved = {
+                head.txns.get(a) for a in arbiters if head.txns.get(a) != head.snapshot_txns.get(a)
+            }
+            if (
+                len(mine) >= _OWN_COMMITS_KEPT
+                or not moved <= mine.keys()
+                or any(not decided.isdisjoint(ids) for _, decided in mine.values())
+            ):
                 head = self.tables.head("op", reload=True)
+                mine = own.since(head.snapshot.version())
             existing = decisions_of(self.tables, head.snapshot, ids)
             fresh = [d for d in decisions if d.transaction_id not in existing]
             if not fresh:
                 return existing, None
-            return existing, self.write_decisions(head.snapshot, fresh, after=head.version)
+            version = self.write_decisions(head.snapshot, fresh, after=head.version)
+            mine[head.version + 1] = (version, frozenset(d.transaction_id for d in fresh))
+            return existing, version
 
         existing, _ = retry_commits(f"record {len(decisions)} decision(s)", "op", attempt)
         return existing

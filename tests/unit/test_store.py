@@ -35,6 +35,7 @@ from rmq_spark import (
 from rmq_spark.checkback.pending import update_pending
 from rmq_spark.delta.storage import filesystem
 from rmq_spark.model.config import StoreSettings
+from rmq_spark.model.messages import shard_transaction_id
 from rmq_spark.model.schema import LOCKS_SCHEMA
 from rmq_spark.store.decisions import decision_app_id
 from rmq_spark.store.layout import MARKER_FILE
@@ -106,6 +107,36 @@ def test_a_decision_from_a_stale_snapshot_is_refused_by_delta(any_store: Store) 
         decide(any_store, [a], ROLLBACK)  # an ALREADY_DECIDED no-op writes nothing
         any_store.write_decisions(other, [Decision(b.transaction_id, "pg", COMMIT)])
         assert any_store.decisions([b.transaction_id]) == {b.transaction_id: COMMIT}
+
+
+def test_a_decider_that_skips_reading_the_log_still_loses_to_a_rival(any_store: Store) -> None:
+    """A decider that has been deciding alone reads no log before its next decision (its head
+    is its own last commit), and its own decisions have moved its arbiters past its ``op``
+    snapshot. A rival's decisions made since, in the same arbiter bucket as one of its own
+    or not, still win: its commit finds their versions taken and their arbiters recorded."""
+    ids = [shard_transaction_id(0) for _ in range(400)]
+    by_bucket: dict[str, list[str]] = {}
+    for t in ids:
+        by_bucket.setdefault(decision_app_id(t), []).append(t)
+    own, shared = next(pair for pair in by_bucket.values() if len(pair) >= 2)[:2]
+    other = next(t for t in ids if decision_app_id(t) not in {decision_app_id(own)})
+    prepared = any_store.prepare(
+        [Message("Orders", t) for t in (own, shared, other)],
+        "pg",
+        transaction_ids=[own, shared, other],
+    )
+    rival = Store.open(any_store.root, settings=any_store.settings, create=False)
+    decide(any_store, prepared[:1], COMMIT)  # alone: its head is calm, the bucket moved by it
+    decide(rival, prepared[1:], ROLLBACK)
+    results = decide(any_store, prepared[1:], COMMIT) + decide(any_store, prepared[:1], COMMIT)
+    assert [(r.status, r.decision) for r in results] == [
+        (EndTransactionStatus.REFUSED, ROLLBACK),
+        (EndTransactionStatus.REFUSED, ROLLBACK),
+        (EndTransactionStatus.ALREADY_DECIDED, COMMIT),
+    ]
+    assert any_store.read("op").num_rows == 3
+    any_store.publish()
+    assert commitlog(any_store).column("transaction_id").to_pylist() == [own]
 
 
 def test_many_deciders_at_once_one_decision_each(store: Store) -> None:
