@@ -267,11 +267,16 @@ class DeltaTables:
         files = self.write(name, rows)
         if not files and not always:
             return None
-        return retry_commits(
-            f"append to {name}",
-            name,
-            lambda n: self.commit(name, files, self.snapshot(name, latest=n > 0), app_ids),
-        )
+
+        def attempt(n: int) -> int:
+            if name in self._writers and self._writers[name][1] is None:  # deltalake commits
+                return self.commit(name, files, self.snapshot(name, latest=n > 0), app_ids)
+            # The head, not a snapshot refreshed every fresh_seconds (a listing and a replay
+            # of the log's newest entries on the sender's path, up to hundreds of ms on S3).
+            head = self.head(name, reload=n > 0)
+            return self.commit(name, files, head.snapshot, app_ids, after=head.version)
+
+        return retry_commits(f"append to {name}", name, attempt)
 
     def commit(
         self,
