@@ -264,6 +264,29 @@ def test_a_table_that_asks_more_of_a_writer_is_refused_clearly(
     assert store.read("half").num_rows == 0
 
 
+def test_a_writer_that_goes_on_from_its_own_commit_still_sees_another_writers(
+    any_store: Store,
+) -> None:
+    """A writer that has just committed alone goes on from its own commit without reading the
+    log. Another writer's append since is found by its put (both land, once each); a table
+    change since is found the same way and refused as before, with nothing written."""
+    (first,) = any_store.prepare([Message("T", b"first")], "pg")
+    uri, options = any_store.table_uri("half"), any_store._storage_options
+    foreign = DeltaTable(uri, storage_options=options)
+    files = half_files(any_store, b"foreign")
+    commit(uri, any_store.settings.storage_options, foreign.version(), files)
+    (second,) = any_store.prepare([Message("T", b"second")], "pg")
+    assert second.half_version == first.half_version + 2
+    bodies = any_store.read("half").column("body").to_pylist()
+    assert sorted(bodies) == [b"first", b"foreign", b"second"]
+    any_store.prepare([Message("T", b"third")], "pg")  # alone again
+    DeltaTable(uri, storage_options=options).alter.add_constraint({"known_queue": "queue_id >= 0"})
+    before = DeltaTable(uri, storage_options=options).version()
+    with pytest.raises(StoreError, match="known_queue.*must not be altered"):
+        any_store.prepare([Message("T", b"refused")], "pg")
+    assert DeltaTable(uri, storage_options=options).version() == before
+
+
 def run_killed(store: Store, failpoint: str, sends: int = 1) -> None:
     child = textwrap.dedent(
         f"""
