@@ -125,9 +125,10 @@ _OWN_COMMITS_KEPT = 256
 
 @dataclass
 class _OwnDecisions:
-    """The ``op`` commits one thread made after its snapshot: by the arbiter version each
-    recorded (see :meth:`Decisions.write_decisions`), the version it landed at and the
-    transactions it decided.
+    """The ``op`` commits one thread made after its snapshot: the version each landed at, the
+    arbiters it recorded with their version (see :meth:`Decisions.write_decisions`; another
+    writer's commit can record the same version for another arbiter) and the transactions it
+    decided.
 
     A thread's decisions move the arbiters of its transactions past its snapshot; loading the
     latest snapshot each time (a listing and a replay of the log, tens of milliseconds on an
@@ -140,14 +141,27 @@ class _OwnDecisions:
     the decision since).
     """
 
-    commits: dict[int, tuple[int, frozenset[str]]] = field(default_factory=dict)
+    commits: list[tuple[int, frozenset[tuple[str, int]], frozenset[str]]] = field(
+        default_factory=list
+    )
 
-    def since(self, snapshot_version: int) -> dict[int, tuple[int, frozenset[str]]]:
-        """Forget the commits the snapshot holds; the rest, by recorded arbiter version."""
-        for recorded, (version, _) in list(self.commits.items()):
-            if version <= snapshot_version:
-                del self.commits[recorded]
-        return self.commits
+    def since(self, snapshot_version: int) -> None:
+        """Forget the commits the snapshot holds."""
+        self.commits = [c for c in self.commits if c[0] > snapshot_version]
+
+    def recorded(self) -> set[tuple[str, int]]:
+        """The arbiters, with their versions, that these commits recorded."""
+        return {arbiter for _, arbiters, _ in self.commits for arbiter in arbiters}
+
+    def add(self, landed: int, arbiter_version: int, transaction_ids: Sequence[str]) -> None:
+        """Remember a commit that landed at ``landed`` deciding ``transaction_ids``, recording
+        their arbiters at ``arbiter_version``."""
+        arbiters = frozenset((decision_app_id(t), arbiter_version) for t in transaction_ids)
+        self.commits.append((landed, arbiters, frozenset(transaction_ids)))
+
+    def decided(self, ids: Sequence[str]) -> bool:
+        """Whether these commits decided one of ``ids``."""
+        return any(not decided.isdisjoint(ids) for _, _, decided in self.commits)
 
 
 class Decisions(StoreConcept):
@@ -297,23 +311,23 @@ class Decisions(StoreConcept):
             # arbiter of theirs after it, or this thread decided one of them since: then, on a
             # retry, and every _OWN_COMMITS_KEPT own commits, the latest snapshot.
             head = self.tables.head("op", reload=n > 0)
-            mine = own.since(head.snapshot.version())
+            own.since(head.snapshot.version())
             moved = {
-                head.txns.get(a) for a in arbiters if head.txns.get(a) != head.snapshot_txns.get(a)
+                (a, head.txns[a]) for a in arbiters if head.txns.get(a) != head.snapshot_txns.get(a)
             }
             if (
-                len(mine) >= _OWN_COMMITS_KEPT
-                or not moved <= mine.keys()
-                or any(not decided.isdisjoint(ids) for _, decided in mine.values())
+                len(own.commits) >= _OWN_COMMITS_KEPT
+                or not moved <= own.recorded()
+                or own.decided(ids)
             ):
                 head = self.tables.head("op", reload=True)
-                mine = own.since(head.snapshot.version())
+                own.since(head.snapshot.version())
             existing = decisions_of(self.tables, head.snapshot, ids)
             fresh = [d for d in decisions if d.transaction_id not in existing]
             if not fresh:
                 return existing, None
             version = self.write_decisions(head.snapshot, fresh, after=head.version)
-            mine[head.version + 1] = (version, frozenset(d.transaction_id for d in fresh))
+            own.add(version, head.version + 1, [d.transaction_id for d in fresh])
             return existing, version
 
         existing, _ = retry_commits(f"record {len(decisions)} decision(s)", "op", attempt)

@@ -139,6 +139,28 @@ def test_a_decider_that_skips_reading_the_log_still_loses_to_a_rival(any_store: 
     assert commitlog(any_store).column("transaction_id").to_pylist() == [own]
 
 
+def test_a_rivals_arbiter_recorded_at_the_version_of_a_decider_own_is_not_taken_for_its(
+    any_store: Store,
+) -> None:
+    """Application-id versions are the version a commit first tried, not the one it landed at:
+    a rival that decided from the same head as the decider's own last commit records its
+    buckets at the same version. Read from the log, the rival's bucket looked like one the
+    decider had moved itself, so it decided a transaction the rival had already decided."""
+    ids = [shard_transaction_id(0) for _ in range(3)]
+    assert len({decision_app_id(t) for t in ids}) == 3
+    t, u, v = any_store.prepare(
+        [Message("Orders", str(i)) for i in range(3)], "pg", transaction_ids=ids
+    )
+    stale = DeltaTable(any_store.table_uri("op"), storage_options=any_store._storage_options)
+    decide(any_store, [u], COMMIT)  # the decider's own commit, at the version after stale
+    rival = Store.open(any_store.root, settings=any_store.settings, create=False)
+    rival.write_decisions(stale, [Decision(t.transaction_id, "pg", ROLLBACK)])  # same version
+    decide(any_store, [v], COMMIT)  # lands after the rival's: the next decision reads the log
+    (result,) = decide(any_store, [t], COMMIT)
+    assert (result.status, result.decision) == (EndTransactionStatus.REFUSED, ROLLBACK)
+    assert sorted(any_store.read("op").column("transaction_id").to_pylist()) == sorted(ids)
+
+
 def test_many_deciders_at_once_one_decision_each(store: Store) -> None:
     """Threads with a store each race COMMIT against ROLLBACK on the same transactions: one
     APPLIED per transaction, everyone agrees on the decision in force, one op row each."""
