@@ -6,7 +6,7 @@ from __future__ import annotations
 import atexit
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 
 class Chores:
@@ -61,6 +61,38 @@ class Chores:
                 with self._changed:
                     self._busy = False
                     self._changed.notify_all()
+
+
+class ChoreKinds:
+    """The chores of several ``kinds`` that commits ask for: run at once on the asking thread,
+    or, after :meth:`in_background`, on one background :class:`Chores` thread per kind."""
+
+    def __init__(self, name: str, kinds: Sequence[str]) -> None:
+        self._name, self._kinds = name, tuple(kinds)
+        self._threads: dict[str, Chores] = {}
+        self._lock = threading.Lock()
+
+    def soon(self, kind: str, key: str, work: Callable[[], None]) -> None:
+        """Run ``work``, a chore of ``kind`` on ``key`` that never raises: now, on the asking
+        thread, or after :meth:`in_background` on the background thread of its kind."""
+        chores = self._threads.get(kind)
+        if chores is not None:
+            chores.ask(key, work)
+        else:
+            work()
+
+    def in_background(self) -> None:
+        """Run chores on background threads of this process from now on, one per kind
+        (idempotent); :meth:`wait` waits for what is asked."""
+        with self._lock:
+            if not self._threads:
+                self._threads = {k: Chores(f"rmqtx-{k}-{self._name}") for k in self._kinds}
+
+    def wait(self) -> None:
+        """Wait until the background chores asked for so far are done (a no-op without
+        :meth:`in_background`)."""
+        for chores in self._threads.values():
+            chores.wait()
 
 
 _open: weakref.WeakSet[Chores] = weakref.WeakSet()

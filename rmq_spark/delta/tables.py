@@ -26,7 +26,7 @@ from deltalake import CommitProperties, DeltaTable, QueryBuilder, Transaction
 from deltalake.table import TableMerger
 from deltalake.transaction import AddAction
 
-from rmq_spark.delta.chores import Chores
+from rmq_spark.delta.chores import ChoreKinds
 from rmq_spark.delta.commit import appendable, checkpoint, checkpoint_interval
 from rmq_spark.delta.commit import commit as commit_direct
 from rmq_spark.delta.files import commit_files, write_files, write_in_parallel
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 #: A table's schema, partition columns and table properties.
 TableSpec = tuple[pa.Schema, list[str], dict[str, str]]
-#: The kinds of chores a commit asks for (see :meth:`DeltaTables.soon`).
+#: The kinds of chores a commit asks for (see :class:`ChoreKinds`).
 _CHORES = ("checkpoint", "maintain")
 
 
@@ -101,7 +101,8 @@ class DeltaTables:
         self._lock = threading.Lock()
         #: Per table: (snapshot version, checkpoint interval or None), see direct_interval.
         self._writers: dict[str, tuple[int, int | None]] = {}
-        self._chores: dict[str, Chores] = {}
+        #: Checkpoints and maintenance that commits ask for (see ChoreKinds).
+        self.chores = ChoreKinds(root, _CHORES)
         self._listeners: list[Callable[[str, int], None]] = []
 
     # ------------------------------------------------------------------ tables
@@ -337,7 +338,7 @@ class DeltaTables:
             elif head is not None and head.calm:
                 setattr(self._heads, name, replace(head, calm=False))  # another writer came
             if version % interval == 0:
-                self.soon("checkpoint", name, lambda: self._checkpoint(name, version))
+                self.chores.soon("checkpoint", name, lambda: self._checkpoint(name, version))
         if not removes:
             for listener in self._listeners:
                 listener(name, version)
@@ -402,27 +403,3 @@ class DeltaTables:
                 version,
                 exc_info=True,
             )
-
-    # ------------------------------------------------------------------ chores
-    def soon(self, kind: str, name: str, work: Callable[[], None]) -> None:
-        """Run ``work``, a chore of a ``kind`` of :data:`_CHORES` on table ``name`` that a
-        commit asks for and that never raises: now, on the committing thread, or after
-        :meth:`in_background` on the background thread of its kind."""
-        chores = self._chores.get(kind)
-        if chores is not None:
-            chores.ask(name, work)
-        else:
-            work()
-
-    def in_background(self) -> None:
-        """Run chores on background threads of this process from now on, one per kind
-        (idempotent); :meth:`finish_chores` waits for what is asked."""
-        with self._lock:
-            if not self._chores:
-                self._chores = {kind: Chores(f"rmqtx-{kind}-{self.root}") for kind in _CHORES}
-
-    def finish_chores(self) -> None:
-        """Wait until the background chores asked for so far are done (a no-op without
-        :meth:`in_background`)."""
-        for chores in self._chores.values():
-            chores.wait()

@@ -379,9 +379,9 @@ class Store:
         for a checkpoint). Checkpoints have a thread of their own: a compaction that takes
         long must not hold them back. Idempotent; :meth:`finish_maintenance` waits for what
         is asked."""
-        self._tables.in_background()
+        self._tables.chores.in_background()
 
     def finish_maintenance(self) -> None:
         """Wait until the background checkpoints, compactions and log cleanups asked for so
         far are done (a no-op without :meth:`maintain_in_background`)."""
-        self._tables.finish_chores()
+        self._tables.chores.wait()

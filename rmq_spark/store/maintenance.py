@@ -64,7 +64,7 @@ class Maintenance(StoreConcept):
     def _after_commit(self, name: str, version: int) -> None:
         """Compact and clean the log every ``COMPACT_EVERY_COMMITS`` commits."""
         if version % COMPACT_EVERY_COMMITS == 0:
-            self.tables.soon("maintain", name, lambda: self._maintain(name))
+            self.tables.chores.soon("maintain", name, lambda: self._maintain(name))
 
     def _maintain(self, name: str) -> None:
         """Compact a table and clean its log. Never raises: the commit that asked has landed,
