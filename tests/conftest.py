@@ -24,6 +24,17 @@ def store(tmp_path: Path) -> Store:
     return Store.open(tmp_path / "store", settings=Settings(store=StoreSettings(queue_nums=2)))
 
 
+@pytest.fixture
+def young_entries_cleaned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Log cleanups in this process may delete entries of any age (no LOG_ENTRY_MIN_AGE), and
+    commits here then always check they are reachable: for tests of the retention rules that
+    make hours pass with a clock ahead, or clean at once, within seconds of real time."""
+    from rmq_spark.delta import commit, txnlog
+
+    monkeypatch.setattr(commit, "LOG_ENTRY_MIN_AGE", 0.0)
+    monkeypatch.setattr(txnlog, "LOG_ENTRY_MIN_AGE", 0.0)
+
+
 @pytest.fixture(scope="session")
 def minio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     """A MinIO server on loopback (``make objectstore`` builds it). Without the binary the

@@ -27,7 +27,12 @@ from deltalake.table import TableMerger
 from deltalake.transaction import AddAction
 
 from rmq_spark.delta.chores import ChoreKinds
-from rmq_spark.delta.commit import appendable, checkpoint, checkpoint_interval
+from rmq_spark.delta.commit import (
+    appendable,
+    checkpoint,
+    checkpoint_interval,
+    young_entries_kept,
+)
 from rmq_spark.delta.commit import commit as commit_direct
 from rmq_spark.delta.files import commit_files, write_files, write_in_parallel
 from rmq_spark.delta.reads import read_arrow, with_uris
@@ -100,7 +105,7 @@ class DeltaTables:
         self._known: dict[str, int] = {}
         self._lock = threading.Lock()
         #: Per table: (snapshot version, checkpoint interval or None), see direct_interval.
-        self._writers: dict[str, tuple[int, int | None]] = {}
+        self._writers: dict[str, tuple[int, int | None, bool]] = {}
         #: Checkpoints and maintenance that commits ask for (see ChoreKinds).
         self.chores = ChoreKinds(root, _CHORES)
         self._listeners: list[Callable[[str, int], None]] = []
@@ -303,7 +308,11 @@ class DeltaTables:
         from there).
         """
         started = time.monotonic()
-        interval = self.direct_interval(name, snapshot)
+        _, interval, young_kept = self._writer(name, snapshot)
+        head: Head | None = getattr(self._heads, name, None)
+        # Goes on from this thread's own last commit, begun at head.found (commit_direct).
+        own = young_kept and head is not None and head.calm and head.version == after
+        fresh_since = head.found if own else None
         if interval is None:
             partitions = self.specs[name][1]
             properties = CommitProperties(
@@ -326,10 +335,10 @@ class DeltaTables:
                 app_ids=app_ids,
                 info=info,
                 removes=removes,
+                fresh_since=fresh_since,
             )
             with self._lock:
                 self._known[name] = max(version, self._known.get(name, version))
-            head: Head | None = getattr(self._heads, name, None)
             if head is not None and head.version == version - 1 and not removes:
                 txns = {**head.txns, **(app_ids or {})}
                 calm = version == after + 1
@@ -383,12 +392,17 @@ class DeltaTables:
     def direct_interval(self, name: str, snapshot: DeltaTable) -> int | None:
         """The checkpoint interval of a table that :func:`commit_direct` appends to, None when
         deltalake commits its appends (:func:`appendable`); known per snapshot version."""
+        return self._writer(name, snapshot)[1]
+
+    def _writer(self, name: str, snapshot: DeltaTable) -> tuple[int, int | None, bool]:
+        """Per snapshot version of a table: the version, :meth:`direct_interval`, and whether
+        Delta's own log cleanup keeps young entries (:func:`young_entries_kept`)."""
         version = snapshot.version()
         cached = self._writers.get(name)
         if cached is None or cached[0] != version:
             interval = checkpoint_interval(snapshot) if appendable(snapshot) else None
-            cached = self._writers[name] = (version, interval)
-        return cached[1]
+            cached = self._writers[name] = (version, interval, young_entries_kept(snapshot))
+        return cached
 
     def _checkpoint(self, name: str, version: int) -> None:
         """Write a table's checkpoint at ``version`` (:func:`checkpoint`). Never raises: the

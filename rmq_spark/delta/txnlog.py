@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 
@@ -33,8 +34,8 @@ import pyarrow.parquet as pq
 from deltalake import DeltaTable
 
 from rmq_spark.delta.commit import CHECKPOINT_NAME as _CHECKPOINT
-from rmq_spark.delta.commit import STAGED_NAME
-from rmq_spark.delta.storage import filesystem
+from rmq_spark.delta.commit import LOG_ENTRY_MIN_AGE, STAGED_NAME
+from rmq_spark.delta.storage import filesystem, scheme
 from rmq_spark.model.errors import CorruptStoreError
 
 #: Read the commits since a cached version only when there are at most this many; else start
@@ -319,8 +320,12 @@ def clean_log(
 
     This is Delta's expired-log cleanup (``delta.logRetentionDuration``), bounded by a version
     as well as by time. Entries are deleted oldest first, so an interrupted cleanup leaves the
-    log contiguous from its oldest entry. A filesystem that gives no modification time (it
-    cannot tell the age) has nothing deleted. Staged entries a killed direct commit left
+    log contiguous from its oldest entry. Whatever the rules, and however far ahead the
+    caller's clock runs, no entry younger than :data:`LOG_ENTRY_MIN_AGE` on the store's clock
+    goes (the local clock for a local filesystem; elsewhere the newest entry listed, which the
+    store's clock has passed): a commit that goes on from its own recent commit counts on it.
+    A filesystem that gives no modification time (it cannot tell the age) has nothing deleted.
+    Staged entries a killed direct commit left
     behind (:data:`rmq_spark.delta.commit.STAGED_NAME`) go when older than every rule's time.
     """
     fs, log_path = filesystem(f"{uri.rstrip('/')}/_delta_log", storage_options)
@@ -343,6 +348,8 @@ def clean_log(
     complete = sorted(
         v for v, parts in checkpoints.items() if parts == [None] or len(parts) == int(parts[0])
     )
+    times = [modified for _, _, modified in entries if modified is not None]
+    store_now = time.time() if scheme(uri) == "file" else max(times, default=0.0)
     # Per rule: entries before this version (the newest checkpoint at or before keep_from)
     # go when written before this time.
     bounds = [
@@ -352,7 +359,9 @@ def clean_log(
     doomed = sorted(
         (v, path)
         for v, path, modified in entries
-        if modified is not None and any(v < kept and modified < cut for kept, cut in bounds)
+        if modified is not None
+        and store_now - modified >= LOG_ENTRY_MIN_AGE
+        and any(v < kept and modified < cut for kept, cut in bounds)
     )
     for path in [p for _, p in doomed] + abandoned:
         fs.rm_file(path)

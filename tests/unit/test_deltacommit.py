@@ -21,7 +21,7 @@ from deltalake import DeltaTable, TableFeatures, write_deltalake
 from deltalake.exceptions import CommitFailedError
 
 from rmq_spark import Decision, LocalTransactionState, Message, Store, StoreError
-from rmq_spark.delta.commit import appendable, commit
+from rmq_spark.delta.commit import LOG_ENTRY_MIN_AGE, _Log, appendable, commit
 from rmq_spark.delta.files import write_files
 from rmq_spark.delta.reads import read_arrow
 from rmq_spark.delta.storage import filesystem
@@ -350,14 +350,19 @@ def test_a_process_killed_after_taking_the_checkpoint_version_leaves_a_readable_
 
 def _stopped_prepare(store: Store, tmp_path: Path, failpoint: str) -> subprocess.Popen:
     """A child process whose prepare of one half message ``b"stalled"`` stops itself (SIGSTOP)
-    at ``failpoint``; returned once it is stopped there. It prints its half version."""
+    at ``failpoint``; returned once it is stopped there. It prints its half version.
+
+    It prepares ``b"warm"`` first: the stalled commit goes on from the child's own last
+    commit, as a busy producer's do (the reachability check is skipped only for those)."""
     marker = tmp_path / "stopped.pid"
     child = textwrap.dedent(
         f"""
-        import json
+        import json, os
         from rmq_spark import Message, Store
         from rmq_spark.model.config import Settings, StoreSettings
         store = Store.open({store.root!r}, settings=Settings(store=StoreSettings(queue_nums=2)))
+        store.prepare([Message("T", b"warm")], "pg")
+        os.environ["RMQ_SPARK_FAILPOINT"] = {f"{failpoint}:stop"!r}
         (prepared,) = store.prepare([Message("T", b"stalled")], "pg")
         print(json.dumps({{"half_version": prepared.half_version}}))
         """
@@ -367,7 +372,6 @@ def _stopped_prepare(store: Store, tmp_path: Path, failpoint: str) -> subprocess
         env={
             **os.environ,
             "PYTHONPATH": str(REPO),
-            "RMQ_SPARK_FAILPOINT": f"{failpoint}:stop",
             "RMQ_SPARK_FAILPOINT_MARKER": str(marker),
         },
         stdout=subprocess.PIPE,
@@ -389,10 +393,51 @@ def _resumed(proc: subprocess.Popen) -> int:
     return json.loads(out.decode().strip().splitlines()[-1])["half_version"]
 
 
-def _cleaned(store: Store) -> None:
-    """The log cleanup of ``half`` run two minutes later (past UNNEEDED_LOG_SECONDS)."""
+def _cleaned(store: Store) -> int:
+    """The log cleanup of ``half`` on a clock two minutes ahead (past UNNEEDED_LOG_SECONDS),
+    once the entries are older than LOG_ENTRY_MIN_AGE (it deletes no younger one, whatever
+    its clock); how many files it deleted."""
+    time.sleep(LOG_ENTRY_MIN_AGE)
     later = datetime.now(UTC) + timedelta(minutes=2)
-    Store.open(store.root, settings=store.settings, clock=lambda: later).clean_log("half")
+    return Store.open(store.root, settings=store.settings, clock=lambda: later).clean_log("half")
+
+
+def test_a_log_cleanup_whose_clock_runs_ahead_deletes_no_young_entry(store: Store) -> None:
+    """A cleanup on a host whose clock runs minutes ahead deletes nothing written less than
+    LOG_ENTRY_MIN_AGE ago on the store's clock: a commit that goes on from its own recent one
+    skips the check that its put did not land where the log was cleaned."""
+    store.table("half").alter.set_table_properties({"delta.checkpointInterval": "10"})
+    for n in range(25):
+        store.prepare([Message("T", f"m{n}")], "pg")
+    ahead = datetime.now(UTC) + timedelta(minutes=2)
+    assert (
+        Store.open(store.root, settings=store.settings, clock=lambda: ahead).clean_log("half") == 0
+    )
+    assert _cleaned(store) > 0
+
+
+def test_a_commit_on_its_own_recent_commit_skips_the_reachability_check(
+    any_store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A producer's commits that go on from its own last one do without the round trip that
+    checks the put was not made where the log was cleaned; a table whose Delta log retention
+    someone shortened below a day (Delta's own cleanup, on another host's clock, may then
+    delete young entries) has every commit checked."""
+    checked: list[int] = []
+    reachable = _Log.reachable
+
+    def counted(log: _Log, version: int, paths: list[str]) -> bool:
+        checked.append(version)
+        return reachable(log, version, paths)
+
+    monkeypatch.setattr(_Log, "reachable", counted)
+    versions = [any_store.prepare([Message("T", f"m{n}")], "pg")[0].half_version for n in range(3)]
+    assert checked == versions[:1]  # the first goes on from a snapshot
+    shortened = {"delta.logRetentionDuration": "interval 1 hours"}
+    any_store.table("half").alter.set_table_properties(shortened)
+    checked.clear()
+    versions = [any_store.prepare([Message("T", f"s{n}")], "pg")[0].half_version for n in range(3)]
+    assert checked == versions
 
 
 def test_a_commit_paused_past_a_checkpoint_and_log_cleanup_is_not_lost(

@@ -486,7 +486,7 @@ def _log_entries(store: Store, name: str) -> int:
 
 
 @pytest.fixture
-def short_log_store(any_store: Store) -> Store:
+def short_log_store(any_store: Store, young_entries_cleaned: None) -> Store:
     """A store whose internal tables' logs are cleaned as soon as a checkpoint covers them
     (on local disk and on S3, whose listings tell the age differently)."""
     settings = dataclasses.replace(any_store.settings, log_retention=0.0)
@@ -531,6 +531,7 @@ def test_a_snapshot_whose_log_was_cleaned_under_it_still_updates(short_log_store
     assert short_log_store.read("half").num_rows == 231
 
 
+@pytest.mark.usefixtures("young_entries_cleaned")
 @pytest.mark.parametrize("large", [False, True], ids=["append", "streamed"])
 @pytest.mark.parametrize("skew", [False, True], ids=["idle", "clock-skew"])
 def test_a_writer_appends_after_the_log_was_cleaned_under_its_snapshot(
@@ -561,6 +562,7 @@ def _ahead(minutes: float) -> Callable[[], datetime]:
     return lambda: datetime.now(UTC) + timedelta(minutes=minutes)
 
 
+@pytest.mark.usefixtures("young_entries_cleaned")
 def test_a_busy_store_keeps_minutes_not_the_log_retention_of_log(tmp_path: Path) -> None:
     """A store sending for an hour at the default 15 min log retention: every commit lists
     the log on a local filesystem (about 8.5 us an entry here: 8.5 ms a send with 200 entries,
@@ -577,6 +579,7 @@ def test_a_busy_store_keeps_minutes_not_the_log_retention_of_log(tmp_path: Path)
     assert store.read("half").num_rows == 430
 
 
+@pytest.mark.usefixtures("young_entries_cleaned")
 def test_the_log_a_lagging_check_back_job_needs_is_kept_for_the_log_retention(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
