@@ -65,6 +65,9 @@ class Head:
     #: ``version`` is this thread's own commit, put at the first version it tried: no other
     #: writer was seen, and the next commit goes on without reading the log first.
     calm: bool = False
+    #: ``time.monotonic()`` once ``snapshot`` was loaded: nothing that came to exist after it
+    #: (a transaction id made since) is in the snapshot.
+    loaded: float = 0.0
 
 
 class DeltaTables:
@@ -194,8 +197,9 @@ class DeltaTables:
                 setattr(self._heads, name, head)
                 return head
         snapshot = self.snapshot(name)
+        loaded = time.monotonic()
         txns = self.app_transactions(name, snapshot)
-        head = Head(snapshot, snapshot.version(), txns, now, txns)
+        head = Head(snapshot, snapshot.version(), txns, now, txns, loaded=loaded)
         direct = self.direct_interval(name, snapshot) is not None
         setattr(self._heads, name, head if direct else None)
         return head

@@ -18,7 +18,9 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 import zlib
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -123,6 +125,38 @@ class PreparedMessage:
 _OWN_COMMITS_KEPT = 256
 
 
+#: Transaction ids whose making :class:`_Made` remembers (the oldest are forgotten, and then
+#: looked up as any other).
+_MADE_KEPT = 65536
+
+
+class _Made:
+    """When this process made its newest transaction ids (``time.monotonic()`` just before).
+
+    Nobody can decide a transaction before its id exists, so an ``op`` snapshot loaded before
+    that holds no decision of it (and one recorded since moved its arbiter past the snapshot):
+    its decision is not looked up there, which on an object store is a read of an ``op`` file
+    on every decision's path.
+    """
+
+    def __init__(self) -> None:
+        self._at: OrderedDict[str, float] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def add(self, transaction_ids: Sequence[str], at: float) -> None:
+        """Remember ``transaction_ids``, made after ``at``."""
+        with self._lock:
+            for t in transaction_ids:
+                self._at[t] = at
+            while len(self._at) > _MADE_KEPT:
+                self._at.popitem(last=False)
+
+    def after(self, transaction_ids: Sequence[str], moment: float) -> set[str]:
+        """Which of ``transaction_ids`` this process made after ``moment``."""
+        with self._lock:
+            return {t for t in transaction_ids if self._at.get(t, moment) > moment}
+
+
 @dataclass
 class _OwnDecisions:
     """The ``op`` commits one thread made after its snapshot: the version each landed at, the
@@ -170,6 +204,7 @@ class Decisions(StoreConcept):
     def __init__(self, context: StoreContext) -> None:
         super().__init__(context)
         self._own = threading.local()
+        self._made = _Made()
 
     def prepare(
         self,
@@ -208,6 +243,7 @@ class Decisions(StoreConcept):
             for message in messages:
                 validate_message(message, self.settings.max_body_bytes)
         fresh_ids = transaction_ids is None
+        made = time.monotonic()
         if transaction_ids is None:
             transaction_ids = [shard_transaction_id(self.shard) for _ in messages]
         if len(transaction_ids) != len(messages):
@@ -240,6 +276,7 @@ class Decisions(StoreConcept):
         version = self.tables.append("half", [half])
         if fresh_ids:
             self.recent.add(half)
+            self._made.add(transaction_ids, made)
         return [
             PreparedMessage(mid, tid, qid, version, stored)
             for mid, tid, qid in zip(msg_ids, transaction_ids, queue_ids, strict=True)
@@ -322,7 +359,9 @@ class Decisions(StoreConcept):
             ):
                 head = self.tables.head("op", reload=True)
                 own.since(head.snapshot.version())
-            existing = decisions_of(self.tables, head.snapshot, ids)
+            unknown = self._made.after(ids, head.loaded)  # to the snapshot: made since
+            lookup = [t for t in ids if t not in unknown]
+            existing = decisions_of(self.tables, head.snapshot, lookup) if lookup else {}
             fresh = [d for d in decisions if d.transaction_id not in existing]
             if not fresh:
                 return existing, None

@@ -37,6 +37,7 @@ from rmq_spark.delta.storage import filesystem
 from rmq_spark.model.config import StoreSettings
 from rmq_spark.model.messages import shard_transaction_id
 from rmq_spark.model.schema import LOCKS_SCHEMA
+from rmq_spark.store import decisions as decisions_module
 from rmq_spark.store.decisions import decision_app_id
 from rmq_spark.store.layout import MARKER_FILE
 from rmq_spark.store.maintenance import COMPACT_EVERY_COMMITS
@@ -137,6 +138,41 @@ def test_a_decider_that_skips_reading_the_log_still_loses_to_a_rival(any_store: 
     assert any_store.read("op").num_rows == 3
     any_store.publish()
     assert commitlog(any_store).column("transaction_id").to_pylist() == [own]
+
+
+def test_a_transaction_made_after_the_op_snapshot_is_not_looked_up_there_and_still_loses(
+    any_store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Deciding a transaction made after the decider's ``op`` snapshot was loaded reads no
+    ``op`` file (nobody could decide it before its id existed: a read on every decision's path
+    on S3). One made before is looked up; a rival's decision of one made after moved its
+    arbiter, and still wins."""
+    looked_up: list[list[str]] = []
+    decisions_of = decisions_module.decisions_of
+
+    def counted(tables, op, ids):
+        looked_up.append(list(ids))
+        return decisions_of(tables, op, ids)
+
+    monkeypatch.setattr(decisions_module, "decisions_of", counted)
+    early = any_store.prepare([Message("Orders", b"early")], "pg")
+    decide(any_store, early, COMMIT)  # loads the op snapshot, after early was made
+    assert looked_up == [[early[0].transaction_id]]
+    later = [any_store.prepare([Message("Orders", f"later{i}")], "pg")[0] for i in range(3)]
+    looked_up.clear()
+    assert {r.status for r in decide(any_store, later[1:], COMMIT)} == {
+        EndTransactionStatus.APPLIED
+    }
+    assert looked_up == []
+    rival = Store.open(any_store.root, settings=any_store.settings, create=False)
+    decide(rival, later[:1], ROLLBACK)  # looks it up: the rival did not make it
+    looked_up.clear()
+    (result,) = decide(any_store, later[:1], COMMIT)
+    assert (result.status, result.decision) == (EndTransactionStatus.REFUSED, ROLLBACK)
+    assert looked_up == [[later[0].transaction_id]]
+    any_store.publish()
+    published = set(commitlog(any_store).column("transaction_id").to_pylist())
+    assert published == {p.transaction_id for p in early + later[1:]}
 
 
 def test_a_rivals_arbiter_recorded_at_the_version_of_a_decider_own_is_not_taken_for_its(
