@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import re
 import threading
-import time
+import uuid
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 
@@ -35,7 +35,7 @@ from deltalake import DeltaTable
 
 from rmq_spark.delta.commit import CHECKPOINT_NAME as _CHECKPOINT
 from rmq_spark.delta.commit import LOG_ENTRY_MIN_AGE, STAGED_NAME
-from rmq_spark.delta.storage import filesystem, scheme
+from rmq_spark.delta.storage import filesystem
 from rmq_spark.model.errors import CorruptStoreError
 
 #: Read the commits since a cached version only when there are at most this many; else start
@@ -322,13 +322,15 @@ def clean_log(
     as well as by time. Entries are deleted oldest first, so an interrupted cleanup leaves the
     log contiguous from its oldest entry. Whatever the rules, and however far ahead the
     caller's clock runs, no entry younger than :data:`LOG_ENTRY_MIN_AGE` on the store's clock
-    goes (the local clock for a local filesystem; elsewhere the newest entry listed, which the
-    store's clock has passed): a commit that goes on from its own recent commit counts on it.
+    goes (the modification time of a file written for it first, :func:`_store_clock`; the
+    cleaning host's clock, local or shared by NFS, can be anything): a commit that goes on from
+    its own recent commit counts on it.
     A filesystem that gives no modification time (it cannot tell the age) has nothing deleted.
     Staged entries a killed direct commit left
     behind (:data:`rmq_spark.delta.commit.STAGED_NAME`) go when older than every rule's time.
     """
     fs, log_path = filesystem(f"{uri.rstrip('/')}/_delta_log", storage_options)
+    store_now = _store_clock(fs, log_path)
     entries = []
     checkpoints: dict[int, list[str]] = {}
     staged_before = min(older_than for _, older_than in rules).timestamp()
@@ -348,8 +350,6 @@ def clean_log(
     complete = sorted(
         v for v, parts in checkpoints.items() if parts == [None] or len(parts) == int(parts[0])
     )
-    times = [modified for _, _, modified in entries if modified is not None]
-    store_now = time.time() if scheme(uri) == "file" else max(times, default=0.0)
     # Per rule: entries before this version (the newest checkpoint at or before keep_from)
     # go when written before this time.
     bounds = [
@@ -360,12 +360,25 @@ def clean_log(
         (v, path)
         for v, path, modified in entries
         if modified is not None
+        and store_now is not None
         and store_now - modified >= LOG_ENTRY_MIN_AGE
         and any(v < kept and modified < cut for kept, cut in bounds)
     )
     for path in [p for _, p in doomed] + abandoned:
         fs.rm_file(path)
     return len(doomed) + len(abandoned)
+
+
+def _store_clock(fs: fsspec.AbstractFileSystem, log_path: str) -> float | None:
+    """Now on the store's clock: the modification time of an empty file written in the log
+    for it, then deleted (named as a staged entry: one a crash leaves behind goes with the
+    cleanup); None when the filesystem gives none."""
+    probe = f"{log_path}/.{uuid.uuid4().hex}.json.tmp"
+    fs.pipe_file(probe, b"")
+    try:
+        return _modified(fs.info(probe))
+    finally:
+        fs.rm_file(probe)
 
 
 def entry_times(uri: str, storage_options: Mapping[str, str], first: int) -> dict[int, float]:

@@ -6,8 +6,10 @@ one of the ids (ids are time-ordered, so a lookup reads few files), whatever the
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import DeltaTable
@@ -17,6 +19,8 @@ from rmq_spark.delta.reads import conform, read_files
 from rmq_spark.delta.tables import DeltaTables
 from rmq_spark.model.messages import LocalTransactionState
 from rmq_spark.model.schema import HALF_SCHEMA, TABLES
+
+log = logging.getLogger(__name__)
 
 
 def rows_by_id(
@@ -47,14 +51,30 @@ def rows_by_id(
 def half_messages(
     tables: DeltaTables, transaction_ids: Sequence[str], files: pa.Table | None = None
 ) -> pa.Table:
-    """The half messages of the given transactions (``half`` schema).
+    """The half messages of the given transactions (``half`` schema), each once.
 
     ``files``: the add actions of the latest ``half`` snapshot (:meth:`DeltaTables.data_files`) when
     the caller has read them already.
+
+    A message is its ``msg_id``. Another Delta writer can leave one stored twice: deltalake lets
+    a compaction of files that another compaction (rmq-spark's) rewrote first land too. Its
+    first row is read, and the others are logged as a warning, never published or checked again.
     """
     if files is None:
         files = tables.data_files("half")
-    return conform(rows_by_id(tables, files, "half", transaction_ids), HALF_SCHEMA)
+    rows = conform(rows_by_id(tables, files, "half", transaction_ids), HALF_SCHEMA)
+    msg_ids = rows.column("msg_id").to_numpy(zero_copy_only=False)
+    _, first = np.unique(msg_ids, return_index=True)
+    if len(first) == rows.num_rows:
+        return rows
+    log.warning(
+        "half holds %d message(s) more than once (e.g. %s): another Delta writer's compaction "
+        "(OPTIMIZE) landed beside rmq-spark's on the same files. Each is read and published "
+        "once; leave compacting the store's tables to rmq-spark.",
+        rows.num_rows - len(first),
+        msg_ids[np.setdiff1d(np.arange(rows.num_rows), first)[0]],
+    )
+    return rows.take(np.sort(first))
 
 
 def decisions_of(

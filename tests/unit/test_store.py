@@ -140,6 +140,25 @@ def test_a_decider_that_skips_reading_the_log_still_loses_to_a_rival(any_store: 
     assert commitlog(any_store).column("transaction_id").to_pylist() == [own]
 
 
+def test_half_messages_another_writer_stored_twice_are_read_and_published_once(
+    any_store: Store,
+) -> None:
+    """Two compactions of the same ``half`` files, rmq-spark's and a user's deltalake
+    ``optimize.compact()``, can both land: deltalake lets a commit that removes files another
+    ``dataChange=false`` commit removed first go on (torture, seed 21), and ``half`` then holds
+    those messages twice. They were published twice, and check-back's rounds failed on every
+    shard from then on (its MERGE of check state met two rows of one transaction). A message is
+    its ``msg_id``: it is read, checked and published once."""
+    prepared = any_store.prepare([Message("Orders", b"a"), Message("Orders", b"b")], "pg")
+    uri, options = any_store.table_uri("half"), any_store._storage_options
+    twice = DeltaTable(uri, storage_options=options).to_pyarrow_table()
+    write_deltalake(uri, twice, mode="append", storage_options=options)
+    other = Store.open(any_store.root, settings=any_store.settings, create=False)
+    assert other.half_messages([prepared[0].transaction_id]).num_rows == 1
+    decide(other, prepared, COMMIT)
+    assert sorted(commitlog(other).column("body").to_pylist()) == [b"a", b"b"]
+
+
 def test_a_transaction_made_after_the_op_snapshot_is_not_looked_up_there_and_still_loses(
     any_store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
