@@ -107,7 +107,7 @@ class DeltaTables:
         #: starts looking for a free version when its cached snapshot is older.
         self._known: dict[str, int] = {}
         self._lock = threading.Lock()
-        #: Per table: (snapshot version, checkpoint interval or None), see direct_interval.
+        #: Per table: (snapshot version, checkpoint interval or None, young entries kept): _writer.
         self._writers: dict[str, tuple[int, int | None, bool]] = {}
         #: Checkpoints and maintenance that commits ask for (see ChoreKinds).
         self.chores = ChoreKinds(root, _CHORES)
