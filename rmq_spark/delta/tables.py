@@ -351,7 +351,8 @@ class DeltaTables:
             elif head is not None and head.calm:
                 setattr(self._heads, name, replace(head, calm=False))  # another writer came
             if version % interval == 0:
-                self.chores.soon("checkpoint", name, lambda: self._checkpoint(name, version))
+                uri, options = self.uri(name), self.deltalake_options
+                self.chores.soon("checkpoint", name, lambda: _checkpoint(uri, options, version))
         if not removes:
             for listener in self._listeners:
                 listener(name, version)
@@ -408,16 +409,17 @@ class DeltaTables:
             cached = self._writers[name] = (version, interval, young_entries_kept(snapshot))
         return cached
 
-    def _checkpoint(self, name: str, version: int) -> None:
-        """Write a table's checkpoint at ``version`` (:func:`checkpoint`). Never raises: the
-        commit has landed, and the next interval writes one."""
-        try:
-            relisting(lambda: checkpoint(self.uri(name), self.deltalake_options, version))
-        except Exception:
-            log.warning(
-                "checkpoint of %s at version %d failed (the commit itself landed); the next "
-                "interval writes one",
-                name,
-                version,
-                exc_info=True,
-            )
+
+def _checkpoint(uri: str, options: dict[str, str] | None, version: int) -> None:
+    """Write the checkpoint of the table at ``uri`` at ``version`` (:func:`checkpoint`). Never
+    raises: the commit has landed, and the next interval writes one."""
+    try:
+        relisting(lambda: checkpoint(uri, options, version))
+    except Exception:
+        log.warning(
+            "checkpoint of %s at version %d failed (the commit itself landed); the next "
+            "interval writes one",
+            uri,
+            version,
+            exc_info=True,
+        )

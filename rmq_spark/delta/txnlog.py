@@ -324,10 +324,9 @@ def clean_log(
     caller's clock runs, no entry younger than :data:`LOG_ENTRY_MIN_AGE` on the store's clock
     goes (the modification time of a file written for it first, :func:`_store_clock`; the
     cleaning host's clock, local or shared by NFS, can be anything): a commit that goes on from
-    its own recent commit counts on it.
-    A filesystem that gives no modification time (it cannot tell the age) has nothing deleted.
-    Staged entries a killed direct commit left
-    behind (:data:`rmq_spark.delta.commit.STAGED_NAME`) go when older than every rule's time.
+    its own recent commit counts on it. A filesystem that gives no modification time (it cannot
+    tell the age) has nothing deleted. Staged entries a killed direct commit left behind
+    (:data:`rmq_spark.delta.commit.STAGED_NAME`) go when older than every rule's time.
     """
     fs, log_path = filesystem(f"{uri.rstrip('/')}/_delta_log", storage_options)
     store_now = _store_clock(fs, log_path)

@@ -63,10 +63,10 @@ def half_messages(
     if files is None:
         files = tables.data_files("half")
     rows = conform(rows_by_id(tables, files, "half", transaction_ids), HALF_SCHEMA)
+    if pc.count_distinct(rows.column("msg_id")).as_py() == rows.num_rows:
+        return rows
     msg_ids = rows.column("msg_id").to_numpy(zero_copy_only=False)
     _, first = np.unique(msg_ids, return_index=True)
-    if len(first) == rows.num_rows:
-        return rows
     log.warning(
         "half holds %d message(s) more than once (e.g. %s): another Delta writer's compaction "
         "(OPTIMIZE) landed beside rmq-spark's on the same files. Each is read and published "
