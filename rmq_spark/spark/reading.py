@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from functools import partial, reduce
 from itertools import groupby
@@ -56,6 +56,8 @@ FILE_SCHEMA = pa.schema([f for f in COMMITLOG_SCHEMA if f.name != "topic"])
 TIMESTAMP_COLUMNS = ("queue_id", "queue_offset", "store_timestamp")
 #: The columns that say where a message is (:func:`_check_stored` reads only these).
 _ROUTING = pa.schema([FILE_SCHEMA.field("queue_id"), FILE_SCHEMA.field("queue_offset")])
+#: And the message's id (:func:`_read_once` reads these).
+_IDS = pa.schema([*_ROUTING, FILE_SCHEMA.field("msg_id")])
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,9 @@ class CommitLogSlice(InputPartition):
     #: Subscription tags to keep (None: every tag).
     tags: frozenset[str] | None
     storage_options: tuple[tuple[str, str], ...]
+    #: (topic, queue id, first offset, end offset) ranges an earlier task reads
+    #: (:func:`_read_once`).
+    skip: tuple[tuple[str, int, int, int], ...] = ()
 
 
 def plan_slices(
@@ -136,7 +141,7 @@ def _plan_shard(
     files = with_uris(commitlog, store.table_uri("commitlog")).to_pylist()
     files = [f for f in files if _overlaps(f, wanted)]
     options = tuple(sorted(store.settings.storage_options.items()))
-    _check_stored(files, ranges, dict(options), fail_on_data_loss)
+    twice = _check_stored(files, ranges, dict(options), fail_on_data_loss)
     files.sort(key=lambda f: (f["partition.topic"], f["min.queue_offset"] or 0, f["uri"]))
     slices: list[CommitLogSlice] = []
     batch: list[tuple[str, str]] = []
@@ -150,27 +155,29 @@ def _plan_shard(
         rows += f["num_records"]
     if batch:
         slices.append(CommitLogSlice(tuple(batch), ranges, tags, options))
-    return slices
+    return _read_once(slices, twice, dict(options)) if twice else slices
 
 
 def _check_stored(
     files: list[dict], ranges: tuple[tuple[str, int, int, int], ...], options: dict, fail: bool
-) -> None:
-    """Check that every offset of ``ranges`` is stored once in ``files`` (the data files whose
-    statistics admit them), reading only their routing columns.
+) -> list[tuple[str, int, int, int]]:
+    """Check that every offset of ``ranges`` is stored in ``files`` (the data files whose
+    statistics admit them), reading only their routing columns; returns the ranges that
+    hold an offset stored more than once.
 
     The publisher assigns dense offsets and only retention removes messages (a prefix of each
     queue, with its earliest offset recorded in the same commit). A hole is a message another
     Delta writer removed: a DELETE, a RESTORE to an earlier version, an overwrite. It raises
     :class:`DataLossError` naming the missing ranges, or with ``fail`` false is logged as a
-    warning and read past. An offset stored twice (a writer that added rows) is always an error:
-    a consumer would read that message twice.
+    warning and read past. An offset stored twice is another writer's copy
+    (:func:`_read_once`).
     """
     missing: list[tuple[str, int, int, int]] = []
+    twice: list[tuple[str, int, int, int]] = []
     for topic in sorted({t for t, *_ in ranges}):
         wanted = [(q, first, end) for t, q, first, end in ranges if t == topic]
         uris = [f["uri"] for f in files if f["partition.topic"] == topic]
-        rows = read_files(uris, _ROUTING, options, partial(_wanted, wanted, None))
+        rows = read_files(uris, _ROUTING, options, partial(_wanted, wanted, None, []))
         queues = rows.column("queue_id").to_numpy()
         offsets = rows.column("queue_offset").to_numpy()
         order = np.lexsort((offsets, queues))
@@ -178,21 +185,16 @@ def _check_stored(
         for queue_id, first, end in wanted:
             lo, hi = np.searchsorted(queues, queue_id), np.searchsorted(queues, queue_id, "right")
             stored = offsets[lo:hi]
-            if len(stored) == end - first:
-                continue  # all in [first, end): dense unless one is there twice
-            twice = stored[1:][np.diff(stored) == 0]
-            if len(twice):
-                raise CorruptStoreError(
-                    f"the CommitLog stores offset {int(twice[0])} of {topic} queue {queue_id} "
-                    f"{len(stored) - len(np.unique(stored)) + 1} times: another Delta writer added "
-                    "published rows again, and a read would deliver them twice. Undo that "
-                    "commit (RESTORE TABLE ... TO VERSION AS OF the version before it)."
-                )
-            bounds = np.concatenate([[first - 1], stored, [end]])
+            distinct = stored[np.diff(stored, prepend=first - 1) != 0]
+            if len(distinct) < len(stored):
+                twice.append((topic, queue_id, first, end))
+            if len(distinct) == end - first:
+                continue  # every offset of [first, end)
+            bounds = np.concatenate([[first - 1], distinct, [end]])
             gaps = np.flatnonzero(np.diff(bounds) > 1)
             missing += [(topic, queue_id, int(bounds[i]) + 1, int(bounds[i + 1])) for i in gaps]
     if not missing:
-        return
+        return twice
     lost = sum(end - first for *_, first, end in missing)
     named = describe_ranges(missing)
     if fail:
@@ -209,6 +211,68 @@ def _check_stored(
         lost,
         named,
     )
+    return twice
+
+
+def _read_once(
+    slices: list[CommitLogSlice], twice: list[tuple[str, int, int, int]], options: dict
+) -> list[CommitLogSlice]:
+    """``slices`` made to read every offset of the ranges ``twice`` once: a copy in a later
+    task than the first that holds the offset is skipped there (a task drops the copies it
+    reads side by side itself, :func:`_in_queue_order`).
+
+    Copies come from other Delta writers: a deltalake ``optimize.compact()`` that raced
+    rmq-spark's compaction of the same files lands beside it (deltalake lets a commit go on
+    when a ``dataChange=false`` commit removed its files first), or rows appended again. A
+    message is its ``msg_id``: two different messages at one offset are a corrupt store, and
+    raise :class:`CorruptStoreError`.
+    """
+    first_task: dict[tuple[str, int, int], tuple[str, int]] = {}
+    planned: list[CommitLogSlice] = []
+    copies = 0
+    for task, s in enumerate(slices):
+        skip: list[tuple[str, int, int]] = []
+        for topic, files in groupby(s.files, key=lambda f: f[0]):
+            wanted = [(q, first, end) for t, q, first, end in twice if t == topic]
+            if not wanted:
+                continue
+            rows = read_files(
+                [u for _, u in files], _IDS, options, partial(_wanted, wanted, None, [])
+            )
+            copies += rows.num_rows
+            for q, offset, msg_id in zip(
+                *(rows.column(c).to_pylist() for c in _IDS.names), strict=True
+            ):
+                kept = first_task.setdefault((topic, q, offset), (msg_id, task))
+                if kept[0] != msg_id:
+                    raise CorruptStoreError(
+                        f"the CommitLog stores different messages at offset {offset} of {topic} "
+                        f"queue {q} ({kept[0]} and {msg_id}): another Delta writer added rows "
+                        "the store did not publish. Undo that commit (RESTORE TABLE ... TO "
+                        "VERSION AS OF the version before it)."
+                    )
+                if kept[1] != task:
+                    skip.append((topic, q, offset))
+        planned.append(replace(s, skip=_as_ranges(skip)))
+    log.warning(
+        "%d copies of published messages in %s are stored in the CommitLog beside them: another "
+        "Delta writer's compaction raced rmq-spark's, or appended published rows again. Each "
+        "message is read once.",
+        copies - len(first_task),
+        describe_ranges(twice),
+    )
+    return planned
+
+
+def _as_ranges(offsets: list[tuple[str, int, int]]) -> tuple[tuple[str, int, int, int], ...]:
+    """(topic, queue id, offset) triples as (topic, queue id, first, end) ranges."""
+    ranges: list[tuple[str, int, int, int]] = []
+    for topic, q, offset in sorted(set(offsets)):
+        if ranges and ranges[-1][:2] == (topic, q) and ranges[-1][3] == offset:
+            ranges[-1] = (topic, q, ranges[-1][2], offset + 1)
+        else:
+            ranges.append((topic, q, offset, offset + 1))
+    return tuple(ranges)
 
 
 def _overlaps(file: Mapping[str, object], wanted: Mapping[tuple[str, int], tuple]) -> bool:
@@ -231,8 +295,12 @@ def read_slice(task: CommitLogSlice) -> Iterator[pa.RecordBatch]:
     options = dict(task.storage_options)
     for topic, files in groupby(task.files, key=lambda f: f[0]):
         ranges = [(q, s, e) for t, q, s, e in task.ranges if t == topic]
+        skip = [(q, s, e) for t, q, s, e in task.skip if t == topic]
         rows = read_files(
-            [uri for _, uri in files], FILE_SCHEMA, options, partial(_wanted, ranges, task.tags)
+            [uri for _, uri in files],
+            FILE_SCHEMA,
+            options,
+            partial(_wanted, ranges, task.tags, skip),
         )
         if not rows.num_rows:
             continue
@@ -249,30 +317,46 @@ def read_slice(task: CommitLogSlice) -> Iterator[pa.RecordBatch]:
 
 
 def _wanted(
-    ranges: list[tuple[int, int, int]], tags: frozenset[str] | None, rows: pa.Table
+    ranges: list[tuple[int, int, int]],
+    tags: frozenset[str] | None,
+    skip: list[tuple[int, int, int]],
+    rows: pa.Table,
 ) -> pa.ChunkedArray:
-    """Mask of the rows inside one of the (queue, start, end) ranges, with a wanted tag."""
-    queue, offset = rows.column("queue_id"), rows.column("queue_offset")
-    masks = [
-        pc.and_(pc.equal(queue, q), pc.and_(pc.greater_equal(offset, s), pc.less(offset, e)))
-        for q, s, e in ranges
-    ]
-    mask = reduce(pc.or_, masks)
+    """Mask of the rows inside one of the (queue, start, end) ranges and none of ``skip``,
+    with a wanted tag."""
+    mask = _in_ranges(ranges, rows)
+    if skip:
+        mask = pc.and_(mask, pc.invert(_in_ranges(skip, rows)))
     if tags is not None:
         mask = pc.and_(mask, pc.is_in(rows.column("tags"), pa.array(sorted(tags), pa.string())))
     return mask
 
 
+def _in_ranges(ranges: list[tuple[int, int, int]], rows: pa.Table) -> pa.ChunkedArray:
+    """Mask of the rows inside one of the (queue, start, end) ranges."""
+    queue, offset = rows.column("queue_id"), rows.column("queue_offset")
+    masks = [
+        pc.and_(pc.equal(queue, q), pc.and_(pc.greater_equal(offset, s), pc.less(offset, e)))
+        for q, s, e in ranges
+    ]
+    return reduce(pc.or_, masks)
+
+
 def _in_queue_order(rows: pa.Table) -> pa.Table:
-    """``rows`` with every queue's rows in offset order. Files as the publisher writes them
-    already are (queues interleave, each in order), so the common case copies nothing."""
+    """``rows`` with every queue's rows in offset order, each offset once (a copy another
+    Delta writer stored is the same message, :func:`_read_once`). Files as the publisher
+    writes them already are (queues interleave, each in order), so the common case copies
+    nothing."""
     queues = rows.column("queue_id").to_numpy()
     offsets = rows.column("queue_offset").to_numpy()
     grouped = np.lexsort((np.arange(len(queues)), queues))  # stable: by queue, then position
     same_queue = queues[grouped][1:] == queues[grouped][:-1]
     if np.all(np.diff(offsets[grouped])[same_queue] > 0):
         return rows
-    return rows.combine_chunks().take(np.lexsort((offsets, queues)))  # one chunk: far faster
+    order = np.lexsort((offsets, queues))
+    queues, offsets = queues[order], offsets[order]
+    first = np.concatenate([[True], (queues[1:] != queues[:-1]) | (offsets[1:] != offsets[:-1])])
+    return rows.combine_chunks().take(order[first])  # one chunk: far faster
 
 
 def timestamp_offsets(store: Store, topics: tuple[str, ...], millis: int, end: Offsets) -> Offsets:
