@@ -56,23 +56,42 @@ def half_messages(
     ``files``: the add actions of the latest ``half`` snapshot (:meth:`DeltaTables.data_files`) when
     the caller has read them already.
 
-    A message is its ``msg_id``. Another Delta writer can leave one stored twice: deltalake lets
-    a compaction of files that another compaction (rmq-spark's) rewrote first land too. Its
-    first row is read, and the others are logged as a warning, never published or checked again.
+    A message is its ``msg_id``: one another Delta writer stored twice is read once
+    (:func:`once`), never published or checked again.
     """
     if files is None:
         files = tables.data_files("half")
-    rows = conform(rows_by_id(tables, files, "half", transaction_ids), HALF_SCHEMA)
-    if pc.count_distinct(rows.column("msg_id")).as_py() == rows.num_rows:
+    return once(conform(rows_by_id(tables, files, "half", transaction_ids), HALF_SCHEMA), "half")
+
+
+#: The columns (strings) that identify a row of the store's tables read through this module.
+KEYS = {
+    "half": ("msg_id",),
+    "check_state": ("transaction_id",),
+    "discard": ("transaction_id", "msg_id"),
+}
+
+
+def once(rows: pa.Table, name: str) -> pa.Table:
+    """``rows`` of table ``name`` with each key (:data:`KEYS`) once, the first kept.
+
+    Another Delta writer can leave rows stored twice: deltalake lets a compaction of files
+    that another compaction (rmq-spark's) rewrote first land too. The copies are one row: it
+    is read (checked, published, updated) once, and the others are logged as a warning.
+    """
+    key = [rows.column(k) for k in KEYS[name]]
+    ids = key[0] if len(key) == 1 else pc.binary_join_element_wise(*key, "\x00")
+    if pc.count_distinct(ids).as_py() == rows.num_rows:
         return rows
-    msg_ids = rows.column("msg_id").to_numpy(zero_copy_only=False)
-    _, first = np.unique(msg_ids, return_index=True)
+    values = ids.to_numpy(zero_copy_only=False)
+    _, first = np.unique(values, return_index=True)
     log.warning(
-        "half holds %d message(s) more than once (e.g. %s): another Delta writer's compaction "
-        "(OPTIMIZE) landed beside rmq-spark's on the same files. Each is read and published "
-        "once; leave compacting the store's tables to rmq-spark.",
+        "%s holds %d row(s) more than once (e.g. %s): another Delta writer's compaction "
+        "(OPTIMIZE) landed beside rmq-spark's on the same files. Each is read once; leave "
+        "compacting the store's tables to rmq-spark.",
+        name,
         rows.num_rows - len(first),
-        msg_ids[np.setdiff1d(np.arange(rows.num_rows), first)[0]],
+        values[np.setdiff1d(np.arange(rows.num_rows), first)[0]],
     )
     return rows.take(np.sort(first))
 
@@ -143,10 +162,13 @@ def query(tables: DeltaTables, name: str, where: str) -> pa.Table:
 
 
 def read(tables: DeltaTables, name: str, columns: Sequence[str] | None = None) -> pa.Table:
-    """One of the store's tables whole (or some of its columns), in plain Arrow types.
+    """One of the store's tables whole (or some of its columns), in plain Arrow types; a row
+    stored twice by another writer is read once when its key columns are read (:func:`once`).
 
     Read through DataFusion, like :meth:`DeltaTables.sql`: deltalake's ``to_pyarrow_table``
     can abort the interpreter at exit on object stores, and the CLI's exit codes would lie.
     """
     chosen = ", ".join(f'"{c}"' for c in columns) if columns else "*"
-    return tables.sql(name, f"SELECT {chosen} FROM {name}")
+    rows = tables.sql(name, f"SELECT {chosen} FROM {name}")
+    keyed = name in KEYS and set(KEYS[name]) <= set(rows.column_names)
+    return once(rows, name) if keyed else rows

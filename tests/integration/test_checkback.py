@@ -13,6 +13,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 from deltalake import write_deltalake
 
@@ -677,3 +678,53 @@ def test_a_clients_group_is_asked_by_rmqtx_serve_and_counts_as_unknown_here(
     s = job(spark, store, clock, clients, transaction_check_max=2).run_once().summary
     assert s.discarded == 1
     assert store.decisions([txn]) == {txn: LocalTransactionState.ROLLBACK}
+
+
+def _foreign_compaction_after_the_stores(store: Store, table: str) -> None:
+    """A deltalake ``optimize.compact()`` of ``table`` that read the table before rmq-spark's
+    compaction of the same files committed, and commits after it: deltalake lets it land
+    (the files it removes were removed by a ``dataChange=false`` commit), and every row of
+    those files is stored twice."""
+    from deltalake import DeltaTable
+
+    def stored() -> int:
+        return pc.sum(store.data_files(table).column("num_records")).as_py()
+
+    before = stored()
+    stale = DeltaTable(store.table_uri(table), storage_options=store._storage_options)
+    assert store.compact(table)[table] > 1
+    stale.optimize.compact()
+    assert stored() == 2 * before
+
+
+@pytest.mark.parametrize(
+    ("table", "after"), [("half", 5), ("op", 5), ("check_state", 2), ("discard", 5)]
+)
+def test_rows_a_foreign_compaction_stored_twice_change_no_outcome(
+    spark, store: Store, table: str, after: int
+) -> None:
+    """Another writer's compaction racing the store's leaves every row of the files both
+    rewrote stored twice (the suite's torture runs met it on ``half`` and ``commitlog``). No
+    transaction's outcome changes: the committed are published once, the rolled back never,
+    each transaction left unanswered is discarded and re-driven once, and every check-back
+    round succeeds."""
+    clock = Clock()
+    ids = [prepare(store, t)[0] for t in ("COMMIT", "ROLLBACK", "UNKNOWN")]  # a half file each
+    (own,) = prepare(store, "own")
+    store.end_transactions([Decision(own, "pg", LocalTransactionState.COMMIT)])
+    rounds = []
+    for i in range(10):
+        if i == 1:
+            ids += prepare(store, "UNKNOWN")  # discarded a round after the first
+        if i == after:
+            _foreign_compaction_after_the_stores(store, table)
+        if i == 6:
+            redriven = redrive(store)
+            assert len(redriven) == 2 and redrive(store) == []
+        rounds.append(job(spark, store, clock).run_once().summary)
+        clock.advance(10)
+    assert sorted(visible_ids(store)) == sorted([ids[0], own])
+    assert [s.discarded for s in rounds] == [0, 0, 0, 1, 1, 0, 0, 0, 0, 2]
+    assert pending(store) == set()
+    runs = store.read("check_runs")
+    assert set(runs.column("status").to_pylist()) == {"finished"}, runs.to_pylist()

@@ -548,7 +548,7 @@ level = "INFO"
             return
         act = self.rng.choice(["optimize", "checkpoint", "vacuum", "stall", "restore", "delete"])
         table = {"restore": self.rng.choice(["op", "commitlog"]), "delete": "commitlog"}.get(
-            act, self.rng.choice(["half", "op", "commitlog"])
+            act, self.rng.choice(["half", "op", "commitlog", "check_state", "discard"])
         )
         if act == "stall":
             live = [

@@ -610,7 +610,8 @@ def test_a_writer_appends_after_the_log_was_cleaned_under_its_snapshot(
         assert idle.append_batches("half", iter([rows])) is not None
     else:
         idle.prepare([Message("Orders", b"after")], "pg")
-    assert writer.read("half").num_rows == (234 if large else 232)
+    stored = writer.data_files("half").column("num_records").to_pylist()
+    assert sum(stored) == (234 if large else 232)  # the 3 rows appended again too
 
 
 def _ahead(minutes: float) -> Callable[[], datetime]:
