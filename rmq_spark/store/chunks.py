@@ -27,7 +27,7 @@ from rmq_spark.model.schema import COMMITLOG_SCHEMA, HALF_SCHEMA, TIMESTAMP
 from rmq_spark.store.context import StoreConcept
 from rmq_spark.store.oplog import commits_in
 from rmq_spark.store.queues import assign_offsets
-from rmq_spark.store.reads import discarded, half_messages, published
+from rmq_spark.store.reads import discarded, half_messages, once, published
 
 log = logging.getLogger(__name__)
 
@@ -147,12 +147,17 @@ class Chunks(StoreConcept):
         logs its progress every :data:`PROGRESS_SECONDS`.
         """
         options = self.settings.storage_options
-        routing = read_files(
+        stored = read_files(
             version.uris,
-            pa.schema([HALF_SCHEMA.field(c) for c in ("transaction_id", "topic", "queue_id")]),
+            pa.schema(
+                [HALF_SCHEMA.field(c) for c in ("transaction_id", "msg_id", "topic", "queue_id")]
+            ),
             options,
             version.keep,
         )
+        routing = once(stored, "half")
+        # Copies another Delta writer stored (rare): the stream skips the ids it has seen.
+        seen: set[str] | None = set() if routing.num_rows < stored.num_rows else None
         counts = routing.group_by(["topic", "queue_id"]).aggregate([("topic", "count")])
         moved = {
             (r["topic"], r["queue_id"]): next_offsets.get((r["topic"], r["queue_id"]), 0)
@@ -166,6 +171,8 @@ class Chunks(StoreConcept):
             copied, started = 0, time.monotonic()
             reported = started
             for rows in version.batches(options):
+                if seen is not None and not (rows := _unseen(rows, seen)).num_rows:
+                    continue
                 rows, advanced = assign_offsets(running, _as_commitlog(rows, now))
                 running.update(advanced)
                 yield rows
@@ -188,6 +195,16 @@ class Chunks(StoreConcept):
                 )
 
         return stream(), moved, routing.num_rows
+
+
+def _unseen(rows: pa.Table, seen: set[str]) -> pa.Table:
+    """The ``rows`` whose ``msg_id`` is not in ``seen`` yet, each once; adds them to it."""
+    keep = []
+    for i, msg_id in enumerate(rows.column("msg_id").to_pylist()):
+        if msg_id not in seen:
+            seen.add(msg_id)
+            keep.append(i)
+    return rows if len(keep) == rows.num_rows else rows.take(pa.array(keep, pa.int64()))
 
 
 def _as_commitlog(halves: pa.Table, now: datetime) -> pa.Table:

@@ -136,6 +136,27 @@ def test_one_decision_larger_than_the_limits_is_one_commit(tmp_path: Path) -> No
     check_published(store, ["small-0", "small-1", *[f"big-{i}" for i in range(8)], "normal"])
 
 
+def test_a_large_decision_whose_half_messages_another_writer_stored_twice_is_published_once(
+    tmp_path: Path,
+) -> None:
+    """A deltalake ``optimize.compact()`` of ``half`` racing the store's compaction leaves its
+    files' messages stored twice; a decision too large to hold is streamed from the files
+    that may hold it, and published every copy."""
+    bodies = [f"big-{i}" for i in range(8)]
+    store = open_store(tmp_path / "s", publish_max_messages=3)
+    for part in (bodies[:4], bodies[4:]):  # two half files
+        store.prepare([Message("A", b) for b in part], "pg", transaction_ids=["b"] * 4)
+    stale = DeltaTable(store.table_uri("half"))
+    assert store.compact("half")["half"] == 2
+    stale.optimize.compact()  # lands beside the store's compaction
+    assert sum(store.data_files("half").column("num_records").to_pylist()) == 16
+    other = open_store(tmp_path / "s", publish_max_messages=3)  # reads "b" from half
+    other.end_transactions([Decision("b", "pg", COMMIT)])
+    rows = commitlog(other)
+    assert sorted(b.decode() for b in rows.column("body").to_pylist()) == bodies
+    assert sum(other.next_offsets().values()) == len(bodies)  # dense: nothing skipped
+
+
 def test_a_large_version_reports_its_progress_and_its_end(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
