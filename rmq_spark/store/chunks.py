@@ -27,7 +27,7 @@ from rmq_spark.model.schema import COMMITLOG_SCHEMA, HALF_SCHEMA, TIMESTAMP
 from rmq_spark.store.context import StoreConcept
 from rmq_spark.store.oplog import commits_in
 from rmq_spark.store.queues import assign_offsets
-from rmq_spark.store.reads import discarded, half_messages, once, published
+from rmq_spark.store.reads import KEYS, discarded, half_messages, once, published
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +157,7 @@ class Chunks(StoreConcept):
         )
         routing = once(stored, "half")
         # Copies another Delta writer stored (rare): the stream skips the ids it has seen.
-        seen: set[str] | None = set() if routing.num_rows < stored.num_rows else None
+        seen: set[tuple[str, str]] | None = set() if routing.num_rows < stored.num_rows else None
         counts = routing.group_by(["topic", "queue_id"]).aggregate([("topic", "count")])
         moved = {
             (r["topic"], r["queue_id"]): next_offsets.get((r["topic"], r["queue_id"]), 0)
@@ -197,12 +197,14 @@ class Chunks(StoreConcept):
         return stream(), moved, routing.num_rows
 
 
-def _unseen(rows: pa.Table, seen: set[str]) -> pa.Table:
-    """The ``rows`` whose ``msg_id`` is not in ``seen`` yet, each once; adds them to it."""
+def _unseen(rows: pa.Table, seen: set[tuple[str, str]]) -> pa.Table:
+    """The ``rows`` whose transaction and ``msg_id`` are not in ``seen`` yet, each once; adds
+    them to it."""
     keep = []
-    for i, msg_id in enumerate(rows.column("msg_id").to_pylist()):
-        if msg_id not in seen:
-            seen.add(msg_id)
+    ids = zip(*(rows.column(c).to_pylist() for c in KEYS["half"]), strict=True)
+    for i, key in enumerate(ids):
+        if key not in seen:
+            seen.add(key)
             keep.append(i)
     return rows if len(keep) == rows.num_rows else rows.take(pa.array(keep, pa.int64()))
 

@@ -56,17 +56,18 @@ def half_messages(
     ``files``: the add actions of the latest ``half`` snapshot (:meth:`DeltaTables.data_files`) when
     the caller has read them already.
 
-    A message is its ``msg_id``: one another Delta writer stored twice is read once
-    (:func:`once`), never published or checked again.
+    A half message is its transaction and ``msg_id``: one another Delta writer stored twice
+    is read once (:func:`once`), never published or checked again.
     """
     if files is None:
         files = tables.data_files("half")
     return once(conform(rows_by_id(tables, files, "half", transaction_ids), HALF_SCHEMA), "half")
 
 
-#: The columns (strings) that identify a row of the store's tables read through this module.
+#: The columns (strings) that identify a row of the store's tables read through this module
+#: (a re-driven message keeps its ``msg_id`` under a new transaction).
 KEYS = {
-    "half": ("msg_id",),
+    "half": ("transaction_id", "msg_id"),
     "check_state": ("transaction_id",),
     "discard": ("transaction_id", "msg_id"),
 }
