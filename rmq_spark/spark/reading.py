@@ -229,7 +229,7 @@ def _read_once(
     """
     first_task: dict[tuple[str, int, int], tuple[str, int]] = {}
     planned: list[CommitLogSlice] = []
-    copies = 0
+    rows_read = 0
     for task, s in enumerate(slices):
         skip: list[tuple[str, int, int]] = []
         for topic, files in groupby(s.files, key=lambda f: f[0]):
@@ -239,7 +239,7 @@ def _read_once(
             rows = read_files(
                 [u for _, u in files], _IDS, options, partial(_wanted, wanted, None, [])
             )
-            copies += rows.num_rows
+            rows_read += rows.num_rows
             for q, offset, msg_id in zip(
                 *(rows.column(c).to_pylist() for c in _IDS.names), strict=True
             ):
@@ -258,7 +258,7 @@ def _read_once(
         "%d copies of published messages in %s are stored in the CommitLog beside them: another "
         "Delta writer's compaction raced rmq-spark's, or appended published rows again. Each "
         "message is read once.",
-        copies - len(first_task),
+        rows_read - len(first_task),
         describe_ranges(twice),
     )
     return planned
