@@ -8,7 +8,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
+from deltalake import DeltaTable
 
 from rmq_spark import Store
 from rmq_spark.model.config import Settings, StoreSettings
@@ -100,6 +102,22 @@ def race(target, sides: list[tuple]) -> dict:
     for p in procs:
         p.join(timeout=60)
     return results
+
+
+def foreign_compaction_after_the_stores(store: Store, table: str) -> None:
+    """A deltalake ``optimize.compact()`` of ``table`` that read the table before rmq-spark's
+    compaction of the same files committed, and commits after it: deltalake lets it land
+    (the files it removes were removed by a ``dataChange=false`` commit), and every row of
+    those files is stored twice (the suite's torture run, seed 5)."""
+
+    def stored() -> int:
+        return pc.sum(store.data_files(table).column("num_records")).as_py()
+
+    before = stored()
+    stale = DeltaTable(store.table_uri(table), storage_options=store._storage_options)
+    assert store.compact(table)[table] > 1
+    stale.optimize.compact()
+    assert stored() == 2 * before
 
 
 def commitlog(store: Store) -> pa.Table:

@@ -7,18 +7,24 @@ land meanwhile do not conflict with it, and it takes the next free version in ab
 try. deltalake's OPTIMIZE, used for the other tables, gives up after 15 tries, each of which
 lists the log: against a producer committing hundreds of times a second it lost every time,
 and ``half`` grew by a file per commit for as long as the sends went on.
+
+A compaction given the columns that make two rows copies of one row keeps each such row once:
+another writer's compaction that raced one of rmq-spark's can land beside it (deltalake lets a
+commit remove files that a ``dataChange=false`` commit removed first), storing the rows of
+those files twice, and readers would meet the copies for good.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import DeltaTable
 
-from rmq_spark.delta.reads import read_files
+from rmq_spark.delta.reads import read_files, row_keys
 from rmq_spark.delta.retry import relisting
 from rmq_spark.delta.storage import check_conditional_put
 from rmq_spark.delta.tables import DeltaTables
@@ -29,9 +35,11 @@ _COMPACT_TARGET_BYTES = 16 * 1024 * 1024
 _COMPACT_MAX_FILES = 10_000
 
 
-def compact(tables: DeltaTables, name: str) -> dict[str, Any]:
+def compact(tables: DeltaTables, name: str, copies: Sequence[str] = ()) -> dict[str, Any]:
     """Rewrite a table's files smaller than ``_COMPACT_TARGET_BYTES`` (the caller holds the
-    table's compaction lock); return the metrics (``numFilesRemoved``, ``numFilesAdded``).
+    table's compaction lock); return the metrics (``numFilesRemoved``, ``numFilesAdded``,
+    ``numCopiesRemoved``). ``copies``: the columns that make two rows copies of one row; the
+    files rewritten together keep each once (on a table appended to directly).
     A compaction that loses a race to a writer rewriting the same files raises deltalake's
     ``CommitFailedError``: nothing landed."""
     check_conditional_put(tables.root, tables.storage_options)
@@ -46,20 +54,56 @@ def compact(tables: DeltaTables, name: str) -> dict[str, Any]:
     column = f"partition.{partitions[0]}" if partitions else None
     values = [None] if column is None else pc.unique(small.column(column)).to_pylist()
     removed = added = 0
+    once = _Once(copies)
     for value in values:
         group = small if column is None else small.filter(pc.equal(small.column(column), value))
         if group.num_rows > 1:
-            added += _rewrite(tables, name, snapshot, group, value)
+            added += _rewrite(tables, name, snapshot, group, value, once)
             removed += group.num_rows
-    return {"numFilesRemoved": removed, "numFilesAdded": added}
+    return {"numFilesRemoved": removed, "numFilesAdded": added, "numCopiesRemoved": once.dropped}
+
+
+class _Once:
+    """The rows of a compaction, each copy of a row (equal in ``columns``) kept once."""
+
+    def __init__(self, columns: Sequence[str]) -> None:
+        self.columns = columns
+        self.dropped = 0
+        self._seen: list[pa.Array] = []
+
+    def __call__(self, rows: pa.Table) -> pa.Table:
+        """``rows`` without the copies of rows this compaction met before (in them or
+        earlier)."""
+        if not self.columns:
+            return rows
+        keys = row_keys(rows, self.columns).combine_chunks()
+        keep = np.ones(len(keys), dtype=bool)
+        if pc.count_distinct(keys).as_py() < len(keys):
+            _, first = np.unique(keys.to_numpy(zero_copy_only=False), return_index=True)
+            keep[:] = False
+            keep[first] = True
+        if self._seen:
+            met = pc.is_in(keys, value_set=pa.concat_arrays(self._seen))
+            keep &= ~met.to_numpy(zero_copy_only=False)
+        if keep.all():
+            self._seen.append(keys)
+            return rows
+        self.dropped += int((~keep).sum())
+        self._seen.append(keys.filter(pa.array(keep)))
+        return rows.filter(pa.array(keep))
 
 
 def _rewrite(
-    tables: DeltaTables, name: str, snapshot: DeltaTable, files: pa.Table, value: str | None
+    tables: DeltaTables,
+    name: str,
+    snapshot: DeltaTable,
+    files: pa.Table,
+    value: str | None,
+    once: _Once,
 ) -> int:
     """Rewrite ``files`` (add actions of ``snapshot``, of one partition ``value``, oldest
-    first) as larger ones in one commit that changes no data; return how many files it
-    added."""
+    first) as larger ones in one commit that changes no data (but for ``once``'s copies);
+    return how many files it added."""
     schema, partitions, _ = tables.specs[name]
     partition = partitions[0] if partitions else None
     stored = pa.schema([f for f in schema if f.name != partition])
@@ -76,7 +120,7 @@ def _rewrite(
                 read = read.append_column(
                     schema.field(partition), pa.repeat(pa.scalar(value), read.num_rows)
                 )
-            yield read.select(schema.names)
+            yield once(read.select(schema.names))
             start = stop
 
     adds = tables.write(name, rows(), data_change=False)

@@ -43,6 +43,13 @@ def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
     return pa.Table.from_arrays(columns, schema=schema)
 
 
+def row_keys(rows: pa.Table, columns: Sequence[str]) -> pa.ChunkedArray:
+    """One string per row of ``rows``, made of its ``columns``: equal for rows whose values
+    in them are equal."""
+    parts = [pc.cast(rows.column(c), pa.string()) for c in columns]
+    return parts[0] if len(parts) == 1 else pc.binary_join_element_wise(*parts, "\x00")
+
+
 def with_uris(table: DeltaTable, base: str) -> pa.Table:
     """The add actions of a snapshot (flattened statistics) plus each file's ``uri`` under the
     table URI ``base``."""

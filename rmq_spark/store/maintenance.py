@@ -27,7 +27,7 @@ from rmq_spark.model.messages import new_id
 from rmq_spark.model.schema import LOCKS_SCHEMA, TABLES, TIMESTAMP
 from rmq_spark.store.context import StoreConcept, StoreContext
 from rmq_spark.store.queues import published_op_version
-from rmq_spark.store.reads import query
+from rmq_spark.store.reads import COPY_KEYS, query
 
 log = logging.getLogger(__name__)
 
@@ -110,13 +110,21 @@ class Maintenance(StoreConcept):
                 log.debug("%s is being compacted by another process; skipped", name)
                 continue
             try:
-                metrics = compact_table(self.tables, name)
+                metrics = compact_table(self.tables, name, COPY_KEYS.get(name, ()))
             except CommitFailedError as exc:
                 log.debug("compaction of %s lost a race (%s); the next one will do it", name, exc)
                 continue
             finally:
                 self.lock(f"compact:{name}", holder, 0.0)
             removed[name] = int(metrics.get("numFilesRemoved", 0))
+            if metrics.get("numCopiesRemoved"):
+                log.warning(
+                    "the compaction of %s kept %d row(s) once that another Delta writer's "
+                    "compaction had stored twice (it landed beside rmq-spark's on the same "
+                    "files); leave compacting the store's tables to rmq-spark",
+                    name,
+                    metrics["numCopiesRemoved"],
+                )
             log.debug("compacted %s: %s", name, metrics)
         return removed
 

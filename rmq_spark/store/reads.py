@@ -15,7 +15,7 @@ import pyarrow.compute as pc
 from deltalake import DeltaTable
 
 from rmq_spark.delta.files import admitting
-from rmq_spark.delta.reads import conform, read_files
+from rmq_spark.delta.reads import conform, read_files, row_keys
 from rmq_spark.delta.tables import DeltaTables
 from rmq_spark.model.messages import LocalTransactionState
 from rmq_spark.model.schema import HALF_SCHEMA, TABLES
@@ -73,6 +73,17 @@ KEYS = {
 }
 
 
+#: The columns that make two rows of a table copies of one row, which the store's compaction
+#: keeps once (:func:`rmq_spark.delta.compaction.compact`): a row of :data:`KEYS`, a published
+#: message at its offset, a decision (all of it: a COMMIT recorded again after another writer
+#: removed the first is a row of its own).
+COPY_KEYS = {
+    **KEYS,
+    "commitlog": ("topic", "queue_id", "queue_offset", "msg_id"),
+    "op": ("transaction_id", "decision", "decided_by", "decided_timestamp"),
+}
+
+
 def once(rows: pa.Table, name: str) -> pa.Table:
     """``rows`` of table ``name`` with each key (:data:`KEYS`) once, the first kept.
 
@@ -80,8 +91,7 @@ def once(rows: pa.Table, name: str) -> pa.Table:
     that another compaction (rmq-spark's) rewrote first land too. The copies are one row: it
     is read (checked, published, updated) once, and the others are logged as a warning.
     """
-    key = [rows.column(k) for k in KEYS[name]]
-    ids = key[0] if len(key) == 1 else pc.binary_join_element_wise(*key, "\x00")
+    ids = row_keys(rows, KEYS[name])
     if pc.count_distinct(ids).as_py() == rows.num_rows:
         return rows
     values = ids.to_numpy(zero_copy_only=False)

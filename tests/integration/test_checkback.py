@@ -13,7 +13,6 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pytest
 from deltalake import write_deltalake
 
@@ -30,7 +29,7 @@ from rmq_spark.checkback.job import CheckBackJob
 from rmq_spark.model.config import TransactionSettings
 from rmq_spark.ops.demo import OrderService
 from rmq_spark.ops.status import store_status
-from tests.conftest import commitlog, race
+from tests.conftest import commitlog, foreign_compaction_after_the_stores, race
 
 BY_TAG = "tests.checker_functions:by_tag"
 REPO = Path(__file__).resolve().parents[2]
@@ -680,23 +679,6 @@ def test_a_clients_group_is_asked_by_rmqtx_serve_and_counts_as_unknown_here(
     assert store.decisions([txn]) == {txn: LocalTransactionState.ROLLBACK}
 
 
-def _foreign_compaction_after_the_stores(store: Store, table: str) -> None:
-    """A deltalake ``optimize.compact()`` of ``table`` that read the table before rmq-spark's
-    compaction of the same files committed, and commits after it: deltalake lets it land
-    (the files it removes were removed by a ``dataChange=false`` commit), and every row of
-    those files is stored twice."""
-    from deltalake import DeltaTable
-
-    def stored() -> int:
-        return pc.sum(store.data_files(table).column("num_records")).as_py()
-
-    before = stored()
-    stale = DeltaTable(store.table_uri(table), storage_options=store._storage_options)
-    assert store.compact(table)[table] > 1
-    stale.optimize.compact()
-    assert stored() == 2 * before
-
-
 @pytest.mark.parametrize(
     ("table", "after"), [("half", 5), ("op", 5), ("check_state", 2), ("discard", 5)]
 )
@@ -717,7 +699,7 @@ def test_rows_a_foreign_compaction_stored_twice_change_no_outcome(
         if i == 1:
             ids += prepare(store, "UNKNOWN")  # discarded a round after the first
         if i == after:
-            _foreign_compaction_after_the_stores(store, table)
+            foreign_compaction_after_the_stores(store, table)
         if i == 6:
             redriven = redrive(store)
             assert len(redriven) == 2 and redrive(store) == []

@@ -5,6 +5,7 @@ message silently."""
 from __future__ import annotations
 
 import logging
+from datetime import UTC, datetime
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -15,11 +16,11 @@ from rmq_spark import Decision, LocalTransactionState, Message, Store
 from rmq_spark.checkback.discards import DECIDED_BY_CHECK_MAX, insert_discards, redrive
 from rmq_spark.delta.txnlog import checkpoint_guess
 from rmq_spark.model.errors import CorruptStoreError, DataLossError
-from rmq_spark.model.schema import COMMITLOG_SCHEMA
+from rmq_spark.model.schema import CHECK_STATE_SCHEMA, COMMITLOG_SCHEMA
 from rmq_spark.spark.offsets import latest_offsets
 from rmq_spark.spark.reading import TASK_ROWS, plan_slices, read_slice
 from rmq_spark.store.maintenance import COMPACT_EVERY_COMMITS
-from tests.conftest import commitlog
+from tests.conftest import commitlog, foreign_compaction_after_the_stores
 
 COMMIT = LocalTransactionState.COMMIT
 
@@ -248,3 +249,64 @@ def test_a_transaction_decided_since_the_round_read_it_is_not_reported_as_remove
         assert recover_removed(store, due, counts) == {p.transaction_id}
     assert counts["already_decided"] == 1
     assert "removed their decisions" not in caplog.text
+
+
+def _two_small_files(store: Store, table: str) -> None:
+    """Rows of ``table`` in two small files, as the store writes them."""
+    if table == "commitlog":
+        _sent(store, batches=2)
+        return
+    for batch in range(2):
+        prepared = store.prepare([Message("T", f"{batch}-{i}") for i in range(3)], "pg")
+        ids = [p.transaction_id for p in prepared]
+        if table == "op":
+            store.end_transactions([Decision(t, "pg", COMMIT) for t in ids])
+        elif table == "discard":
+            insert_discards(store, ids, datetime.now(UTC), 3)
+        elif table == "check_state":
+            now = datetime.now(UTC)
+            rows = [
+                {"transaction_id": t, "producer_group": "pg", "first_seen": now, "check_count": 1}
+                for t in ids
+            ]
+            store.append(table, pa.Table.from_pylist(rows, CHECK_STATE_SCHEMA))
+
+
+def _stored(store: Store, table: str) -> list[dict]:
+    """Every row of ``table`` as stored (copies included), in a stable order."""
+    rows = DeltaTable(store.table_uri(table)).to_pyarrow_table().to_pylist()
+    return sorted(rows, key=repr)
+
+
+@pytest.mark.parametrize("table", ["half", "op", "commitlog", "check_state", "discard"])
+def test_the_stores_next_compaction_keeps_each_row_another_writer_stored_twice_once(
+    store: Store, table: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Copies a foreign compaction stored beside rmq-spark's stayed for good: every read that
+    met them warned again, and the CommitLog's reads re-read the ranges that held them. The
+    store's next compaction of the files that hold them keeps each row once, and says so."""
+    _two_small_files(store, table)
+    before = _stored(store, table)
+    foreign_compaction_after_the_stores(store, table)
+    assert len(_stored(store, table)) == 2 * len(before)
+    with caplog.at_level(logging.WARNING, logger="rmq_spark"):
+        store.compact(table)
+    assert _stored(store, table) == before
+    assert f"compaction of {table} kept {len(before)} row(s) once" in caplog.text
+
+
+def test_the_stores_compaction_keeps_two_different_messages_at_one_offset(store: Store) -> None:
+    """Only copies are dropped: a different message another writer added at a published
+    offset stays, and reads still refuse the corrupt queue."""
+    _sent(store, batches=2)
+    uri = store.table_uri("commitlog")
+    published = commitlog(store)
+    first = published.slice(0, 1)
+    other = first.set_column(
+        first.schema.get_field_index("msg_id"), "msg_id", pa.array(["F" * 32], pa.string())
+    )
+    write_deltalake(uri, other, mode="append", partition_by=["topic"])
+    store.compact("commitlog")
+    assert DeltaTable(uri).to_pyarrow_table().num_rows == published.num_rows + 1
+    with pytest.raises(CorruptStoreError, match="different messages at offset 0"):
+        plan_slices(store, {}, latest_offsets(store, ["T"]), fail_on_data_loss=False)

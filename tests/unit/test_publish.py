@@ -34,7 +34,7 @@ from rmq_spark.model.config import Settings, StoreSettings
 from rmq_spark.model.errors import CorruptStoreError, StoreError
 from rmq_spark.model.schema import TABLES
 from rmq_spark.store.queues import OP_CURSOR_APP_ID, queue_app_id
-from tests.conftest import commitlog, race
+from tests.conftest import commitlog, foreign_compaction_after_the_stores, race
 
 COMMIT, ROLLBACK = LocalTransactionState.COMMIT, LocalTransactionState.ROLLBACK
 REPO = Path(__file__).resolve().parents[2]
@@ -146,10 +146,7 @@ def test_a_large_decision_whose_half_messages_another_writer_stored_twice_is_pub
     store = open_store(tmp_path / "s", publish_max_messages=3)
     for part in (bodies[:4], bodies[4:]):  # two half files
         store.prepare([Message("A", b) for b in part], "pg", transaction_ids=["b"] * 4)
-    stale = DeltaTable(store.table_uri("half"))
-    assert store.compact("half")["half"] == 2
-    stale.optimize.compact()  # lands beside the store's compaction
-    assert sum(store.data_files("half").column("num_records").to_pylist()) == 16
+    foreign_compaction_after_the_stores(store, "half")
     other = open_store(tmp_path / "s", publish_max_messages=3)  # reads "b" from half
     other.end_transactions([Decision("b", "pg", COMMIT)])
     rows = commitlog(other)
