@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -116,3 +117,30 @@ def test_end_transaction_returns_once_recorded_and_flush_waits_for_the_publish(
         producer.flush()
         assert _visible(store, {msg_id}, 0)
     assert commitlog(store).column("msg_id").to_pylist() == [msg_id]
+
+
+def test_a_slow_look_at_the_lease_holds_up_no_publish(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A look at the lease reads and MERGEs ``locks``, several round trips on an object
+    store, and the publisher's thread took it between publishes: COMMITs waited for it (the
+    publish lag's p99 on S3 was a second). A look that hangs holds up no publish."""
+    store = Store.open(settings=_settings(tmp_path / "store"))
+    with TransactionMQProducer("pg", ScriptedListener(), store=store) as producer:
+        deadline = time.monotonic() + 30
+        while not producer._publisher.holding and time.monotonic() < deadline:
+            time.sleep(0.02)
+        looking, release = threading.Event(), threading.Event()
+        look = Store.lock_holder
+
+        def hanging(self: Store, name: str) -> str | None:
+            looking.set()
+            release.wait(60)
+            return look(self, name)
+
+        monkeypatch.setattr(Store, "lock_holder", hanging)
+        try:
+            assert looking.wait(LEASE_SECONDS)  # the next look, a third of the lease on
+            assert _visible(store, {_commit(producer)}, 10)
+        finally:
+            release.set()
