@@ -8,10 +8,11 @@ try. deltalake's OPTIMIZE, used for the other tables, gives up after 15 tries, e
 lists the log: against a producer committing hundreds of times a second it lost every time,
 and ``half`` grew by a file per commit for as long as the sends went on.
 
-A compaction given the columns that make two rows copies of one row keeps each such row once:
-another writer's compaction that raced one of rmq-spark's can land beside it (deltalake lets a
-commit remove files that a ``dataChange=false`` commit removed first), storing the rows of
-those files twice, and readers would meet the copies for good.
+A compaction given the columns that make two rows copies of one row keeps each such row once
+among the files it reads together (about ``_COMPACT_TARGET_BYTES``): another writer's
+compaction that raced one of rmq-spark's can land beside it (deltalake lets a commit remove
+files that a ``dataChange=false`` commit removed first), storing the rows of those files
+twice, and readers would meet the copies for good.
 """
 
 from __future__ import annotations
@@ -19,12 +20,11 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import DeltaTable
 
-from rmq_spark.delta.reads import read_files, row_keys
+from rmq_spark.delta.reads import once_per_key, read_files
 from rmq_spark.delta.retry import relisting
 from rmq_spark.delta.storage import check_conditional_put
 from rmq_spark.delta.tables import DeltaTables
@@ -35,11 +35,14 @@ _COMPACT_TARGET_BYTES = 16 * 1024 * 1024
 _COMPACT_MAX_FILES = 10_000
 
 
-def compact(tables: DeltaTables, name: str, copies: Sequence[str] = ()) -> dict[str, Any]:
+def compact(
+    tables: DeltaTables, name: str, copies: Sequence[str] = (), newest: Sequence[str] = ()
+) -> dict[str, Any]:
     """Rewrite a table's files smaller than ``_COMPACT_TARGET_BYTES`` (the caller holds the
     table's compaction lock); return the metrics (``numFilesRemoved``, ``numFilesAdded``,
-    ``numCopiesRemoved``). ``copies``: the columns that make two rows copies of one row; the
-    files rewritten together keep each once (on a table appended to directly).
+    ``numCopiesRemoved``). ``copies``: the columns that make two rows copies of one row; of
+    the copies among the files read together, the row in force is kept (the first with the
+    greatest ``newest`` columns: :func:`once_per_key`), on a table appended to directly.
     A compaction that loses a race to a writer rewriting the same files raises deltalake's
     ``CommitFailedError``: nothing landed."""
     check_conditional_put(tables.root, tables.storage_options)
@@ -54,7 +57,7 @@ def compact(tables: DeltaTables, name: str, copies: Sequence[str] = ()) -> dict[
     column = f"partition.{partitions[0]}" if partitions else None
     values = [None] if column is None else pc.unique(small.column(column)).to_pylist()
     removed = added = 0
-    once = _Once(copies)
+    once = _Once(copies, newest)
     for value in values:
         group = small if column is None else small.filter(pc.equal(small.column(column), value))
         if group.num_rows > 1:
@@ -64,33 +67,18 @@ def compact(tables: DeltaTables, name: str, copies: Sequence[str] = ()) -> dict[
 
 
 class _Once:
-    """The rows of a compaction, each copy of a row (equal in ``columns``) kept once."""
+    """Rows read together by a compaction, each copy of a row (equal in ``key``) kept once."""
 
-    def __init__(self, columns: Sequence[str]) -> None:
-        self.columns = columns
+    def __init__(self, key: Sequence[str], newest: Sequence[str]) -> None:
+        self.key, self.newest = key, newest
         self.dropped = 0
-        self._seen: list[pa.Array] = []
 
     def __call__(self, rows: pa.Table) -> pa.Table:
-        """``rows`` without the copies of rows this compaction met before (in them or
-        earlier)."""
-        if not self.columns:
+        if not self.key:
             return rows
-        keys = row_keys(rows, self.columns).combine_chunks()
-        keep = np.ones(len(keys), dtype=bool)
-        if pc.count_distinct(keys).as_py() < len(keys):
-            _, first = np.unique(keys.to_numpy(zero_copy_only=False), return_index=True)
-            keep[:] = False
-            keep[first] = True
-        if self._seen:
-            met = pc.is_in(keys, value_set=pa.concat_arrays(self._seen))
-            keep &= ~met.to_numpy(zero_copy_only=False)
-        if keep.all():
-            self._seen.append(keys)
-            return rows
-        self.dropped += int((~keep).sum())
-        self._seen.append(keys.filter(pa.array(keep)))
-        return rows.filter(pa.array(keep))
+        kept = once_per_key(rows, self.key, self.newest)
+        self.dropped += rows.num_rows - kept.num_rows
+        return kept
 
 
 def _rewrite(

@@ -8,6 +8,7 @@ from datetime import datetime
 from urllib.parse import unquote
 
 import fsspec
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as pads
@@ -45,9 +46,31 @@ def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
 
 def row_keys(rows: pa.Table, columns: Sequence[str]) -> pa.ChunkedArray:
     """One string per row of ``rows``, made of its ``columns``: equal for rows whose values
-    in them are equal."""
+    in them are equal (nulls included)."""
     parts = [pc.cast(rows.column(c), pa.string()) for c in columns]
-    return parts[0] if len(parts) == 1 else pc.binary_join_element_wise(*parts, "\x00")
+    return pc.binary_join_element_wise(
+        *parts, "\x00", null_handling="replace", null_replacement="\x01"
+    )
+
+
+def once_per_key(rows: pa.Table, key: Sequence[str], newest: Sequence[str] = ()) -> pa.Table:
+    """``rows`` with each value of the ``key`` columns once, in their order: of the rows of
+    one key, the first whose ``newest`` columns (values that only grow as a row is updated in
+    place; nulls least, in the order given) are greatest."""
+    keys = row_keys(rows, key)
+    if pc.count_distinct(keys, mode="all").as_py() == rows.num_rows:
+        return rows
+    order = np.arange(rows.num_rows)
+    if newest:
+        ranks: dict[str, object] = {}
+        for i, name in enumerate(newest):  # a value first, then the greatest
+            ranks[f"valid{i}"] = pc.is_valid(rows.column(name))
+            ranks[f"value{i}"] = rows.column(name)
+        ranks["at"] = order
+        sorting = [(name, "descending") for name in ranks if name != "at"] + [("at", "ascending")]
+        order = pa.table(ranks).sort_by(sorting).column("at").to_numpy()
+    _, first = np.unique(keys.take(order).to_numpy(zero_copy_only=False), return_index=True)
+    return rows.take(np.sort(order[first]))
 
 
 def with_uris(table: DeltaTable, base: str) -> pa.Table:

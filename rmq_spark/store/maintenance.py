@@ -27,7 +27,7 @@ from rmq_spark.model.messages import new_id
 from rmq_spark.model.schema import LOCKS_SCHEMA, TABLES, TIMESTAMP
 from rmq_spark.store.context import StoreConcept, StoreContext
 from rmq_spark.store.queues import published_op_version
-from rmq_spark.store.reads import COPY_KEYS, query
+from rmq_spark.store.reads import COPY_KEYS, NEWEST, query
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,9 @@ class Maintenance(StoreConcept):
                 log.debug("%s is being compacted by another process; skipped", name)
                 continue
             try:
-                metrics = compact_table(self.tables, name, COPY_KEYS.get(name, ()))
+                metrics = compact_table(
+                    self.tables, name, COPY_KEYS.get(name, ()), NEWEST.get(name, ())
+                )
             except CommitFailedError as exc:
                 log.debug("compaction of %s lost a race (%s); the next one will do it", name, exc)
                 continue

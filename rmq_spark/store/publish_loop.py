@@ -27,6 +27,7 @@ import os
 import random
 import socket
 import threading
+import time
 import uuid
 import weakref
 from typing import TYPE_CHECKING
@@ -118,6 +119,8 @@ class BackgroundPublisher:
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._holding = holding
+        #: time.monotonic() of the last look that took or renewed the lease.
+        self._renewed = time.monotonic()
         # The lease is looked at on a thread of its own: a look reads and MERGEs ``locks``,
         # several round trips on an object store, which held up the COMMITs waiting to be
         # published (the publish lag's p99 on S3 was a second).
@@ -133,8 +136,10 @@ class BackgroundPublisher:
 
     @property
     def holding(self) -> bool:
-        """Whether this process held the lease when it last looked."""
-        return self._holding
+        """Whether this process holds the lease: it took or renewed it when it last looked,
+        less than the lease ago (a look that hangs or fails for longer lets another process
+        take it over, and this one stops publishing)."""
+        return self._holding and time.monotonic() - self._renewed < self.lease
 
     def wake(self) -> None:
         """Publish now if this process holds the lease (it has just recorded a COMMIT)."""
@@ -163,7 +168,7 @@ class BackgroundPublisher:
                 return
             try:
                 published = 0
-                if self._holding:
+                if self.holding:
                     # Woken by this process's COMMITs: up to the op version it wrote, with no
                     # listing of op's log; every interval: up to the latest (anyone's).
                     published = self.store.publish(latest=not woken).published
@@ -184,10 +189,13 @@ class BackgroundPublisher:
         while not self._stopping.wait(pause):
             pause = self.lease / 3
             try:
+                looked = time.monotonic()
                 held_by = self.store.lock_holder(LEASE)
                 holding = held_by in (None, self.holder) and self.store.lock(
                     LEASE, self.holder, self.lease
                 )
+                if holding:
+                    self._renewed = looked
             except Exception as exc:  # looked at again next time; publishing goes on meanwhile
                 log.warning("could not look at the publisher lease (%s); trying again", exc)
                 continue

@@ -9,13 +9,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import DeltaTable
 
 from rmq_spark.delta.files import admitting
-from rmq_spark.delta.reads import conform, read_files, row_keys
+from rmq_spark.delta.reads import conform, once_per_key, read_files
 from rmq_spark.delta.tables import DeltaTables
 from rmq_spark.model.messages import LocalTransactionState
 from rmq_spark.model.schema import HALF_SCHEMA, TABLES
@@ -73,6 +72,16 @@ KEYS = {
 }
 
 
+#: Of the rows of one key, the one in force: the first with the greatest values in these
+#: columns, which only grow as the store updates a row in place (nulls least). A copy another
+#: writer's compaction brought back from before an update (it read the files before rmq-spark's
+#: compaction and a MERGE, and landed after them) loses, and a discard claimed for re-driving
+#: stays claimed.
+NEWEST = {
+    "check_state": ("check_count", "last_check_timestamp"),
+    "discard": ("redriven_transaction_id",),
+}
+
 #: The columns that make two rows of a table copies of one row, which the store's compaction
 #: keeps once (:func:`rmq_spark.delta.compaction.compact`): a row of :data:`KEYS`, a published
 #: message at its offset, a decision (all of it: a COMMIT recorded again after another writer
@@ -85,26 +94,25 @@ COPY_KEYS = {
 
 
 def once(rows: pa.Table, name: str) -> pa.Table:
-    """``rows`` of table ``name`` with each key (:data:`KEYS`) once, the first kept.
+    """``rows`` of table ``name`` with each key (:data:`KEYS`) once: the row in force
+    (:data:`NEWEST`, when its columns were read), else the first.
 
     Another Delta writer can leave rows stored twice: deltalake lets a compaction of files
     that another compaction (rmq-spark's) rewrote first land too. The copies are one row: it
     is read (checked, published, updated) once, and the others are logged as a warning.
     """
-    ids = row_keys(rows, KEYS[name])
-    if pc.count_distinct(ids).as_py() == rows.num_rows:
-        return rows
-    values = ids.to_numpy(zero_copy_only=False)
-    _, first = np.unique(values, return_index=True)
-    log.warning(
-        "%s holds %d row(s) more than once (e.g. %s): another Delta writer's compaction "
-        "(OPTIMIZE) landed beside rmq-spark's on the same files. Each is read once; leave "
-        "compacting the store's tables to rmq-spark.",
-        name,
-        rows.num_rows - len(first),
-        values[np.setdiff1d(np.arange(rows.num_rows), first)[0]],
-    )
-    return rows.take(np.sort(first))
+    newest = NEWEST.get(name, ())
+    kept = once_per_key(rows, KEYS[name], newest if set(newest) <= set(rows.column_names) else ())
+    if kept.num_rows < rows.num_rows:
+        log.warning(
+            "%s holds %d row(s) more than once: another Delta writer's compaction (OPTIMIZE) "
+            "landed beside rmq-spark's on the same files. Each is read once, and rmq-spark's "
+            "next compaction of those files keeps it once; leave compacting the store's tables "
+            "to rmq-spark.",
+            name,
+            rows.num_rows - kept.num_rows,
+        )
+    return kept
 
 
 def decisions_of(

@@ -4,8 +4,11 @@ message silently."""
 
 from __future__ import annotations
 
+import json
 import logging
+from collections import Counter
 from datetime import UTC, datetime
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -20,6 +23,7 @@ from rmq_spark.model.schema import CHECK_STATE_SCHEMA, COMMITLOG_SCHEMA
 from rmq_spark.spark.offsets import latest_offsets
 from rmq_spark.spark.reading import TASK_ROWS, plan_slices, read_slice
 from rmq_spark.store.maintenance import COMPACT_EVERY_COMMITS
+from rmq_spark.store.reads import once
 from tests.conftest import commitlog, foreign_compaction_after_the_stores
 
 COMMIT = LocalTransactionState.COMMIT
@@ -310,3 +314,53 @@ def test_the_stores_compaction_keeps_two_different_messages_at_one_offset(store:
     assert DeltaTable(uri).to_pyarrow_table().num_rows == published.num_rows + 1
     with pytest.raises(CorruptStoreError, match="different messages at offset 0"):
         plan_slices(store, {}, latest_offsets(store, ["T"]), fail_on_data_loss=False)
+
+
+@pytest.mark.parametrize("then", ["read", "compacted", "compacted, its clock behind"])
+def test_a_discard_claimed_before_a_foreign_compaction_landed_is_not_re_driven_again(
+    store: Store, then: str
+) -> None:
+    """A deltalake ``optimize.compact()`` that read ``discard`` before rmq-spark's compaction
+    and commits after a re-drive claimed the rows (a MERGE) lands beside them with the rows as
+    they were before the claim. Reads and the store's compaction kept the first row of a key,
+    the stale one as often as not (by file order, or by the file time of a writer whose clock
+    runs behind): the next re-drive claimed the messages again, re-driving each twice. The
+    claimed row is the one in force."""
+    for batch in range(2):
+        prepared = store.prepare([Message("T", f"{batch}-{i}") for i in range(3)], "pg")
+        insert_discards(store, [p.transaction_id for p in prepared], datetime.now(UTC), 3)
+    uri = store.table_uri("discard")
+    stale = DeltaTable(uri)
+    assert store.compact("discard")["discard"] == 2
+    assert len(redrive(store)) == 6
+    stale.optimize.compact()
+    assert DeltaTable(uri).to_pyarrow_table().column("redriven_transaction_id").null_count == 6
+    if then == "compacted, its clock behind":  # the foreign file's time, before the claim's
+        entry = Path(uri) / "_delta_log" / f"{DeltaTable(uri).version():020}.json"
+        actions = [json.loads(line) for line in entry.read_text().splitlines()]
+        for action in actions:
+            if "add" in action:
+                action["add"]["modificationTime"] = 1000
+        entry.write_text("\n".join(json.dumps(a) for a in actions) + "\n")
+    if then != "read":
+        store.compact("discard")
+        assert DeltaTable(uri).to_pyarrow_table().column("redriven_transaction_id").null_count == 0
+    assert redrive(store) == []
+    copies = Counter(DeltaTable(store.table_uri("half")).to_pyarrow_table()["msg_id"].to_pylist())
+    assert set(copies.values()) == {2}  # each message: its transaction and one re-drive
+
+
+def test_of_copies_of_a_check_state_row_the_one_checked_most_is_in_force() -> None:
+    """A stale copy of a check-back state (from before a round's MERGE) counts fewer checks:
+    it loses, whichever file it is in; rows keep their order."""
+    now = datetime.now(UTC)
+    rows = pa.Table.from_pylist(
+        [
+            {"transaction_id": "a", "producer_group": "pg", "first_seen": now, "check_count": 1},
+            {"transaction_id": "b", "producer_group": "pg", "first_seen": now, "check_count": 1},
+            {"transaction_id": "a", "producer_group": "pg", "first_seen": now, "check_count": 3},
+        ],
+        CHECK_STATE_SCHEMA,
+    )
+    kept = once(rows, "check_state").select(["transaction_id", "check_count"])
+    assert kept.to_pydict() == {"transaction_id": ["b", "a"], "check_count": [1, 3]}

@@ -10,6 +10,7 @@ import sys
 import textwrap
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -25,10 +26,10 @@ LEASE_SECONDS = 2.0
 COMMIT = LocalTransactionState.COMMIT
 
 
-def _settings(root: Path) -> Settings:
+def _settings(root: Path, lease: float = LEASE_SECONDS) -> Settings:
     return Settings(
         store=StoreSettings(
-            path=str(root), queue_nums=2, publish_interval=0.05, publish_lease=LEASE_SECONDS
+            path=str(root), queue_nums=2, publish_interval=0.05, publish_lease=lease
         )
     )
 
@@ -119,28 +120,49 @@ def test_end_transaction_returns_once_recorded_and_flush_waits_for_the_publish(
     assert commitlog(store).column("msg_id").to_pylist() == [msg_id]
 
 
+@contextmanager
+def _hanging_looks(producer: TransactionMQProducer, monkeypatch: pytest.MonkeyPatch):
+    """The producer's looks at the publisher lease hang from its next look on (it held the
+    lease by then); yields once one hangs, and lets them go at the end."""
+    deadline = time.monotonic() + 30
+    while not producer._publisher.holding and time.monotonic() < deadline:
+        time.sleep(0.02)
+    looking, release = threading.Event(), threading.Event()
+    look = Store.lock_holder
+
+    def hanging(self: Store, name: str) -> str | None:
+        looking.set()
+        release.wait(60)
+        return look(self, name)
+
+    monkeypatch.setattr(Store, "lock_holder", hanging)
+    try:
+        assert looking.wait(30)
+        yield
+    finally:
+        release.set()
+
+
 def test_a_slow_look_at_the_lease_holds_up_no_publish(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A look at the lease reads and MERGEs ``locks``, several round trips on an object
     store, and the publisher's thread took it between publishes: COMMITs waited for it (the
     publish lag's p99 on S3 was a second). A look that hangs holds up no publish."""
+    store = Store.open(settings=_settings(tmp_path / "store", lease=6.0))
+    with TransactionMQProducer("pg", ScriptedListener(), store=store) as producer:
+        with _hanging_looks(producer, monkeypatch):
+            assert _visible(store, {_commit(producer)}, 10)
+
+
+def test_a_process_whose_look_at_the_lease_hangs_past_it_stops_publishing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past its lease another process takes the lease over: a holder whose look hangs that
+    long no longer holds it."""
     store = Store.open(settings=_settings(tmp_path / "store"))
     with TransactionMQProducer("pg", ScriptedListener(), store=store) as producer:
-        deadline = time.monotonic() + 30
-        while not producer._publisher.holding and time.monotonic() < deadline:
-            time.sleep(0.02)
-        looking, release = threading.Event(), threading.Event()
-        look = Store.lock_holder
-
-        def hanging(self: Store, name: str) -> str | None:
-            looking.set()
-            release.wait(60)
-            return look(self, name)
-
-        monkeypatch.setattr(Store, "lock_holder", hanging)
-        try:
-            assert looking.wait(LEASE_SECONDS)  # the next look, a third of the lease on
-            assert _visible(store, {_commit(producer)}, 10)
-        finally:
-            release.set()
+        with _hanging_looks(producer, monkeypatch):
+            assert producer._publisher.holding
+            time.sleep(LEASE_SECONDS)
+            assert not producer._publisher.holding
