@@ -95,14 +95,14 @@ COPY_KEYS = {
 
 def once(rows: pa.Table, name: str) -> pa.Table:
     """``rows`` of table ``name`` with each key (:data:`KEYS`) once: the row in force
-    (:data:`NEWEST`, when its columns were read), else the first.
+    (:data:`NEWEST`, by those of its columns that were read), else the first.
 
     Another Delta writer can leave rows stored twice: deltalake lets a compaction of files
     that another compaction (rmq-spark's) rewrote first land too. The copies are one row: it
     is read (checked, published, updated) once, and the others are logged as a warning.
     """
-    newest = NEWEST.get(name, ())
-    kept = once_per_key(rows, KEYS[name], newest if set(newest) <= set(rows.column_names) else ())
+    newest = [c for c in NEWEST.get(name, ()) if c in rows.column_names]
+    kept = once_per_key(rows, KEYS[name], newest)
     if kept.num_rows < rows.num_rows:
         log.warning(
             "%s holds %d row(s) more than once: another Delta writer's compaction (OPTIMIZE) "
