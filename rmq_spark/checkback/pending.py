@@ -44,7 +44,7 @@ import pyarrow.compute as pc
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from deltalake.exceptions import DeltaError
 
-from rmq_spark.delta.reads import read_arrow, read_files, with_uris
+from rmq_spark.delta.reads import read_arrow, read_files, row_keys, with_uris
 from rmq_spark.delta.retry import retry_commits
 from rmq_spark.delta.txnlog import commit_infos, entry_times
 from rmq_spark.model.failpoints import failpoint
@@ -312,10 +312,8 @@ def _reduce(rows: pa.Table) -> pa.Table:
     groups = rows.group_by("transaction_id").aggregate(
         [("msg_id", "min"), ("message_count", "sum")]
     )
-    key = pc.binary_join_element_wise(rows.column("transaction_id"), rows.column("msg_id"), "\n")
-    first_key = pc.binary_join_element_wise(
-        groups.column("transaction_id"), groups.column("msg_id_min"), "\n"
-    )
+    key = row_keys(rows, ["transaction_id", "msg_id"])
+    first_key = row_keys(groups, ["transaction_id", "msg_id_min"])
     first = rows.filter(pc.is_in(key, value_set=first_key)).sort_by("transaction_id")
     groups = groups.sort_by("transaction_id")
     return first.set_column(
