@@ -28,12 +28,11 @@ def store(tmp_path: Path) -> Store:
 
 @pytest.fixture
 def young_entries_cleaned(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Log cleanups in this process may delete entries of any age (no LOG_ENTRY_MIN_AGE), and
-    commits here then always check they are reachable: for tests of the retention rules that
-    make hours pass with a clock ahead, or clean at once, within seconds of real time."""
-    from rmq_spark.delta import commit, txnlog
+    """Log cleanups in this process may delete entries of any age (no LOG_ENTRY_MIN_AGE): for
+    tests of the retention rules that make hours pass with a clock ahead, or clean at once,
+    within seconds of real time."""
+    from rmq_spark.delta import txnlog
 
-    monkeypatch.setattr(commit, "LOG_ENTRY_MIN_AGE", 0.0)
     monkeypatch.setattr(txnlog, "LOG_ENTRY_MIN_AGE", 0.0)
 
 

@@ -32,13 +32,13 @@ there) and otherwise counts as lost:
 cleanup deletes it with the others below the checkpoint. (A retried append adds the same files,
 which Delta reconciles by path; decisions and publishes record application ids, which conflict.)
 
-That check costs a round trip, and a commit that goes on from its own last commit soon after
-needs none: every entry after that commit was written after it began (a writer puts version
-``v`` only once ``v - 1`` exists), and no log cleanup deletes an entry younger than
-:data:`LOG_ENTRY_MIN_AGE` on the store's clock (``clean_log``; Delta's own cleanup keeps a
-table's ``delta.logRetentionDuration``, days unless someone shortens it). So a put that
-returns less than half that after the commit before it began cannot have found a cleaned hole
-(``fresh_since``), unless the table's log retention is under a day.
+That check costs a round trip, and it is made after every put. A commit that went on from its
+own commit of moments before once skipped it, trusting that no log cleanup deletes an entry
+younger than a few seconds on the store's clock; but a local log entry is a hard link of a
+file staged earlier and keeps the staging time, an S3 object keeps the time its PUT began, and
+a writer may stall for minutes in between, so a stalled writer's entry looked old the moment
+it landed, was cleaned, and the next put filled its version below the checkpoint (an
+acknowledged send lost). No file time proves a put reachable; the check does.
 
 The commit that reaches the table's ``delta.checkpointInterval`` is followed by the
 checkpoint and the expired-log cleanup, as deltalake's post-commit hook does
@@ -82,25 +82,6 @@ _APPEND_FEATURES = frozenset(
 STAGED_NAME = re.compile(r"^\.[0-9a-f]{32}\.json\.tmp$")
 #: A classic checkpoint file (one file, or part ``i`` of ``n``) of version ``group(1)``.
 CHECKPOINT_NAME = re.compile(r"^(\d{20})\.checkpoint(?:\.(\d{10})\.(\d{10}))?\.parquet$")
-#: No log cleanup of rmq-spark deletes a log entry younger than this (seconds, on the store's
-#: clock); a commit whose put returns within half of it after ``fresh_since`` is reachable.
-LOG_ENTRY_MIN_AGE = 4.0
-#: A table whose ``delta.logRetentionDuration`` is shorter than this (seconds) may have young
-#: entries deleted by Delta's own cleanup, on another host's clock: its commits always check.
-_SAFE_LOG_RETENTION = 86400.0
-#: A Delta interval (``interval 30 days``) and the seconds of its units.
-_INTERVAL = re.compile(
-    r"^(?:interval\s+)?(\d+)\s*(microsecond|millisecond|second|minute|hour|day|week)s?$"
-)
-_INTERVAL_UNITS = {
-    "microsecond": 1e-6,
-    "millisecond": 1e-3,
-    "second": 1.0,
-    "minute": 60.0,
-    "hour": 3600.0,
-    "day": 86400.0,
-    "week": 604800.0,
-}
 #: Actions of a concurrent commit that conflict with any append.
 _TABLE_CHANGES = ("metaData", "protocol")
 
@@ -145,22 +126,6 @@ def checkpoint_interval(table: DeltaTable) -> int:
     return int(table.metadata().configuration.get("delta.checkpointInterval", "100"))
 
 
-def young_entries_kept(table: DeltaTable) -> bool:
-    """Whether Delta's own log cleanup keeps the table's log entries for at least a day
-    (``delta.logRetentionDuration``, 30 days unless set; an unreadable value counts as
-    shorter), so only ``clean_log`` bounds how young a deleted entry can be."""
-    configuration = table.metadata().configuration
-    if configuration.get("delta.enableExpiredLogCleanup", "true").lower() == "false":
-        return True
-    retention = configuration.get("delta.logRetentionDuration")
-    if retention is None:
-        return True
-    match = _INTERVAL.match(retention.strip().lower())
-    return match is not None and (
-        int(match.group(1)) * _INTERVAL_UNITS[match.group(2)] >= _SAFE_LOG_RETENTION
-    )
-
-
 def commit(
     uri: str,
     storage_options: Mapping[str, str],
@@ -170,7 +135,6 @@ def commit(
     app_ids: Mapping[str, int] | None = None,
     info: Mapping[str, str] | None = None,
     removes: Sequence[Mapping[str, object]] = (),
-    fresh_since: float | None = None,
 ) -> int:
     """Commit ``adds`` as one append to the table at ``uri`` whose latest known version is
     ``after``, or with ``removes`` as a compaction; return the version committed.
@@ -195,11 +159,6 @@ def commit(
         Files (add actions: ``path``, ``size``, ``partition_values``) that ``adds`` rewrite
         without changing data (a compaction: every action has ``dataChange`` false). A
         concurrent commit that removed one of them first conflicts.
-    fresh_since : float, optional
-        A ``time.monotonic()`` before which no entry after ``after`` was begun: when the
-        caller's own commit of ``after`` began, on a table whose Delta log retention is a day
-        or more (:func:`young_entries_kept`). A put that returns within half of
-        :data:`LOG_ENTRY_MIN_AGE` after it needs no reachability check.
 
     Raises
     ------
@@ -235,8 +194,7 @@ def commit(
             _check_no_conflict(log.read(version), ours, rewritten, uri, version)
             version += 1
         failpoint("deltacommit.committed")
-    young = fresh_since is not None and time.monotonic() - fresh_since < LOG_ENTRY_MIN_AGE / 2
-    if not young and not log.reachable(version, [a.path for a in adds]):
+    if not log.reachable(version, [a.path for a in adds]):
         log_.warning(
             "a commit to %s put version %d where the log had been cleaned (it stalled past a "
             "checkpoint and the log cleanup); no reader sees it, so it is made again",

@@ -31,7 +31,6 @@ from rmq_spark.delta.commit import (
     appendable,
     checkpoint,
     checkpoint_interval,
-    young_entries_kept,
 )
 from rmq_spark.delta.commit import commit as commit_direct
 from rmq_spark.delta.files import commit_files, write_files, write_in_parallel
@@ -107,8 +106,8 @@ class DeltaTables:
         #: starts looking for a free version when its cached snapshot is older.
         self._known: dict[str, int] = {}
         self._lock = threading.Lock()
-        #: Per table: (snapshot version, checkpoint interval or None, young entries kept): _writer.
-        self._writers: dict[str, tuple[int, int | None, bool]] = {}
+        #: Per table: (snapshot version, checkpoint interval or None): direct_interval.
+        self._writers: dict[str, tuple[int, int | None]] = {}
         #: Checkpoints and maintenance that commits ask for (see ChoreKinds).
         self.chores = ChoreKinds(root, _CHORES)
         self._listeners: list[Callable[[str, int], None]] = []
@@ -179,7 +178,8 @@ class DeltaTables:
 
         Its snapshot update would list the table's whole log each time on a local filesystem.
         So, while the version this thread found last is younger than :attr:`fresh_seconds`
-        (no entry after it can have been cleaned), the entries after it are read instead
+        (the entries after it are still there, but for a commit's reachability check nothing
+        counts on that), the entries after it are read instead
         (:func:`follow`), or none at all while the head is :attr:`Head.calm` (this thread's
         own commit found no other writer: a commit on it checks the entries it finds taken, so
         one that another writer made since only costs a retry). A table change among them,
@@ -312,11 +312,8 @@ class DeltaTables:
         from there).
         """
         started = time.monotonic()
-        _, interval, young_kept = self._writer(name, snapshot)
+        interval = self.direct_interval(name, snapshot)
         head: Head | None = getattr(self._heads, name, None)
-        # Goes on from this thread's own last commit, begun at head.found (commit_direct).
-        own = young_kept and head is not None and head.calm and head.version == after
-        fresh_since = head.found if own else None
         if interval is None:
             partitions = self.specs[name][1]
             properties = CommitProperties(
@@ -339,7 +336,6 @@ class DeltaTables:
                 app_ids=app_ids,
                 info=info,
                 removes=removes,
-                fresh_since=fresh_since,
             )
             with self._lock:
                 self._known[name] = max(version, self._known.get(name, version))
@@ -397,17 +393,12 @@ class DeltaTables:
     def direct_interval(self, name: str, snapshot: DeltaTable) -> int | None:
         """The checkpoint interval of a table that :func:`commit_direct` appends to, None when
         deltalake commits its appends (:func:`appendable`); known per snapshot version."""
-        return self._writer(name, snapshot)[1]
-
-    def _writer(self, name: str, snapshot: DeltaTable) -> tuple[int, int | None, bool]:
-        """Per snapshot version of a table: the version, :meth:`direct_interval`, and whether
-        Delta's own log cleanup keeps young entries (:func:`young_entries_kept`)."""
         version = snapshot.version()
         cached = self._writers.get(name)
         if cached is None or cached[0] != version:
             interval = checkpoint_interval(snapshot) if appendable(snapshot) else None
-            cached = self._writers[name] = (version, interval, young_entries_kept(snapshot))
-        return cached
+            cached = self._writers[name] = (version, interval)
+        return cached[1]
 
 
 def _checkpoint(uri: str, options: dict[str, str] | None, version: int) -> None:

@@ -34,13 +34,16 @@ import pyarrow.parquet as pq
 from deltalake import DeltaTable
 
 from rmq_spark.delta.commit import CHECKPOINT_NAME as _CHECKPOINT
-from rmq_spark.delta.commit import LOG_ENTRY_MIN_AGE, STAGED_NAME
+from rmq_spark.delta.commit import STAGED_NAME
 from rmq_spark.delta.storage import filesystem
 from rmq_spark.model.errors import CorruptStoreError
 
 #: Read the commits since a cached version only when there are at most this many; else start
 #: again from the newest checkpoint (which deltalake writes every 100 commits).
 _MAX_INCREMENTAL_COMMITS = 200
+#: No log cleanup of rmq-spark deletes a log entry younger than this (seconds, on the store's
+#: clock): a reader that listed the log moments ago finds the entries it listed.
+LOG_ENTRY_MIN_AGE = 4.0
 #: What :func:`clean_log` may delete: commits, their checksums, and classic checkpoints.
 _LOG_ENTRY = re.compile(r"^(\d{20})\.(?:json|crc|checkpoint(?:\.\d{10}\.\d{10})?\.parquet)$")
 
@@ -319,18 +322,23 @@ def clean_log(
     written before ``older_than``. The log is listed once. Return how many files were deleted.
 
     This is Delta's expired-log cleanup (``delta.logRetentionDuration``), bounded by a version
-    as well as by time. Entries are deleted oldest first, so an interrupted cleanup leaves the
-    log contiguous from its oldest entry. Whatever the rules, and however far ahead the
+    as well as by time. Only the oldest versions go, oldest first, up to the first that must
+    stay (or a gap in the listing), as Delta's own cleanup does: an entry is taken as written
+    no earlier than the one before it, since its file time can be far older than its commit (a
+    local entry keeps the time it was staged, before a writer's stall). So an entry kept keeps
+    every later one, and an interrupted cleanup leaves the log contiguous from its oldest
+    entry: a commit that finds the entry before its own (:meth:`_Log.reachable`) knows it was
+    not put where the log had been cleaned. Whatever the rules, and however far ahead the
     caller's clock runs, no entry younger than :data:`LOG_ENTRY_MIN_AGE` on the store's clock
     goes (the modification time of a file written for it first, :func:`_store_clock`; the
-    cleaning host's clock, local or shared by NFS, can be anything): a commit that goes on from
-    its own recent commit counts on it. A filesystem that gives no modification time (it cannot
-    tell the age) has nothing deleted. Staged entries a killed direct commit left behind
-    (:data:`rmq_spark.delta.commit.STAGED_NAME`) go when older than every rule's time.
+    cleaning host's clock, local or shared by NFS, can be anything). A filesystem that gives no
+    modification time (it cannot tell the age) has nothing deleted. Staged entries a killed
+    direct commit left behind (:data:`rmq_spark.delta.commit.STAGED_NAME`) go when older than
+    every rule's time.
     """
     fs, log_path = filesystem(f"{uri.rstrip('/')}/_delta_log", storage_options)
     store_now = _store_clock(fs, log_path)
-    entries = []
+    files: dict[int, list[tuple[str, float | None]]] = {}
     checkpoints: dict[int, list[str]] = {}
     staged_before = min(older_than for _, older_than in rules).timestamp()
     abandoned = []
@@ -342,7 +350,7 @@ def clean_log(
         if _LOG_ENTRY.match(name) is None:
             continue
         version = int(name[:20])
-        entries.append((version, info["name"], _modified(info)))
+        files.setdefault(version, []).append((info["name"], _modified(info)))
         match = _CHECKPOINT.match(name)
         if match is not None:
             checkpoints.setdefault(version, []).append(match.group(3))
@@ -355,14 +363,22 @@ def clean_log(
         (max((v for v in complete if v <= keep_from), default=-1), older_than.timestamp())
         for keep_from, older_than in rules
     ]
-    doomed = sorted(
-        (v, path)
-        for v, path, modified in entries
-        if modified is not None
-        and store_now is not None
-        and store_now - modified >= LOG_ENTRY_MIN_AGE
-        and any(v < kept and modified < cut for kept, cut in bounds)
-    )
+    doomed = []
+    written = float("-inf")
+    for version in sorted(files):
+        if doomed and version != doomed[-1][0] + 1:
+            break  # a gap (a listing that raced a commit or another cleanup): stop here
+        times = [modified for _, modified in files[version]]
+        if store_now is None or None in times:
+            break
+        # Delta's own cleanup takes each entry as written no earlier than the one before it:
+        # a file time is its staging's, so a stalled writer's entry looks old as it lands.
+        written = max(written, *times)  # type: ignore[type-var]
+        if store_now - written < LOG_ENTRY_MIN_AGE or not any(
+            version < kept and written < cut for kept, cut in bounds
+        ):
+            break
+        doomed += [(version, path) for path, _ in files[version]]
     for path in [p for _, p in doomed] + abandoned:
         fs.rm_file(path)
     return len(doomed) + len(abandoned)

@@ -21,10 +21,11 @@ from deltalake import DeltaTable, TableFeatures, write_deltalake
 from deltalake.exceptions import CommitFailedError
 
 from rmq_spark import Decision, LocalTransactionState, Message, Store, StoreError
-from rmq_spark.delta.commit import LOG_ENTRY_MIN_AGE, _Log, appendable, commit
+from rmq_spark.delta.commit import appendable, commit
 from rmq_spark.delta.files import write_files
 from rmq_spark.delta.reads import read_arrow
 from rmq_spark.delta.storage import filesystem
+from rmq_spark.delta.txnlog import LOG_ENTRY_MIN_AGE
 from rmq_spark.model.config import Settings, StoreSettings
 from rmq_spark.model.messages import new_id
 from rmq_spark.model.schema import HALF_SCHEMA
@@ -353,7 +354,7 @@ def _stopped_prepare(store: Store, tmp_path: Path, failpoint: str) -> subprocess
     at ``failpoint``; returned once it is stopped there. It prints its half version.
 
     It prepares ``b"warm"`` first: the stalled commit goes on from the child's own last
-    commit, as a busy producer's do (the reachability check is skipped only for those)."""
+    commit, as a busy producer's do."""
     marker = tmp_path / "stopped.pid"
     child = textwrap.dedent(
         f"""
@@ -404,8 +405,8 @@ def _cleaned(store: Store) -> int:
 
 def test_a_log_cleanup_whose_clock_runs_ahead_deletes_no_young_entry(store: Store) -> None:
     """A cleanup on a host whose clock runs minutes ahead deletes nothing written less than
-    LOG_ENTRY_MIN_AGE ago on the store's clock: a commit that goes on from its own recent one
-    skips the check that its put did not land where the log was cleaned."""
+    LOG_ENTRY_MIN_AGE ago on the store's clock (a reader that listed the log moments ago
+    finds what it listed)."""
     store.table("half").alter.set_table_properties({"delta.checkpointInterval": "10"})
     for n in range(25):
         store.prepare([Message("T", f"m{n}")], "pg")
@@ -414,30 +415,6 @@ def test_a_log_cleanup_whose_clock_runs_ahead_deletes_no_young_entry(store: Stor
         Store.open(store.root, settings=store.settings, clock=lambda: ahead).clean_log("half") == 0
     )
     assert _cleaned(store) > 0
-
-
-def test_a_commit_on_its_own_recent_commit_skips_the_reachability_check(
-    any_store: Store, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A producer's commits that go on from its own last one do without the round trip that
-    checks the put was not made where the log was cleaned; a table whose Delta log retention
-    someone shortened below a day (Delta's own cleanup, on another host's clock, may then
-    delete young entries) has every commit checked."""
-    checked: list[int] = []
-    reachable = _Log.reachable
-
-    def counted(log: _Log, version: int, paths: list[str]) -> bool:
-        checked.append(version)
-        return reachable(log, version, paths)
-
-    monkeypatch.setattr(_Log, "reachable", counted)
-    versions = [any_store.prepare([Message("T", f"m{n}")], "pg")[0].half_version for n in range(3)]
-    assert checked == versions[:1]  # the first goes on from a snapshot
-    shortened = {"delta.logRetentionDuration": "interval 1 hours"}
-    any_store.table("half").alter.set_table_properties(shortened)
-    checked.clear()
-    versions = [any_store.prepare([Message("T", f"s{n}")], "pg")[0].half_version for n in range(3)]
-    assert checked == versions
 
 
 def test_a_commit_paused_past_a_checkpoint_and_log_cleanup_is_not_lost(
@@ -490,3 +467,40 @@ def test_a_commit_paused_after_its_put_is_not_made_twice(store: Store, tmp_path:
 def _state(pid: int) -> str:
     """A process's state letter (``T``: stopped)."""
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_a_commit_right_after_its_own_is_not_lost_where_a_stalled_writers_entry_was_cleaned(
+    store: Store, tmp_path: Path
+) -> None:
+    """A local log entry is a hard link of a file staged earlier, so it keeps the staging time.
+    A writer stopped (SIGSTOP) between staging and linking links an entry that looks old at
+    once; another writer reaches a checkpoint and the log cleanup runs. The cleanup must not
+    delete that entry while it keeps the one before (a young commit of X), and X's next
+    commit, moments after its own, must not land in a hole below the checkpoint: the send that
+    returns OK is read by a fresh reader, once."""
+    uri = store.table_uri("half")
+    store.table("half").alter.set_table_properties({"delta.checkpointInterval": "10"})
+    stalled = _stopped_prepare(store, tmp_path, "deltacommit.staged")
+    other = open_store(store.root)
+    ahead = datetime.now(UTC) + timedelta(minutes=2)
+    cleaner = Store.open(store.root, settings=store.settings, clock=lambda: ahead)
+    try:
+        time.sleep(LOG_ENTRY_MIN_AGE + 1)  # the stalled writer's staged entry is old now
+        while store.table("half").version() % 10 != 6:
+            other.prepare([Message("T", b"pad")], "pg")
+        store.prepare([Message("T", b"A0")], "pg")
+        started = time.monotonic()
+        (a,) = store.prepare([Message("T", b"A")], "pg")  # put at the first version it tried
+    finally:
+        linked = _resumed(stalled)
+    (c,) = other.prepare([Message("T", b"C")], "pg")
+    assert (linked, c.half_version) == (a.half_version + 1, a.half_version + 2)
+    assert c.half_version % 10 == 0  # its commit wrote the checkpoint
+    assert cleaner.clean_log("half") > 0
+    assert (Path(uri) / "_delta_log" / f"{linked:020d}.json").exists()  # kept after A, young
+    (b,) = store.prepare([Message("T", b"B")], "pg")
+    # As soon after A as a dropped shortcut trusted no cleanup could have reached A's next.
+    assert time.monotonic() - started < LOG_ENTRY_MIN_AGE / 2
+    bodies = DeltaTable(uri).to_pyarrow_table(columns=["body"]).column("body").to_pylist()
+    assert bodies.count(b"B") == 1 and bodies.count(b"stalled") == 1
+    assert b.half_version > c.half_version
