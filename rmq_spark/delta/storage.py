@@ -308,6 +308,9 @@ def hadoop_settings(options: Mapping[str, str]) -> dict[str, str]:
     return conf
 
 
+#: The name of :func:`check_conditional_put`'s scratch object under a root (a ``uuid4().hex``
+#: follows): another process's probe, met while opening a store, is not foreign data.
+PROBE_PREFIX = "_rmqtx_probe_"
 #: (root, options) of the S3 roots this process found to honour conditional writes.
 _probed: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
 _probed_lock = threading.Lock()
@@ -337,7 +340,7 @@ def check_conditional_put(root: str, options: Mapping[str, str]) -> None:
     if key in _probed:
         return
     fs, path = filesystem(root, options)
-    probe = f"{path.rstrip('/')}/_rmqtx_probe_{uuid.uuid4().hex}"
+    probe = f"{path.rstrip('/')}/{PROBE_PREFIX}{uuid.uuid4().hex}"
     fs.pipe_file(probe, b"first", mode="create")
     try:
         fs.pipe_file(probe, b"second", mode="create")

@@ -23,6 +23,7 @@ from typing import Any
 
 import pyarrow as pa
 from deltalake import CommitProperties, DeltaTable, QueryBuilder, Transaction
+from deltalake.exceptions import CommitFailedError
 from deltalake.table import TableMerger
 from deltalake.transaction import AddAction
 
@@ -155,17 +156,22 @@ class DeltaTables:
         return DeltaTable(self.uri(name), version=version, storage_options=self.deltalake_options)
 
     def create(self, name: str) -> None:
-        """Create table ``name`` by its spec, unless it exists."""
+        """Create table ``name`` by its spec, unless it exists (another process creating it at
+        the same moment wins: its version 0 is the same table)."""
         schema, partition_by, properties = self.specs[name]
-        DeltaTable.create(
-            self.uri(name),
-            schema=schema,
-            mode="ignore",
-            partition_by=partition_by or None,
-            name=f"rmqtx_{name}",
-            configuration=properties,
-            storage_options=self.deltalake_options,
-        )
+        try:
+            DeltaTable.create(
+                self.uri(name),
+                schema=schema,
+                mode="ignore",
+                partition_by=partition_by or None,
+                name=f"rmqtx_{name}",
+                configuration=properties,
+                storage_options=self.deltalake_options,
+            )
+        except CommitFailedError:
+            if not DeltaTable.is_deltatable(self.uri(name), self.deltalake_options):
+                raise
 
     def app_transactions(self, name: str, snapshot: DeltaTable | None = None) -> Mapping[str, int]:
         """The application transactions (``txn`` actions) of a snapshot (default: the latest)."""

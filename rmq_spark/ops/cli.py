@@ -13,7 +13,6 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
-from dataclasses import replace
 
 from rmq_spark.checkback.checkers import (
     CallableChecker,
@@ -269,9 +268,8 @@ def _shards(args: argparse.Namespace, settings: Settings) -> int:
         raise InvalidOptionError(
             f"--set needs a shard count from 1 to {MAX_SHARDS}, not {args.set}."
         )
-    # Opened as a store of one shard: only --set grows it, whatever [store] shards says.
-    one = replace(settings.store, shards=1)
-    store = Store.open(args.path, settings=one, create=False)
+    # Opened as a reader: only --set grows it, whatever [store] shards says.
+    store = Store.open(args.path, settings=settings, create=False)
     had = len(store.shards(refresh=True))
     wanted = had if args.set is None else args.set
     if wanted < had:
@@ -281,7 +279,7 @@ def _shards(args: argparse.Namespace, settings: Settings) -> int:
             "more, or leave it as it is."
         )
     if wanted > had:
-        store = Store.open(store.root, settings=replace(one, shards=wanted), create=False)
+        store.grow(wanted)
     now = len(store.shards(refresh=True))
     print(f"store {store.root}: {now} shard(s)" + (f" (had {had})" if now != had else ""))
     return EXIT_OK

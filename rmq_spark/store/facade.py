@@ -113,7 +113,9 @@ class Store:
         settings : Settings or StoreSettings, optional
             Defaults to the built-in defaults.
         create : bool, default True
-            Create an empty store when the root is empty or missing.
+            Create an empty store when the root is empty or missing, and make the shards
+            ``shards`` of the settings asks for. A reader opens with False: it never changes
+            the store's layout (and may have read-only credentials).
         clock : callable, optional
             Returns the current UTC time for the timestamps this process writes (the
             default is the system clock).
@@ -131,9 +133,14 @@ class Store:
         store_settings = store_settings or StoreSettings()
         store = cls(normalise_root(str(path or store_settings.path)), store_settings, clock)
         open_or_create(store._tables, create)
-        if store_settings.shards > 1:
-            store._shards.grow(store_settings.shards)
+        if create and store_settings.shards > 1:
+            store.grow(store_settings.shards)
         return store
+
+    def grow(self, shards: int) -> None:
+        """Make the store have at least ``shards`` shards (idempotent, safe to race, resumed
+        from wherever a killed grower stopped); a store never loses one."""
+        self._shards.grow(shards)
 
     # ------------------------------------------------------------------ shards
     def _make_shard(self, shard: int) -> Store:

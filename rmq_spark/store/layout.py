@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import uuid
 from collections.abc import Collection
 from datetime import UTC, datetime
@@ -23,7 +24,12 @@ from deltalake.exceptions import DeltaError, TableNotFoundError
 from fsspec.implementations.local import LocalFileSystem
 
 from rmq_spark.delta.retry import retry_commits
-from rmq_spark.delta.storage import check_conditional_put, check_conditional_writes, filesystem
+from rmq_spark.delta.storage import (
+    PROBE_PREFIX,
+    check_conditional_put,
+    check_conditional_writes,
+    filesystem,
+)
 from rmq_spark.delta.tables import DeltaTables
 from rmq_spark.model.errors import (
     CorruptStoreError,
@@ -48,6 +54,12 @@ MARKER_FILE = "_rmqtx_store.json"
 SHARDS_DIR = "shards"
 
 STORE_FORMAT = "rmq-spark-store"
+#: What a process making a store leaves beside its tables before the marker: a marker staged
+#: for its rename (:func:`_write_marker`) and a conditional-write probe. Met by the next maker
+#: (the first was killed, or is at work beside it), neither makes the root foreign.
+_MAKERS_FILES = re.compile(
+    rf"^(?:{re.escape(MARKER_FILE)}\.[0-9a-f]{{32}}\.tmp|{re.escape(PROBE_PREFIX)}[0-9a-f]{{32}})$"
+)
 
 #: Tables added to layout 1 after its first stores were made: opening an older store creates
 #: them (empty) instead of refusing it. Any other missing table is damage.
@@ -69,15 +81,21 @@ def open_or_create(tables: DeltaTables, create: bool, shard: int = 0) -> None:
         for name in TABLES:
             _check_table(tables, name)
         return
-    if fs.exists(root) and not fs.isdir(root):
+    if fs.isfile(root):  # on an object store a folder is a prefix: it may vanish, never a file
         raise NotAStoreError(
             f"{tables.root!r} is a file, not an rmq-spark store; give a directory path."
         )
-    entries = (
-        {Path(p.rstrip("/")).name for p in fs.ls(root, detail=False)} if fs.exists(root) else set()
-    )
-    # A README (storage/ ships one) or hidden files do not make a root foreign.
-    entries = {e for e in entries if not e.startswith(".") and e != "README.md"}
+    try:
+        entries = {Path(p.rstrip("/")).name for p in fs.ls(root, detail=False)}
+    except FileNotFoundError:
+        entries = set()
+    # A README (storage/ ships one), hidden files or another maker's files do not make a root
+    # foreign.
+    entries = {
+        e
+        for e in entries
+        if not e.startswith(".") and e != "README.md" and _MAKERS_FILES.match(e) is None
+    }
     if entries - set(TABLES):
         raise NotAStoreError(
             f"{tables.root!r} holds data that is not an rmq-spark store (no {MARKER_FILE}; found "
@@ -183,8 +201,9 @@ def _check_shard(root: str, meta: dict, shard: int) -> None:
 
 def _check_marker(root: str, fs: fsspec.AbstractFileSystem, marker: str) -> dict:
     try:
-        with fs.open(marker, "r") as src:
-            meta = json.load(src)
+        # One GET of the whole object: a ranged read of a marker rewritten meanwhile (a store
+        # growing) fails on its changed ETag, though either version is whole.
+        meta = json.loads(fs.cat_file(marker))
         version = int(meta["layout_version"])
         if meta["format"] != STORE_FORMAT:
             raise ValueError(f"format is {meta['format']!r}")

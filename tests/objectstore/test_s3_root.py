@@ -264,3 +264,68 @@ def test_s3_credentials_stay_off_the_spark_driver_s_command_line(tmp_path: Path)
     out = proc.stdout.decode()
     assert "HADOOP True True" in out, proc.stderr.decode()[-2000:]
     assert "ON_A_COMMAND_LINE False" in out
+
+
+def _open_sharded(root: str, options: dict[str, str], shards: int, barrier, out) -> None:
+    barrier.wait()
+    settings = StoreSettings(path=root, queue_nums=2, shards=shards, storage_options=options)
+    try:
+        store = Store.open(settings=settings)
+        out.put((str(os.getpid()), (shards, [s.shard for s in store.shards(refresh=True)])))
+    except Exception as exc:  # reported, not raised: the race's other sides still report
+        out.put((str(os.getpid()), f"{type(exc).__name__}: {exc}"))
+
+
+@pytest.mark.parametrize("shards", [(4, 4, 4), (4, 2, 3)])
+def test_producers_starting_together_on_a_fresh_s3_root_all_open_it(minio, shards) -> None:
+    """The README's deployment: several producer processes start at once on a fresh s3://
+    root, each asking for shards. Each opens the store (none trips over another's probe,
+    half-made shard or rewritten marker) with at least the shards it asked for, and the store
+    ends with as many as the largest asked for."""
+    from tests.conftest import race
+
+    for _ in range(3):
+        root = minio.root()
+        results = race(_open_sharded, [(root, minio.storage_options, n) for n in shards])
+        assert all(isinstance(r, tuple) for r in results.values()), results
+        assert all(seen[:asked] == list(range(asked)) for asked, seen in results.values())
+        settings = StoreSettings(path=root, storage_options=minio.storage_options)
+        opened = Store.open(settings=settings, create=False)
+        assert opened.shard_numbers(refresh=True) == list(range(max(shards)))
+
+
+def _grow_one_at_a_time(root: str, options: dict[str, str], barrier, out) -> None:
+    barrier.wait()
+    settings = StoreSettings(path=root, queue_nums=2, storage_options=options)
+    store = Store.open(settings=settings, create=False)
+    for n in range(3, 13):
+        store.grow(n)
+    out.put(("grower", n))
+
+
+def test_a_reader_looking_for_shards_while_the_store_grows_never_fails(minio) -> None:
+    """The streaming source looks for new shards every few seconds, check-back and status at
+    start: while another process grows the store (its root marker rewritten in place), each
+    look succeeds, and the shards it finds only grow."""
+    import multiprocessing as mp
+
+    root = minio.root()
+    settings = StoreSettings(
+        path=root, queue_nums=2, shards=2, storage_options=minio.storage_options
+    )
+    reader = Store.open(settings=settings)
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(2), ctx.Queue()
+    grower = ctx.Process(
+        target=_grow_one_at_a_time, args=(root, minio.storage_options, barrier, out)
+    )
+    grower.start()
+    barrier.wait()
+    seen = [reader.shard_numbers(refresh=True)]
+    while grower.is_alive():
+        seen.append(reader.shard_numbers(refresh=True))
+    seen.append(reader.shard_numbers(refresh=True))
+    grower.join(timeout=60)
+    assert out.get(timeout=10) == ("grower", 12)
+    assert seen[-1] == list(range(12))
+    assert all(len(a) <= len(b) for a, b in zip(seen, seen[1:], strict=False))

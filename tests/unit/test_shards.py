@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 
 from rmq_spark import LocalTransactionState, Message, Store, TransactionMQProducer
+from rmq_spark.delta.tables import DeltaTables
 from rmq_spark.model.config import Settings, StoreSettings
 from rmq_spark.model.errors import InvalidOptionError, NotAStoreError, RmqSparkError
 from rmq_spark.model.messages import shard_of, shard_transaction_id
+from rmq_spark.model.schema import TABLES
 from rmq_spark.store.decisions import Decision, EndTransactionStatus
 from rmq_spark.store.layout import MARKER_FILE
 from tests.conftest import commitlog, race
@@ -215,3 +217,37 @@ def test_a_shard_removed_by_hand_is_an_error_not_a_silent_loss(tmp_path: Path) -
         store.shards(refresh=True)  # a process that knew it
     with pytest.raises(CorruptStoreError, match=r"its marker counts 3 shard\(s\)"):
         Store.open(root).shards()  # and one that never did
+
+
+def test_a_reader_with_more_shards_in_its_settings_changes_nothing(tmp_path: Path) -> None:
+    """Readers (status, the source and its tasks, check-back) open with ``create=False``: a
+    consumer sharing the producers' settings file must not grow the store (it may have
+    read-only credentials), whatever its ``shards`` says."""
+    root = tmp_path / "store"
+    _open(root, shards=2)
+    marker = _marker(root)
+    reader = Store.open(root, settings=StoreSettings(queue_nums=2, shards=5), create=False)
+    assert reader.shard_numbers(refresh=True) == [0, 1]
+    assert sorted(p.name for p in (root / "shards").iterdir()) == ["1"]
+    assert _marker(root) == marker
+
+
+def test_a_shard_whose_maker_was_killed_before_its_marker_is_made_by_the_next(
+    tmp_path: Path,
+) -> None:
+    """Making a shard is resumable from every step: a process killed after creating some of a
+    shard's tables, with its marker staged but not renamed into place, or beside another
+    process's conditional-write probe, leaves a folder the next grower completes."""
+    root = tmp_path / "store"
+    _open(root, shards=2)
+    partial = root / "shards" / "2"
+    tables = DeltaTables(str(partial), TABLES, {}, 5.0)  # as a killed maker left them
+    tables.create("half")
+    tables.create("op")
+    (partial / f"{MARKER_FILE}.0123456789abcdef0123456789abcdef.tmp").write_text("{")
+    (partial / "_rmqtx_probe_0123456789abcdef0123456789abcdef").write_text("")
+    grown = _open(root, shards=3)
+    assert grown.shard_numbers(refresh=True) == [0, 1, 2]
+    assert _marker(partial)["shard"] == 2
+    (prepared,) = grown.shard_store(2).prepare([Message("T", "m")], "pg")
+    assert shard_of(prepared.transaction_id) == 2
