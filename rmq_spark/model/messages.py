@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from rmq_spark.model.errors import InvalidMessageError
+from rmq_spark.model.errors import InvalidMessageError, RmqSparkError
 
 #: RocketMQ's topic rule (``TopicValidator``): letters, digits, ``%``, ``|``, ``_`` and ``-``.
 TOPIC_PATTERN = re.compile(r"^[%|a-zA-Z0-9_-]+$")
@@ -370,12 +370,27 @@ MAX_SHARDS = 1000
 #: A transaction id of shard ``k`` >= 1 (:func:`shard_transaction_id`); group 1 is ``k``.
 SHARD_ID_PATTERN = r"^[0-9A-F]{32}\.([1-9][0-9]*)$"
 _SHARD_SUFFIX = re.compile(SHARD_ID_PATTERN, re.ASCII)
+#: What an id of a shard looks like to a reader, canonical or not (``<id>.01``, ``<id>.0``).
+_SHARD_SHAPED = re.compile(r"^[0-9A-F]{32}\.[0-9]+$", re.ASCII)
 
 
 def shard_of(transaction_id: str) -> int:
     """The shard of the store that holds a transaction: ``k`` for an id made by shard ``k``
-    (:func:`shard_transaction_id`: 32 hex digits, a dot and ``k``), 0 for any other id."""
+    (:func:`shard_transaction_id`: 32 hex digits, a dot and ``k``), 0 for any other id.
+
+    Raises
+    ------
+    RmqSparkError
+        The id has that shape but no shard makes it (``<id>.0``, ``<id>.01``): it names no
+        transaction, and a decision for it would be recorded for nothing.
+    """
     found = _SHARD_SUFFIX.match(transaction_id)
+    if found is None and _SHARD_SHAPED.match(transaction_id) is not None:
+        raise RmqSparkError(
+            f"{transaction_id!r} is not a transaction id rmq-spark made: a shard's ids end in "
+            "'.<shard>' with no leading zero (shard 0's have no suffix). Use the id the send "
+            "returned."
+        )
     return int(found.group(1)) if found else 0
 
 
