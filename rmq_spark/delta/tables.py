@@ -87,6 +87,8 @@ class DeltaTables:
     fresh_seconds : float
         How long a snapshot or head may be used without a look at the log: half of the time
         after which log entries no reader needs may be cleaned.
+    located : mapping, optional
+        Tables that live elsewhere, by name: their URIs (a shard's CommitLog is its store's).
     """
 
     def __init__(
@@ -95,8 +97,10 @@ class DeltaTables:
         specs: Mapping[str, TableSpec],
         storage_options: Mapping[str, str],
         fresh_seconds: float,
+        located: Mapping[str, str] | None = None,
     ) -> None:
         self.root = root
+        self.located = dict(located or {})
         self.specs = specs
         self.storage_options = storage_options
         self.fresh_seconds = fresh_seconds
@@ -121,7 +125,7 @@ class DeltaTables:
 
     def uri(self, name: str) -> str:
         """The URI of table ``name``."""
-        return f"{self.root.rstrip('/')}/{name}"
+        return self.located.get(name) or f"{self.root.rstrip('/')}/{name}"
 
     def snapshot(self, name: str, *, latest: bool = True) -> DeltaTable:
         """This thread's snapshot of a table, brought to the newest version (``latest``), or

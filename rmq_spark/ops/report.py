@@ -16,10 +16,10 @@ COMMITTED, ROLLED_BACK, PENDING = "COMMITTED", "ROLLED_BACK", "PENDING"
 
 def read_table(spark: SparkSession, store: Store, name: str) -> DataFrame:
     """One of the store's Delta tables (``half``, ``op``, ``commitlog``) as a DataFrame: the
-    union of that table in every shard of the store (:meth:`Store.shards`)."""
-    tables = [
-        spark.read.format("delta").load(s.table_uri(name)) for s in store.shards(refresh=True)
-    ]
+    union of that table in every shard of the store (:meth:`Store.shards`; the CommitLog is
+    one table, the root's)."""
+    uris = dict.fromkeys(s.table_uri(name) for s in store.shards(refresh=True))
+    tables = [spark.read.format("delta").load(uri) for uri in uris]
     return reduce(DataFrame.unionByName, tables)
 
 

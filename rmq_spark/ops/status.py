@@ -39,10 +39,10 @@ def store_status(store: Store, now: datetime | None = None) -> dict[str, Any]:
     """
     now = now or datetime.now(UTC)
     shards = store.shards(refresh=True)
-    files = _union(shards, lambda s: s.data_files("commitlog"), ["partition.topic", "num_records"])
+    files = store.data_files("commitlog").select(["partition.topic", "num_records"])
     counts = files.group_by("partition.topic").aggregate([("num_records", "sum")]).to_pylist()
     committed = {r["partition.topic"]: r["num_records_sum"] for r in counts}
-    latest = _next_offsets(shards)
+    latest = _next_offsets(store)
     pending = {s.shard: _pending(s) for s in shards}
     writing = {t: w for s in shards for t, w in _sink_writers(s, pending[s.shard]).items()}
     return {
@@ -94,13 +94,12 @@ def _union(
     return pa.concat_tables([t.select(list(columns)) if columns else t for t in tables])
 
 
-def _next_offsets(shards: Sequence[Store]) -> dict[str, dict[int, int]]:
+def _next_offsets(store: Store) -> dict[str, dict[int, int]]:
     """The next offset of every queue that holds messages, ``{topic: {queue_id: offset}}``,
-    over every shard (a queue lives in one shard)."""
+    in the store's CommitLog (every shard's queues)."""
     latest: dict[str, dict[int, int]] = {}
-    for shard in shards:
-        for (topic, queue_id), offset in sorted(shard.next_offsets().items()):
-            latest.setdefault(topic, {})[queue_id] = offset
+    for (topic, queue_id), offset in sorted(store.next_offsets().items()):
+        latest.setdefault(topic, {})[queue_id] = offset
     return latest
 
 

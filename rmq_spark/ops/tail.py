@@ -19,11 +19,11 @@ BODY_PREVIEW = 60
 
 
 def tail(store: Store, topic: str, count: int = 10) -> list[dict[str, Any]]:
-    """The newest ``count`` committed messages of ``topic`` (in every shard), newest first.
+    """The newest ``count`` committed messages of ``topic`` (of every shard), newest first.
 
     Raises InvalidOptionError (listing the topics) when the topic has no messages.
     """
-    files = [f for s in store.shards(refresh=True) for f in s.data_files("commitlog").to_pylist()]
+    files = store.data_files("commitlog").to_pylist()
     mine = [f for f in files if f["partition.topic"] == topic]
     if not mine:
         topics = sorted({f["partition.topic"] for f in files})

@@ -5,10 +5,9 @@ latest (Kafka's convention). Queue offsets are dense and only grow, and a queue'
 offset is the version of a Delta application transaction committed atomically with its rows,
 so reading up to it never skips or duplicates a message, whatever writers do meanwhile.
 
-A store of several shards has a CommitLog per shard, and each queue lives in one of them
-(queue ids are global: shard ``k``'s start at ``k * SHARD_QUEUE_STRIDE``), so the offsets of
-the store are the union of its shards' (:func:`stored_offsets`, read shard by shard at the
-same time: :func:`over_shards`).
+A store of several shards has one CommitLog, its root's, which every shard publishes into
+(queue ids are global: shard ``k``'s start at ``k * SHARD_QUEUE_STRIDE``), so its offsets are
+read as a store of one shard's are, shards made later included (:func:`stored_offsets`).
 
 Here too: what a subscription may name (the store's queues and topics), and how far a
 micro-batch goes (:func:`admit`: ``maxMessagesPerTrigger``, ``maxBytesPerTrigger``).
@@ -20,13 +19,9 @@ import difflib
 import json
 import logging
 import math
-import os
 import re
-import threading
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -50,87 +45,27 @@ FAIL_ON_MISSING_TOPIC = "failOnMissingTopic"
 #: Topics a missing-topic message names at most.
 _TOPICS_NAMED = 20
 
-T = TypeVar("T")
 
-
-def over_shards(shards: Sequence[Store], read: Callable[[Store], T]) -> list[T]:
-    """``read(shard)`` of each of ``shards``, in their order, the shards read at the same time.
-
-    The root (shard 0) is read on the calling thread, as with a store of one shard, which so
-    costs nothing more than ``read`` itself. Every other shard is read on a thread of a small
-    pool that always reads that shard (:class:`_Lanes`): a :class:`Store` keeps its table
-    snapshots per thread, and a shard read on the same thread each time brings its snapshot
-    up to date instead of loading it afresh (object-store round trips). ``read`` must not
-    call :func:`over_shards` itself (a shard's thread would wait for itself).
-    """
-    lanes = {i: _LANES.of(s.shard).submit(read, s) for i, s in enumerate(shards) if s.shard}
-    return [lanes[i].result() if i in lanes else read(s) for i, s in enumerate(shards)]
-
-
-class _Lanes:
-    """The threads that read the shards of stores beyond their roots (:func:`over_shards`),
-    made at first use. A forked child has none of its parent's threads: it makes its own."""
-
-    #: How many: shard ``k`` is read on thread ``(k - 1) % COUNT``.
-    COUNT = 8
-
-    def __init__(self) -> None:
-        self._reset()
-        os.register_at_fork(after_in_child=self._reset)
-
-    def _reset(self) -> None:
-        self._lock = threading.Lock()
-        self._threads: list[ThreadPoolExecutor] = []
-
-    def of(self, shard: int) -> ThreadPoolExecutor:
-        """The one thread that reads shard ``shard`` (>= 1) of any store in this process."""
-        with self._lock:
-            if not self._threads:
-                self._threads = [
-                    ThreadPoolExecutor(1, thread_name_prefix=f"rmqtx-shard-reader-{i}")
-                    for i in range(self.COUNT)
-                ]
-            return self._threads[(shard - 1) % self.COUNT]
-
-
-_LANES = _Lanes()
-
-
-def stored_offsets(
-    store: Store, *, refresh: bool = True
-) -> tuple[dict[Queue, int], dict[Queue, int]]:
+def stored_offsets(store: Store) -> tuple[dict[Queue, int], dict[Queue, int]]:
     """The next offset of every queue that holds messages, and the earliest offset still
-    stored of every queue retention has trimmed (absent: 0), in every shard of ``store``.
-
-    Each shard's two come from one read of the latest snapshot of its CommitLog
-    (:meth:`Store.next_offsets`, :meth:`Store.earliest_stored`); queue ids are disjoint across
-    shards. ``refresh``: look for shards made since ``store`` last did
-    (:meth:`Store.shards`).
-    """
-    ends: dict[Queue, int] = {}
-    trimmed: dict[Queue, int] = {}
-    for shard_ends, shard_trimmed in over_shards(store.shards(refresh=refresh), _queue_offsets):
-        ends.update(shard_ends)
-        trimmed.update(shard_trimmed)
-    return ends, trimmed
+    stored of every queue retention has trimmed (absent: 0), in the store's CommitLog (every
+    shard's queues), from one read of its latest snapshot (:meth:`Store.next_offsets`,
+    :meth:`Store.earliest_stored`)."""
+    commitlog = store.table("commitlog")
+    return store.next_offsets(commitlog), store.earliest_stored(commitlog)
 
 
-def _queue_offsets(shard: Store) -> tuple[dict[Queue, int], dict[Queue, int]]:
-    commitlog = shard.table("commitlog")
-    return shard.next_offsets(commitlog), shard.earliest_stored(commitlog)
-
-
-def latest_offsets(store: Store, topics: Sequence[str], *, refresh: bool = True) -> Offsets:
+def latest_offsets(store: Store, topics: Sequence[str]) -> Offsets:
     """The next offset of every queue of ``topics`` (queues that have messages), in every
     shard of ``store`` (:func:`stored_offsets`)."""
-    return _of_topics(topics, stored_offsets(store, refresh=refresh)[0])
+    return _of_topics(topics, stored_offsets(store)[0])
 
 
-def earliest_offsets(store: Store, topics: Sequence[str], *, refresh: bool = True) -> Offsets:
+def earliest_offsets(store: Store, topics: Sequence[str]) -> Offsets:
     """The earliest offset still stored in every queue of ``topics`` that has had messages (0
     unless retention removed some: :mod:`rmq_spark.store.retention`), in every shard of
     ``store`` (:func:`stored_offsets`)."""
-    ends, trimmed = stored_offsets(store, refresh=refresh)
+    ends, trimmed = stored_offsets(store)
     return {
         topic: {q: trimmed.get((topic, q), 0) for q in queues}
         for topic, queues in _of_topics(topics, ends).items()
@@ -146,11 +81,9 @@ def _of_topics(topics: Sequence[str], offsets: Mapping[Queue, int]) -> Offsets:
 
 
 def commitlog_files(store: Store) -> pa.Table:
-    """The data files of the latest CommitLog snapshot of every shard of ``store`` (the shards
-    it knows), as :meth:`Store.data_files` has them: their URIs are absolute, and their
-    ``queue_id`` statistics global."""
-    files = over_shards(store.shards(), lambda shard: shard.data_files("commitlog"))
-    return pa.concat_tables(files, promote_options="permissive")
+    """The data files of the latest snapshot of the store's CommitLog, as
+    :meth:`Store.data_files` has them (their URIs absolute)."""
+    return store.data_files("commitlog")
 
 
 def skip_lost(start: Offsets, earliest: Offsets, *, fail: bool) -> Offsets:

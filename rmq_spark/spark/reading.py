@@ -27,13 +27,11 @@ from pyspark.sql.datasource import InputPartition
 from rmq_spark.delta.reads import read_files, with_uris
 from rmq_spark.delta.txnlog import check_readable
 from rmq_spark.model.errors import CorruptStoreError, DataLossError
-from rmq_spark.model.messages import shard_of_queue
 from rmq_spark.model.schema import COMMITLOG_SCHEMA
 from rmq_spark.spark.offsets import (
     Offsets,
     commitlog_files,
     describe_ranges,
-    over_shards,
     skip_lost,
 )
 from rmq_spark.store.facade import Store
@@ -93,34 +91,8 @@ def plan_slices(
     :func:`rmq_spark.spark.offsets.skip_lost`). So do offsets of the ranges that are not stored
     (:func:`_check_stored`): another Delta writer removed published messages.
 
-    Each queue is read from the CommitLog of its shard of ``store``
-    (:func:`~rmq_spark.model.messages.shard_of_queue`); the shards are planned at the same
-    time (:func:`~rmq_spark.spark.offsets.over_shards`), and a task reads one shard's files.
+    A store of shards has one CommitLog, its root's: every queue is read from it.
     """
-    ends: dict[int, Offsets] = {}
-    for topic, queues in end.items():
-        for queue_id, stop in queues.items():
-            ends.setdefault(shard_of_queue(queue_id), {}).setdefault(topic, {})[queue_id] = stop
-    shards = [store.shard_store(k) for k in sorted(ends)]
-    plans = over_shards(
-        shards,
-        lambda shard: _plan_shard(
-            shard, start, ends[shard.shard], tags, fail_on_data_loss, task_bytes, task_rows
-        ),
-    )
-    return [task for plan in plans for task in plan]
-
-
-def _plan_shard(
-    store: Store,
-    start: Offsets,
-    end: Offsets,
-    tags: frozenset[str] | None,
-    fail_on_data_loss: bool,
-    task_bytes: int,
-    task_rows: int,
-) -> list[CommitLogSlice]:
-    """:func:`plan_slices` of the queues of ``end``, all of them in the shard ``store``."""
     commitlog = store.table("commitlog")
     trimmed = store.earliest_stored(commitlog)
     begin = skip_lost(

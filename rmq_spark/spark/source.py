@@ -81,10 +81,9 @@ misreading. The source's ``latestOffset`` in ``StreamingQueryProgress`` holds th
 and ``messagesBehindLatest``, the backlog after the batch.
 
 Only committed messages exist in the CommitLog, so nothing pending or rolled back can appear.
-A store of several shards (``[store] shards``) is read whole: every shard's CommitLog, each
-queue under its store-wide id (shard ``k``'s from ``k * 1000``). A running stream looks for
-shards made since it started every :data:`SHARDS_LOOK_SECONDS`, a restarted one at once; a new
-shard's queues are read from their first offset, as any queue that appears later.
+A store of several shards (``[store] shards``) has one CommitLog that every shard publishes
+into, each queue under its store-wide id (shard ``k``'s from ``k * 1000``): a shard made while
+a stream runs has its queues read from their first offset, as any queue that appears later.
 Offsets are per (topic, queue) and dense. Tasks split the CommitLog by data file (each file is
 read once; ``topic``, the offset range and the timestamps skip files by their statistics);
 within a task every queue's rows come in offset order.
@@ -99,8 +98,6 @@ committed since.
 
 from __future__ import annotations
 
-import math
-import time
 from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
 from typing import NoReturn
@@ -148,9 +145,6 @@ SOURCE_SCHEMA: StructType = from_arrow_schema(COMMITLOG_SCHEMA)
 
 #: Version of the offset format this source writes into checkpoints.
 OFFSET_FORMAT_VERSION = 1
-#: A running stream looks for shards made since it started (a listing of the store's
-#: ``shards/``) at most this often: a new shard's messages may wait this long to be read.
-SHARDS_LOOK_SECONDS = 10.0
 
 
 def check_at_load(options: ReaderOptions, store: Store | None = None) -> None:
@@ -216,7 +210,7 @@ class RmqTxBatchReader(DataSourceReader):
                 store, options.topics, options.starting_timestamp, self.end
             )
         else:
-            earliest = earliest_offsets(store, options.topics, refresh=False)
+            earliest = earliest_offsets(store, options.topics)
             self.start = resolve(options.starting, self.end, earliest=earliest)
 
     def partitions(self) -> list[CommitLogSlice]:
@@ -256,8 +250,6 @@ class RmqTxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._recorded: Offsets | None = None
         #: What :meth:`reportLatestOffset` reports (set by :meth:`latestOffset`).
         self._reported: dict | None = None
-        #: When :meth:`_latest` last looked for shards made since (``time.monotonic()``).
-        self._looked = -math.inf
 
     def __getstate__(self) -> dict:
         # Spark pickles the reader for its read tasks; they open the store themselves.
@@ -275,13 +267,8 @@ class RmqTxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return self._opened
 
     def _latest(self) -> Offsets:
-        """The latest offsets, of the shards made since too if :data:`SHARDS_LOOK_SECONDS`
-        have passed since this reader last looked for them (at its first call it does)."""
-        now = time.monotonic()
-        refresh = now - self._looked >= SHARDS_LOOK_SECONDS
-        if refresh:
-            self._looked = now
-        return latest_offsets(self._store(), self.options.topics, refresh=refresh)
+        """The latest offsets of the subscribed topics."""
+        return latest_offsets(self._store(), self.options.topics)
 
     def _encode(self, offsets: Offsets) -> dict:
         self._store()
@@ -308,7 +295,7 @@ class RmqTxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 self._store(), self.options.topics, self.options.starting_timestamp, latest
             )
         else:
-            earliest = earliest_offsets(self._store(), self.options.topics, refresh=False)
+            earliest = earliest_offsets(self._store(), self.options.topics)
             start = resolve(self.options.starting, latest, earliest=earliest, cap=False)
         return self._encode(start)
 

@@ -31,7 +31,7 @@ from deltalake.table import TableMerger
 
 from rmq_spark.delta.tables import DeltaTables
 from rmq_spark.model.config import Settings, StoreSettings
-from rmq_spark.model.errors import StoreError
+from rmq_spark.model.errors import StoreError, StoreVersionError
 from rmq_spark.model.messages import (
     LocalTransactionState,
     Message,
@@ -44,7 +44,12 @@ from rmq_spark.store import queues, reads
 from rmq_spark.store.chunks import Chunks
 from rmq_spark.store.context import StoreContext
 from rmq_spark.store.decisions import Decision, Decisions, EndTransactionResult, PreparedMessage
-from rmq_spark.store.layout import normalise_root, open_or_create, shard_uri
+from rmq_spark.store.layout import (
+    SHARDED_COMMITLOGS_LAYOUT,
+    normalise_root,
+    open_or_create,
+    shard_uri,
+)
 from rmq_spark.store.maintenance import UNNEEDED_LOG_SECONDS, Maintenance
 from rmq_spark.store.publishing import Publisher, PublishResult
 from rmq_spark.store.recent import RecentHalves
@@ -85,14 +90,18 @@ class Store:
         self.clock = clock or _now
         #: Which shard of its store this is (0: the root; :mod:`rmq_spark.store.shards`).
         self.shard = shard
+        self._shards = shards or Shards(self, self._make_shard)
+        # A store of shards has one CommitLog, the root's: every shard publishes into it.
+        owner = self._shards.root
+        located = {"commitlog": owner.table_uri("commitlog")} if shard else {}
         fresh = min(UNNEEDED_LOG_SECONDS, settings.log_retention) / 2
-        self._tables = DeltaTables(root, TABLES, settings.storage_options, fresh)
+        self._tables = DeltaTables(root, TABLES, settings.storage_options, fresh, located)
         context = StoreContext(self._tables, settings, self.clock, RecentHalves(), shard)
         self._recent = context.recent
         self._decisions = Decisions(context)
         self._publisher = Publisher(Chunks(context))
-        self._maintenance = Maintenance(context)
-        self._shards = shards or Shards(self, self._make_shard)
+        elsewhere = {"commitlog": owner._maintenance} if shard else {}
+        self._maintenance = Maintenance(context, elsewhere)
 
     @classmethod
     def open(
@@ -132,7 +141,15 @@ class Store:
         store_settings = settings.store if isinstance(settings, Settings) else settings
         store_settings = store_settings or StoreSettings()
         store = cls(normalise_root(str(path or store_settings.path)), store_settings, clock)
-        open_or_create(store._tables, create)
+        if open_or_create(store._tables, create) == SHARDED_COMMITLOGS_LAYOUT:
+            if not create:
+                raise StoreVersionError(
+                    f"the store at {store.root!r} has a CommitLog per shard (layout "
+                    f"{SHARDED_COMMITLOGS_LAYOUT}); this rmq-spark reads one CommitLog. Stop the "
+                    "store's producers of the older release, then open it once as a writer (start "
+                    "a producer, or Store.open(path) in Python), which merges them."
+                )
+            store._shards.merge_commitlogs()
         if create and store_settings.shards > 1:
             store.grow(store_settings.shards)
         return store
@@ -321,7 +338,7 @@ class Store:
     def published_op_version(self, commitlog: DeltaTable | None = None) -> int:
         """The last ``op`` version published into a ``commitlog`` snapshot (default: the
         latest); -1 when nothing was ever published."""
-        return queues.published_op_version(self._tables, commitlog)
+        return queues.published_op_version(self._tables, self.shard, commitlog)
 
     # ------------------------------------------------------------------ reads
     def half_messages(

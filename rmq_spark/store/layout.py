@@ -42,10 +42,13 @@ from rmq_spark.model.schema import COLUMNS_ADDED_LATER, TABLES
 
 log = logging.getLogger(__name__)
 
-#: The newest layout this rmq-spark reads. Layout 2 is a store of several shards
-#: (:mod:`rmq_spark.store.shards`): its root says so, so that a release that reads one shard
-#: only refuses it instead of missing messages.
-LAYOUT_VERSION = 2
+#: The newest layout this rmq-spark reads. Layout 3 is a store of several shards with one
+#: CommitLog, the root's (:mod:`rmq_spark.store.shards`): its root says so, so that a release
+#: that reads one shard only, or a CommitLog per shard, refuses it instead of missing messages.
+LAYOUT_VERSION = 3
+#: A store of shards that each had a CommitLog (rmq-spark of 2026-11-25 to 27): a writer that
+#: opens it merges them into the root's (:meth:`rmq_spark.store.shards.Shards.merge_commitlogs`).
+SHARDED_COMMITLOGS_LAYOUT = 2
 #: The layout of a store of one shard (any release since layout 1 reads it).
 ONE_SHARD_LAYOUT = 1
 
@@ -66,21 +69,23 @@ _MAKERS_FILES = re.compile(
 TABLES_ADDED_LATER = ("consumer_offsets", "epochs", "locks", "pending")
 
 
-def open_or_create(tables: DeltaTables, create: bool, shard: int = 0) -> None:
+def open_or_create(tables: DeltaTables, create: bool, shard: int = 0) -> int:
     """Check the store at ``tables.root`` (shard ``shard`` of a store: 0 for its root) and
-    bring it up to date, or create it (``create``) when the root is empty or missing."""
+    bring it up to date, or create it (``create``) when the root is empty or missing; return
+    its marker's layout version."""
     check_conditional_writes(tables.storage_options)
     fs, root = filesystem(tables.root, tables.storage_options)
     marker = f"{root.rstrip('/')}/{MARKER_FILE}"
     if _reached(fs, marker, tables.root):
-        _check_shard(tables.root, _check_marker(tables.root, fs, marker), shard)
+        meta = _check_marker(tables.root, fs, marker)
+        _check_shard(tables.root, meta, shard)
         for name in TABLES_ADDED_LATER:
             if not fs.exists(f"{root.rstrip('/')}/{name}"):
                 tables.create(name)
                 log.info("store %s: created table %r, new in this version", tables.root, name)
         for name in TABLES:
             _check_table(tables, name)
-        return
+        return int(meta["layout_version"])
     if fs.isfile(root):  # on an object store a folder is a prefix: it may vanish, never a file
         raise NotAStoreError(
             f"{tables.root!r} is a file, not an rmq-spark store; give a directory path."
@@ -117,6 +122,7 @@ def open_or_create(tables: DeltaTables, create: bool, shard: int = 0) -> None:
         meta = {**meta, "layout_version": LAYOUT_VERSION, "shard": shard}
     _write_marker(fs, marker, {**meta, "created": str(datetime.now(UTC))})
     log.info("created rmq-spark store at %s", tables.root)
+    return int(meta["layout_version"])
 
 
 def _write_marker(fs: fsspec.AbstractFileSystem, marker: str, meta: dict) -> None:

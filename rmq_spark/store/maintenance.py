@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from datetime import timedelta
 
 import pyarrow as pa
@@ -57,8 +58,13 @@ class Maintenance(StoreConcept):
     run as the Delta layer runs chores: on the committing thread, or in the background.
     """
 
-    def __init__(self, context: StoreContext) -> None:
+    def __init__(
+        self, context: StoreContext, elsewhere: Mapping[str, Maintenance] | None = None
+    ) -> None:
         super().__init__(context)
+        #: Tables of another store (a shard's CommitLog is its store's), compacted by that
+        #: store's maintenance, under its lock: two compactions at once store rows twice.
+        self.elsewhere = dict(elsewhere or {})
         self.tables.on_commit(self._after_commit)
 
     def _after_commit(self, name: str, version: int) -> None:
@@ -105,6 +111,9 @@ class Maintenance(StoreConcept):
         removed = {}
         # The lock table is not compacted: its MERGEs keep one live file per lock.
         for name in [n for n in names or TABLES if n != "locks"]:
+            if name in self.elsewhere:
+                removed.update(self.elsewhere[name].compact(name))
+                continue
             holder = new_id()
             if not self.lock(f"compact:{name}", holder, _COMPACTION_LOCK_SECONDS):
                 log.debug("%s is being compacted by another process; skipped", name)
@@ -154,8 +163,9 @@ class Maintenance(StoreConcept):
         """
         if name == "commitlog":
             raise StoreError("the CommitLog's log follows its own delta.logRetentionDuration.")
-        latest = self.tables.snapshot(name).version()
-        kept = min(latest, published_op_version(self.tables) + 1) if name == "op" else latest
+        kept = latest = self.tables.snapshot(name).version()
+        if name == "op":
+            kept = min(latest, published_op_version(self.tables, self.shard) + 1)
         now = self.clock()
         rules = [(kept, now - timedelta(seconds=self.settings.log_retention))]
         if not self._held("maintain", f"compact:{name}"):

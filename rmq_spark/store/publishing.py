@@ -40,9 +40,9 @@ from rmq_spark.model.schema import COMMITLOG_SCHEMA
 from rmq_spark.store.chunks import Chunks
 from rmq_spark.store.queues import (
     _QUEUE_APP_ID_PREFIX,
-    FOREIGN_OP_APP_ID,
-    OP_CURSOR_APP_ID,
     assign_offsets,
+    foreign_op_app_id,
+    op_cursor_app_id,
     per_queue,
     queue_app_id,
 )
@@ -82,6 +82,9 @@ class Publisher:
         self.clock = chunks.clock
         self.queue_nums = chunks.settings.queue_nums
         self.queue_base = chunks.queue_base
+        #: This shard's op cursor and foreign-writer guard in the store's one CommitLog.
+        self.cursor_id = op_cursor_app_id(chunks.shard)
+        self.foreign_id = foreign_op_app_id(chunks.shard)
 
     def publish(
         self, normal: Sequence[tuple[Message, str]] = (), *, latest: bool = True
@@ -157,7 +160,7 @@ class Publisher:
                     landed.extend(found)
                     unsent = unsent.slice(0, 0)
             head = self.tables.head("commitlog", reload=n > 0)
-            cursor = head.txns.get(OP_CURSOR_APP_ID, -1)
+            cursor = head.txns.get(self.cursor_id, -1)
             if len(unsure) > _MAX_UNSURE_ATTEMPTS:
                 if not landed:
                     raise StoreError(
@@ -170,7 +173,7 @@ class Publisher:
                 version = head.version if landed else None
                 return PublishResult(len(landed), cursor, version, list(landed)), True
             # ``target`` was read from this thread's op snapshot: no newer one is needed.
-            guard = head.txns.get(FOREIGN_OP_APP_ID, 0)
+            guard = head.txns.get(self.foreign_id, 0)
             end, batch, guard = self.chunks.next_chunk(
                 self.tables.snapshot("op", latest=False), cursor, target, guard
             )
@@ -184,7 +187,7 @@ class Publisher:
             # its cursor is the same (else the chunk would be published twice); offsets come
             # from it, and Delta's conflict check guards both against any later commit.
             read_version, head = head.version, self.tables.head("commitlog", reload=False)
-            if head.version != read_version and head.txns.get(OP_CURSOR_APP_ID, -1) != cursor:
+            if head.version != read_version and head.txns.get(self.cursor_id, -1) != cursor:
                 raise CommitFailedError("another publisher moved the op cursor")
             queues = per_queue(_QUEUE_APP_ID_PREFIX, head.txns)
             if streamed:
@@ -195,9 +198,9 @@ class Publisher:
                 written = batch.num_rows
             app_ids = {queue_app_id(t, q): n for (t, q), n in next_offsets.items()}
             if end > cursor:
-                app_ids[OP_CURSOR_APP_ID] = end
-            if guard > head.txns.get(FOREIGN_OP_APP_ID, 0):
-                app_ids[FOREIGN_OP_APP_ID] = guard
+                app_ids[self.cursor_id] = end
+            if guard > head.txns.get(self.foreign_id, 0):
+                app_ids[self.foreign_id] = guard
             try:
                 if streamed:
                     # Closed here: a write that stops early (a writer failed) stops the reader's

@@ -21,7 +21,8 @@ from deltalake import DeltaTable
 from rmq_spark.delta.tables import DeltaTables
 from rmq_spark.model.schema import COMMITLOG_SCHEMA
 
-#: Application id under which ``commitlog`` records the last ``op`` version it published.
+#: Application id under which ``commitlog`` records the last ``op`` version it published (of
+#: the root's ``op``; shard ``k``'s is :func:`op_cursor_app_id`).
 OP_CURSOR_APP_ID = "rmqtx.publish.op_version"
 
 #: Application id under which ``commitlog`` records the commit time (ms, plus the clock skew
@@ -31,6 +32,18 @@ OP_CURSOR_APP_ID = "rmqtx.publish.op_version"
 FOREIGN_OP_APP_ID = "rmqtx.publish.foreign_op_millis"
 
 _QUEUE_APP_ID_PREFIX = "rmqtx.queue."
+
+
+def op_cursor_app_id(shard: int) -> str:
+    """The application id of the last ``op`` version of shard ``shard`` published into the
+    store's one CommitLog (:data:`OP_CURSOR_APP_ID` for the root)."""
+    return f"{OP_CURSOR_APP_ID}.{shard}" if shard else OP_CURSOR_APP_ID
+
+
+def foreign_op_app_id(shard: int) -> str:
+    """:data:`FOREIGN_OP_APP_ID` of shard ``shard``'s ``op``."""
+    return f"{FOREIGN_OP_APP_ID}.{shard}" if shard else FOREIGN_OP_APP_ID
+
 
 _QUEUE_APP_ID = _QUEUE_APP_ID_PREFIX + "{topic}.{queue_id}"
 
@@ -76,10 +89,12 @@ def earliest_stored(
     return per_queue(_EARLIEST_APP_ID_PREFIX, tables.app_transactions("commitlog", commitlog))
 
 
-def published_op_version(tables: DeltaTables, commitlog: DeltaTable | None = None) -> int:
-    """The last ``op`` version published into a ``commitlog`` snapshot (default: the latest);
-    -1 when nothing was ever published."""
-    return tables.app_transactions("commitlog", commitlog).get(OP_CURSOR_APP_ID, -1)
+def published_op_version(
+    tables: DeltaTables, shard: int, commitlog: DeltaTable | None = None
+) -> int:
+    """The last version of shard ``shard``'s ``op`` published into a ``commitlog`` snapshot
+    (default: the latest); -1 when nothing was ever published."""
+    return tables.app_transactions("commitlog", commitlog).get(op_cursor_app_id(shard), -1)
 
 
 def assign_offsets(

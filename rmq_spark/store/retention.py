@@ -122,7 +122,8 @@ def _maintain_shard(
         log.info("%s", summary.format())
         return summary
     try:
-        _expire_messages(store, now - timedelta(seconds=settings.file_reserved_time), summary)
+        if not store.shard:  # the store's one CommitLog is the root's
+            _expire_messages(store, now - timedelta(seconds=settings.file_reserved_time), summary)
         failpoint("maintain.commitlog")
         _expire_transactions(
             store, now - timedelta(seconds=settings.transaction_reserved_time), summary
@@ -229,7 +230,7 @@ def _delete_matching(store: Store, name: str, ids: pa.Table) -> int:
 
 # --------------------------------------------------------------------------- files
 def _vacuum(store: Store, settings: RetentionSettings, summary: MaintenanceSummary) -> None:
-    for name in ("commitlog", *_INTERNAL_TABLES):
+    for name in _INTERNAL_TABLES if store.shard else ("commitlog", *_INTERNAL_TABLES):
         table = store.table(name)
         if name == "commitlog":
             # deltalake takes whole hours: round up, never below what was asked for.

@@ -15,9 +15,12 @@ what makes the shards one store:
   (:func:`rmq_spark.model.messages.shard_of`), so every decider, whoever it is, records its
   decision in that shard's ``op``; a decision for another shard's transaction is refused
   (:meth:`rmq_spark.store.decisions.Decisions.write_decisions`).
-* **Dense, replayable offsets** (rule 5): shard ``k`` owns the queue ids ``k * 1000 + q``
-  (:data:`rmq_spark.model.messages.SHARD_QUEUE_STRIDE`), so every queue lives in one shard's
-  CommitLog and keeps its offsets there; a reader of the store reads every shard's CommitLog.
+* **One CommitLog, dense and replayable offsets** (rules 2 and 5): every shard publishes into
+  the root's CommitLog (a shard has none of its own), so a Delta reader of that one table reads
+  every committed message, shards made later included. Shard ``k`` owns the queue ids
+  ``k * 1000 + q`` (:data:`rmq_spark.model.messages.SHARD_QUEUE_STRIDE`) and records its own
+  ``op`` cursor (:func:`rmq_spark.store.queues.op_cursor_app_id`): two shards' publish commits
+  never conflict, and two publishers of one shard always do.
 * **Nothing is lost** (rule 4): a shard exists once its marker, written last, exists, and a
   store never loses one; before its first shard beyond the root is made, the root's marker
   says layout 2, which an older rmq-spark (reading the root's tables only) refuses.
@@ -25,14 +28,26 @@ what makes the shards one store:
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+import pyarrow as pa
+from deltalake import DeltaTable
+
+from rmq_spark.delta.retry import retry_commits
+from rmq_spark.delta.txnlog import app_transactions
 from rmq_spark.model.errors import StoreError
-from rmq_spark.store.layout import mark_sharded, open_or_create, shards_found
+from rmq_spark.store.layout import mark_sharded, open_or_create, shard_uri, shards_found
+from rmq_spark.store.queues import (
+    FOREIGN_OP_APP_ID,
+    OP_CURSOR_APP_ID,
+    foreign_op_app_id,
+    op_cursor_app_id,
+)
 
 if TYPE_CHECKING:
     from rmq_spark.store.facade import Store
@@ -106,6 +121,41 @@ class Shards:
         self._add(missing, create=True)
         mark_sharded(self.root._tables, count)
         log.info("store %s: %d shard(s) now (made %s)", self.root.root, count, missing)
+
+    def merge_commitlogs(self) -> None:
+        """Bring a store whose shards each had a CommitLog (layout 2) to one CommitLog: each
+        shard's messages, queue offsets and ``op`` cursor go into the root's in one commit per
+        shard (idempotent, safe to race: a commit records that it merged that shard), then the
+        root's marker says layout 3. Run by a writer that opens the store, before it publishes
+        anything; processes of the older release must be stopped first (they would go on
+        publishing into their shard's own CommitLog)."""
+        for k in self.numbers(refresh=True)[1:]:
+            moved = retry_commits(
+                f"merge shard {k}'s CommitLog", "commitlog", lambda n, k=k: self._merge(k)
+            )
+            if moved:
+                log.info("store %s: merged %d message(s) of shard %d", self.root.root, moved, k)
+        mark_sharded(self.root._tables)
+
+    def _merge(self, k: int) -> int:
+        """One attempt at :meth:`merge_commitlogs` of shard ``k``; the messages it moved."""
+        tables = self.root._tables
+        merged = f"rmqtx.merged_commitlog.{k}"
+        head = tables.head("commitlog", reload=True)
+        if merged in head.txns:
+            return 0
+        source_uri = f"{shard_uri(self.root.root, k)}/commitlog"
+        source = DeltaTable(source_uri, storage_options=tables.deltalake_options)
+        renamed = {OP_CURSOR_APP_ID: op_cursor_app_id(k), FOREIGN_OP_APP_ID: foreign_op_app_id(k)}
+        app_ids = {
+            renamed.get(a, a): v
+            for a, v in app_transactions(source, source_uri, tables.storage_options).items()
+        }
+        batches = source.to_pyarrow_dataset().to_batches()
+        files = tables.write_stream("commitlog", (pa.table(b) for b in batches))
+        info = {"rmqtx.operation": f"merge the CommitLog of shard {k}"}
+        tables.commit("commitlog", files, head.snapshot, {**app_ids, merged: 1}, info, head.version)
+        return sum(json.loads(f.stats)["numRecords"] for f in files)
 
     def _add(self, numbers: list[int], *, create: bool) -> None:
         def opened(k: int) -> Store:

@@ -138,8 +138,7 @@ def stored(root: Path | Store, timeout: float = 30, until=lambda counts: True) -
     while True:
         counts = Counter(
             dict(p)["UNIQ_KEY"]
-            for shard in store.shards(refresh=True)
-            for p in shard.read("commitlog", ["properties"]).column("properties").to_pylist()
+            for p in store.read("commitlog", ["properties"]).column("properties").to_pylist()
         )
         if until(counts) or time.monotonic() > deadline:
             return counts

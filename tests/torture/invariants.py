@@ -90,8 +90,8 @@ class _Store:
 
     def __init__(self, root: str, removed: Path, undecided: Path) -> None:
         self.roots = shard_roots(root)
-        stored = _shard_rows(
-            self.roots,
+        stored = _shard_rows(  # a store of shards has one CommitLog, the root's
+            {0: self.roots[0]},
             "commitlog",
             ["topic", "queue_id", "queue_offset", "msg_id", "transaction_id", "keys"],
         )

@@ -4,21 +4,25 @@ kept in their transaction's shard; producer processes each writing to a shard of
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
+from datetime import UTC, datetime
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 
 from rmq_spark import LocalTransactionState, Message, Store, TransactionMQProducer
 from rmq_spark.delta.tables import DeltaTables
 from rmq_spark.model.config import Settings, StoreSettings
 from rmq_spark.model.errors import InvalidOptionError, NotAStoreError, RmqSparkError
-from rmq_spark.model.messages import shard_of, shard_transaction_id
-from rmq_spark.model.schema import TABLES
+from rmq_spark.model.messages import new_id, shard_of, shard_transaction_id
+from rmq_spark.model.schema import COMMITLOG_SCHEMA, TABLES
 from rmq_spark.store.decisions import Decision, EndTransactionStatus
-from rmq_spark.store.layout import MARKER_FILE
+from rmq_spark.store.layout import MARKER_FILE, shard_uri
+from rmq_spark.store.queues import OP_CURSOR_APP_ID, queue_app_id
 from tests.conftest import commitlog, race
 from tests.unit.test_producer import ScriptedListener
 
@@ -49,7 +53,7 @@ def test_a_store_grows_shards_and_the_root_says_so_first(tmp_path: Path) -> None
     assert _marker(root)["layout_version"] == 1  # a store of one shard: any release reads it
     grown = _open(root, shards=3)
     assert [s.shard for s in grown.shards()] == [0, 1, 2]
-    assert _marker(root)["layout_version"] == 2  # an older release refuses it now
+    assert _marker(root)["layout_version"] == 3  # an older release refuses it now
     assert _marker(root / "shards" / "2")["shard"] == 2
     # Another process finds them; fewer shards in its settings remove none.
     assert [s.shard for s in _open(root, shards=2).shards()] == [0, 1, 2]
@@ -99,11 +103,13 @@ def test_decisions_stay_in_their_transactions_shard(tmp_path: Path) -> None:
             [Message("T", b"b")], "g", transaction_ids=[shard_transaction_id(2)]
         )
     assert store.shard_store(1).read("half").num_rows == 0
-    rows = commitlog(two).to_pylist()
-    assert [(r["transaction_id"], r["queue_offset"]) for r in rows] == [
-        (prepared.transaction_id, 0)
+    # Published into the store's one CommitLog, the root's: the shard has none of its own.
+    rows = commitlog(store).to_pylist()
+    assert [(r["transaction_id"], r["queue_id"], r["queue_offset"]) for r in rows] == [
+        (prepared.transaction_id, prepared.queue_id, 0)
     ]
-    assert commitlog(store).num_rows == 0
+    assert two.table_uri("commitlog") == store.table_uri("commitlog")
+    assert not (tmp_path / "store" / "shards" / "2" / "commitlog").exists()
 
 
 def test_a_transaction_of_an_unknown_shard_names_the_problem(tmp_path: Path) -> None:
@@ -145,7 +151,7 @@ def test_producers_claim_shards_of_their_own_and_share_when_all_are_taken(
         for p in producers:
             p.shutdown()
     root = Store.open(tmp_path / "store")
-    visible = [m for s in root.shards() for m in commitlog(s).column("msg_id").to_pylist()]
+    visible = commitlog(root).column("msg_id").to_pylist()
     assert sorted(visible) == sorted(s.msg_id for s in sent)
 
 
@@ -166,7 +172,7 @@ def test_producer_processes_on_a_store_of_shards_publish_every_commit_once(
     tmp_path: Path,
 ) -> None:
     """Four real producer processes at once on four shards: each writes only to its shard's
-    logs, and every COMMIT is in the store's CommitLogs exactly once, with dense offsets."""
+    logs, and every COMMIT is in the store's one CommitLog exactly once, with dense offsets."""
     root = tmp_path / "store"
     _open(root, shards=4)
     child = textwrap.dedent(
@@ -203,7 +209,7 @@ def test_producer_processes_on_a_store_of_shards_publish_every_commit_once(
     assert sorted(s for used in shards_used for s in used) == [0, 1, 2, 3]  # one each
     committed = sorted(m for out in outputs for _, m, state in out if state == "COMMIT")
     store = Store.open(root)
-    rows = [r for s in store.shards() for r in commitlog(s).to_pylist()]
+    rows = commitlog(store).to_pylist()
     assert sorted(r["msg_id"] for r in rows) == committed
     by_queue: dict[int, list[int]] = {}
     for r in rows:
@@ -263,3 +269,58 @@ def test_a_shard_whose_maker_was_killed_before_its_marker_is_made_by_the_next(
     assert _marker(partial)["shard"] == 2
     (prepared,) = grown.shard_store(2).prepare([Message("T", "m")], "pg")
     assert shard_of(prepared.transaction_id) == 2
+
+
+def _as_layout_2(root: Path) -> list[str]:
+    """Turn a fresh store of two shards into one of the release before one CommitLog (layout
+    2): shard 1 has a CommitLog of its own, with two published messages, its queue's next
+    offset and its ``op`` cursor; the root's marker says layout 2. The two msg ids."""
+    own = DeltaTables(shard_uri(str(root), 1), TABLES, {}, 5.0)  # no located tables
+    own.create("commitlog")
+    ids = [new_id(), new_id()]
+    now = datetime.now(UTC)
+    rows = pa.Table.from_pylist(
+        [
+            {
+                "topic": "T", "queue_id": 1000, "queue_offset": i, "msg_id": m,
+                "transaction_id": shard_transaction_id(1), "producer_group": "g", "keys": None,
+                "tags": None, "body": b"old", "properties": [], "born_timestamp": now,
+                "store_timestamp": now,
+            }
+            for i, m in enumerate(ids)
+        ],
+        schema=COMMITLOG_SCHEMA,
+    )  # fmt: skip
+    own.append("commitlog", [rows], {queue_app_id("T", 1000): 2, OP_CURSOR_APP_ID: 0})
+    marker = _marker(root)
+    (root / MARKER_FILE).write_text(json.dumps({**marker, "layout_version": 2}))
+    return ids
+
+
+def test_a_store_of_a_commitlog_per_shard_is_merged_by_its_first_writer(tmp_path: Path) -> None:
+    """A store made by the release whose shards each had a CommitLog: a reader of this release
+    refuses it (it would miss those messages), and its first writer merges every shard's
+    messages, queue offsets and op cursor into the root's CommitLog, once, however many
+    writers open it."""
+    root = tmp_path / "store"
+    _open(root, shards=2)
+    ids = _as_layout_2(root)
+    with pytest.raises(RmqSparkError, match=r"has a CommitLog per shard \(layout 2\)"):
+        Store.open(root, settings=StoreSettings(queue_nums=2), create=False)
+    results = race(_open_as_writer, [(str(root),), (str(root),)])
+    assert sorted(results.values()) == [2, 2]
+    store = Store.open(root, create=False)
+    assert _marker(root)["layout_version"] == 3
+    assert sorted(commitlog(store).column("msg_id").to_pylist()) == sorted(ids)
+    assert store.shard_store(1).published_op_version() == 0
+    (prepared,) = store.shard_store(1).prepare([Message("T", b"new")], "g")
+    store.end_transactions([Decision(prepared.transaction_id, "g", COMMIT)])
+    rows = commitlog(store).to_pylist()
+    offsets = {r["msg_id"]: (r["queue_id"], r["queue_offset"]) for r in rows}
+    assert offsets[prepared.msg_id] == (prepared.queue_id, 2 if prepared.queue_id == 1000 else 0)
+
+
+def _open_as_writer(root: str, barrier, out) -> None:
+    barrier.wait()
+    store = Store.open(root, settings=StoreSettings(queue_nums=2))
+    out.put((str(os.getpid()), commitlog(store).num_rows))
