@@ -214,6 +214,8 @@ def checkpoint(uri: str, storage_options: Mapping[str, str] | None, version: int
     ``delta.enableExpiredLogCleanup`` is false): deltalake's post-commit hook, which a direct
     commit does not run."""
     failpoint("deltacommit.checkpoint")
+    if _Log(uri, storage_options or {}).last_checkpoint() >= version:
+        return  # another writer's is as new (a writer that stalled finds its version cleaned)
     table = DeltaTable(uri, version=version, storage_options=storage_options)
     table.create_checkpoint()
     configuration = table.metadata().configuration
@@ -286,6 +288,13 @@ class _Log:
 
     def staged(self, entry: bytes) -> _Staged:
         return _Staged(self, entry)
+
+    def last_checkpoint(self) -> int:
+        """The version the ``_last_checkpoint`` hint names (-1: none, or unreadable)."""
+        try:
+            return int(json.loads(self.fs.cat_file(f"{self.path}/_last_checkpoint"))["version"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return -1
 
     def reachable(self, version: int, paths: Sequence[str]) -> bool:
         """Whether readers reach the entry just put at ``version``, which adds the files

@@ -90,11 +90,18 @@ class _Store:
 
     def __init__(self, root: str, removed: Path, undecided: Path) -> None:
         self.roots = shard_roots(root)
-        stored = _shard_rows(  # a store of shards has one CommitLog, the root's
-            {0: self.roots[0]},
-            "commitlog",
-            ["topic", "queue_id", "queue_offset", "msg_id", "transaction_id", "keys"],
-        )
+        from rmq_spark.model.messages import shard_of_queue
+
+        # A store of shards has one CommitLog, the root's; a row's shard is its queue's (the
+        # shard that published it), and its transaction must be that shard's.
+        stored = [
+            {**c, "shard": shard_of_queue(c["queue_id"])}
+            for c in _shard_rows(
+                {0: self.roots[0]},
+                "commitlog",
+                ["topic", "queue_id", "queue_offset", "msg_id", "transaction_id", "keys"],
+            )
+        ]
         # Copies of a message at its offset, stored by another writer's compaction that raced
         # the store's: a read gives each once (rmq_spark.spark.reading._read_once).
         self.commitlog = list(
@@ -271,10 +278,10 @@ def _data_loss_reported(results: Results, root: str, removed: list[dict]) -> int
 
 
 def _in_their_shards(results: Results, store: _Store, shards: int) -> None:
-    """The store has the shards the run made it with; each transaction's rows (half, op,
-    discard, CommitLog) are in the shard its id names, and each CommitLog row's queue is one of
-    the shard that stores it."""
-    from rmq_spark.model.messages import shard_of, shard_of_queue
+    """The store has the shards the run made it with (and grew it to); each transaction's rows
+    (half, op, discard) are in the shard its id names, and each CommitLog row's queue is one of
+    that shard's (a shard publishes its own transactions into its own queues)."""
+    from rmq_spark.model.messages import shard_of
 
     if sorted(store.roots) != list(range(shards)):
         results.violations.append(
@@ -293,10 +300,6 @@ def _in_their_shards(results: Results, store: _Store, shards: int) -> None:
         )
         for row in rows
         if (t := row["transaction_id"]) is not None and shard_of(t) != row["shard"]
-    ] + [
-        ("commitlog", c, f"queue {c['topic']}/{c['queue_id']} of shard {shard_of_queue(q)}")
-        for c in store.commitlog
-        if shard_of_queue(q := c["queue_id"]) != c["shard"]
     ]
     for table, row, what in misplaced[:MAX_DETAILS]:
         results.violations.append(

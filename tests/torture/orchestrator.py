@@ -133,8 +133,8 @@ class Stats:
 
 
 def next_offsets(commitlog, shard: int) -> dict[tuple[str, int], int]:
-    """The next offset of each queue of shard ``shard`` that ever held a message, from its
-    CommitLog (``commitlog``, a DeltaTable): ``{(topic, queue_id): offset}``."""
+    """The next offset of each queue of shard ``shard`` that ever held a message, from the
+    store's CommitLog (``commitlog``, a DeltaTable): ``{(topic, queue_id): offset}``."""
     from rmq_spark.store.queues import queue_app_id
 
     return {
@@ -564,10 +564,12 @@ level = "INFO"
             self.stalled[w.name] = (w.proc, now + seconds)
             self.note(f"SIGSTOP {w.name}#{w.incarnation} for {seconds:.0f} s")
         else:
-            shard = self.shard_rng.randrange(self.o.shards)
-            where = f"{table} of shard {shard}" if self.o.shards > 1 else table
+            shard = self.shard_rng.randrange(len(self.shards))
+            where = f"{table} of shard {shard}" if len(self.shards) > 1 else table
             try:
-                delta = DeltaTable(f"{self.shards[shard]}/{table}")
+                # A store of shards has one CommitLog, the root's.
+                base = self.shards[0] if table == "commitlog" else self.shards[shard]
+                delta = DeltaTable(f"{base}/{table}")
                 if act == "optimize":
                     delta.optimize.compact()
                 elif act == "checkpoint":
@@ -648,9 +650,9 @@ level = "INFO"
 
         from rmq_spark.store.queues import queue_app_id
 
-        states, decided, staged, commitlogs = [], set(), set(), {}
+        states, decided, staged = [], set(), set()
         try:
-            for shard, root in self.shards.items():
+            for root in self.shards.values():
                 states.append(
                     read_delta(
                         f"{root}/check_state", ["transaction_id", "check_count", "first_seen"]
@@ -664,7 +666,7 @@ level = "INFO"
                     ids.update(
                         read_delta(f"{root}/{name}", ["transaction_id"]).column(0).to_pylist()
                     )
-                commitlogs[shard] = DeltaTable(f"{root}/commitlog")
+            commitlog = DeltaTable(f"{self.shards[0]}/commitlog")  # the store's one
         except Exception as exc:  # a snapshot read racing a writer: try next time
             self.note(f"sample failed: {exc!r}"[:300])
             return
@@ -692,7 +694,7 @@ level = "INFO"
                 )
             if seen is None or count >= seen[0]:
                 self.check_seen[txn] = (count, first, at)
-        for shard, commitlog in commitlogs.items():
+        for shard in self.shards:
             for (topic, q), version in next_offsets(commitlog, shard).items():
                 app = queue_app_id(topic, q)
                 if version < self.queue_seen.get(app, -1):
@@ -703,6 +705,20 @@ level = "INFO"
                         )
                     )
                 self.queue_seen[app] = max(version, self.queue_seen.get(app, -1))
+
+    def grow(self) -> None:
+        """Halfway through the chaos of a store of shards, one shard more (as an operator's
+        ``rmqtx shards --set``): producers started from now on may claim it, and its messages
+        go into the store's one CommitLog like the others'."""
+        from rmq_spark import Store
+        from rmq_spark.model.config import load_settings
+
+        count = len(self.shards) + 1
+        Store.open(self.store, settings=load_settings(self.conf), create=False).grow(count)
+        self.shards = shard_roots(self.store)
+        self.run["shards"] = len(self.shards)  # what the invariants expect to find
+        self.note(f"store grown to {len(self.shards)} shards")
+        self.stats.meddling["shard growth"] += 1
 
     # ------------------------------------------------------------------ phases
     def chaos(self) -> None:
@@ -719,6 +735,7 @@ level = "INFO"
         end = None
         next_feed, next_batch, next_sample = 0.0, 0.0, 0.0
         tick, last = 0.5, self.elapsed()
+        grown = False
         while end is None or time.monotonic() < end:
             # Chaos is drawn per second passed, not per step: a step that reads every shard
             # of an s3:// root behind the latency proxy can take many seconds.
@@ -755,6 +772,9 @@ level = "INFO"
             if end is not None:
                 self.maybe_resume(dt)
                 self.meddle(dt)
+                if not grown and o.shards > 1 and time.monotonic() >= end - o.chaos_seconds / 2:
+                    self.grow()
+                    grown = True
             time.sleep(tick)
         for name, (proc, _) in self.stalled.items():
             self.signal_session(proc, signal.SIGCONT)

@@ -504,3 +504,25 @@ def test_a_commit_right_after_its_own_is_not_lost_where_a_stalled_writers_entry_
     bodies = DeltaTable(uri).to_pyarrow_table(columns=["body"]).column("body").to_pylist()
     assert bodies.count(b"B") == 1 and bodies.count(b"stalled") == 1
     assert b.half_version > c.half_version
+
+
+@pytest.mark.usefixtures("young_entries_cleaned")
+def test_a_checkpoint_a_newer_one_covers_is_skipped_without_a_warning(
+    store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A producer resumed after a pause runs the checkpoint its last commit asked for, of a
+    version others have since checkpointed past and cleaned: nothing to do, and nothing to
+    warn about (it warned with a traceback, 'No files in log segment')."""
+    from rmq_spark.delta.tables import _checkpoint
+
+    store.table("half").alter.set_table_properties({"delta.checkpointInterval": "10"})
+    for n in range(25):
+        store.prepare([Message("T", f"m{n}")], "pg")
+    later = datetime.now(UTC) + timedelta(minutes=2)
+    assert Store.open(store.root, settings=store.settings, clock=lambda: later).clean_log("half")
+    with caplog.at_level("WARNING"):
+        _checkpoint(store.table_uri("half"), None, 10)
+    assert not caplog.records
+    assert not (
+        Path(store.table_uri("half")) / "_delta_log" / f"{10:020d}.checkpoint.parquet"
+    ).exists()
