@@ -327,10 +327,8 @@ class _Log:
 
     def last_checkpoint(self) -> int:
         """The version the ``_last_checkpoint`` hint names (-1: none, or unreadable)."""
-        try:
-            return int(json.loads(self.fs.cat_file(f"{self.path}/_last_checkpoint"))["version"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return -1
+        hint_path = f"{self.path}/_last_checkpoint"
+        return _hint_version(self.fs.cat([hint_path], on_error="return").get(hint_path))
 
     def reachable(self, version: int, paths: Sequence[str]) -> bool:
         """Whether readers reach the entry just put at ``version``, which adds the files
@@ -346,10 +344,7 @@ class _Log:
         hint_path = f"{self.path}/_last_checkpoint"
         before = self.name(version - 1)
         found = self.fs.cat([hint_path, before] if version else [hint_path], on_error="return")
-        try:
-            hint = int(json.loads(found[hint_path])["version"])  # type: ignore[arg-type]
-        except (ValueError, KeyError, TypeError):
-            hint = -1  # none, or unreadable: the entry before decides
+        hint = _hint_version(found.get(hint_path))  # -1: the entry before decides
         if hint < version and (version == 0 or isinstance(found.get(before), bytes)):
             return True
         # The entry before is gone (the cleanup deletes oldest first, and only below a
@@ -374,6 +369,15 @@ class _Log:
                     p for p in pc.struct_field(actions.column(column), "path").to_pylist() if p
                 )
         return named
+
+
+def _hint_version(hint: object) -> int:
+    """The version a read ``_last_checkpoint`` hint names; -1 when there was none (a read
+    error) or it is unreadable."""
+    try:
+        return int(json.loads(hint)["version"])  # type: ignore[arg-type]
+    except (ValueError, KeyError, TypeError):
+        return -1
 
 
 def _complete(files: list[str]) -> bool:

@@ -80,12 +80,6 @@ def _of_topics(topics: Sequence[str], offsets: Mapping[Queue, int]) -> Offsets:
     return result
 
 
-def commitlog_files(store: Store) -> pa.Table:
-    """The data files of the latest snapshot of the store's CommitLog, as
-    :meth:`Store.data_files` has them (their URIs absolute)."""
-    return store.data_files("commitlog")
-
-
 def skip_lost(start: Offsets, earliest: Offsets, *, fail: bool) -> Offsets:
     """``start`` with every queue that starts below its earliest offset moved up to it.
 

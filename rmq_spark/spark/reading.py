@@ -30,7 +30,6 @@ from rmq_spark.model.errors import CorruptStoreError, DataLossError
 from rmq_spark.model.schema import COMMITLOG_SCHEMA
 from rmq_spark.spark.offsets import (
     Offsets,
-    commitlog_files,
     describe_ranges,
     skip_lost,
 )
@@ -339,7 +338,7 @@ def timestamp_offsets(store: Store, topics: tuple[str, ...], millis: int, end: O
     """
     since = datetime.fromtimestamp(millis / 1000, UTC)
     files: dict[str, list[str]] = {}
-    for f in commitlog_files(store).to_pylist():
+    for f in store.data_files("commitlog").to_pylist():
         newest = f["max.store_timestamp"]
         if f["partition.topic"] in topics and (newest is None or newest >= since):
             files.setdefault(f["partition.topic"], []).append(f["uri"])

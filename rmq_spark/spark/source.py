@@ -127,7 +127,6 @@ from rmq_spark.spark.offsets import (
     admit,
     check_queues,
     check_topics,
-    commitlog_files,
     earliest_offsets,
     latest_offsets,
     resolve,
@@ -324,7 +323,9 @@ class RmqTxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._record_progress(begin)
         latest = self._target if self._target is not None else self._latest()
         max_messages, max_bytes = self._caps(limit)
-        end = admit(begin, latest, max_messages, max_bytes, lambda: commitlog_files(self._store()))
+        end = admit(
+            begin, latest, max_messages, max_bytes, lambda: self._store().data_files("commitlog")
+        )
         behind = sum(
             max(0, o - end.get(t, {}).get(q, 0)) for t, qs in latest.items() for q, o in qs.items()
         )
