@@ -186,7 +186,7 @@ class TransactionMQProducer:
             self._lock.wait_for(lambda: not self._closing)
             if self._prepare is None:
                 self._publisher = publisher_for(self.store)
-                self._writer = self._publisher.store
+                self._writer = self._publisher.writer
                 self._writer.maintain_in_background()
                 self._prepare = GroupCommitter(
                     f"rmqtx-prepare-{self.producer_group}",

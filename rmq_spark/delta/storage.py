@@ -23,6 +23,7 @@ import fsspec
 import pyarrow.fs as pafs
 
 from rmq_spark.model.errors import StorageConfigError
+from rmq_spark.model.failpoints import failpoint
 
 
 def scheme(uri: str) -> str:
@@ -342,6 +343,7 @@ def check_conditional_put(root: str, options: Mapping[str, str]) -> None:
     fs, path = filesystem(root, options)
     probe = f"{path.rstrip('/')}/{PROBE_PREFIX}{uuid.uuid4().hex}"
     fs.pipe_file(probe, b"first", mode="create")
+    failpoint("storage.probed")
     try:
         fs.pipe_file(probe, b"second", mode="create")
     except OSError as exc:

@@ -18,7 +18,12 @@ has not recorded the batch yet), ``delta.staged``, ``delta.written`` and ``delta
 new pending rows, committed nothing yet), ``deltacommit.staged`` and ``deltacommit.committed``
 (a direct append's log entry is staged, or has taken its version; :mod:`rmq_spark.delta.commit`),
 ``deltacommit.checkpoint`` (a checkpoint after a direct append starts), ``store.maintain``
-(a compaction and log cleanup that a commit asked for starts).
+(a compaction and log cleanup that a commit asked for starts); the steps of making a shard
+(:meth:`rmq_spark.store.shards.Shards.grow`): ``shards.marked`` (the root's marker says
+layout 3, no shard made yet), ``storage.probed`` (an S3 conditional-write probe is written,
+not yet removed), ``layout.table`` (a new store's or shard's first table is created, the
+others not yet), ``layout.staged`` (a marker is staged on local disk, not renamed into place)
+and ``shards.made`` (the shards' markers are in place, the root's count not raised yet).
 """
 
 from __future__ import annotations

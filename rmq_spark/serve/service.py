@@ -173,7 +173,7 @@ class MessagingService(service_grpc.MessagingServiceServicer):
         """Pick the shard to write to (as a producer process does), start the publisher and
         the group committers (blocking)."""
         self._publisher = publisher_for(self.store)
-        self._writer = self._publisher.store
+        self._writer = self._publisher.writer
         self._writer.maintain_in_background()
         self._prepare = GroupCommitter(
             "rmqtx-serve-prepare",

@@ -99,7 +99,9 @@ class Store:
         context = StoreContext(self._tables, settings, self.clock, RecentHalves(), shard)
         self._recent = context.recent
         self._decisions = Decisions(context)
-        self._publisher = Publisher(Chunks(context))
+        # The root publishes every shard's COMMITs with its own, in the same commits.
+        lanes = None if shard else self._other_publishers
+        self._publisher = Publisher(Chunks(context), lanes)
         elsewhere = {"commitlog": owner._maintenance} if shard else {}
         self._maintenance = Maintenance(context, elsewhere)
 
@@ -164,6 +166,9 @@ class Store:
         return Store(
             shard_uri(self.root, shard), self.settings, self.clock, shard=shard, shards=self._shards
         )
+
+    def _other_publishers(self) -> list[Publisher]:
+        return [s._publisher for s in self._shards.all(refresh=False)[1:]]
 
     @property
     def queue_base(self) -> int:
@@ -314,8 +319,9 @@ class Store:
     ) -> PublishResult:
         """Move committed messages into ``commitlog``, and send normal messages (already
         validated, as ``(message, producer_group)``) in its last commit; see
-        :meth:`Publisher.publish` (``latest=False``: up to the decisions this thread has just
-        made)."""
+        :meth:`Publisher.publish` (``latest=False``: up to the decisions this process has just
+        made). The root of a store of shards publishes every shard's COMMITs (the shards
+        known to it: :meth:`shards`); a shard, its own."""
         return self._publisher.publish(normal, latest=latest)
 
     def send(self, messages: Sequence[Message], producer_group: str) -> PublishResult:

@@ -38,6 +38,7 @@ from rmq_spark.model.errors import (
     StoreError,
     StoreVersionError,
 )
+from rmq_spark.model.failpoints import failpoint
 from rmq_spark.model.schema import COLUMNS_ADDED_LATER, TABLES
 
 log = logging.getLogger(__name__)
@@ -116,6 +117,7 @@ def open_or_create(tables: DeltaTables, create: bool, shard: int = 0) -> int:
     for name in TABLES:
         tables.create(name)
         _check_table(tables, name)
+        failpoint("layout.table")
     # The marker is written last: a store is complete once it exists.
     meta = {"format": STORE_FORMAT, "layout_version": ONE_SHARD_LAYOUT}
     if shard:
@@ -135,6 +137,7 @@ def _write_marker(fs: fsspec.AbstractFileSystem, marker: str, meta: dict) -> Non
         return
     staged = f"{marker}.{uuid.uuid4().hex}.tmp"
     fs.pipe_file(staged, data)
+    failpoint("layout.staged")
     fs.mv(staged, marker)
 
 

@@ -6,8 +6,9 @@ end-transaction is a one-way request too); moving the committed messages into ``
 left to a :class:`BackgroundPublisher`. Producers on many hosts that each published their own
 COMMITs would race for ``commitlog``'s log, and every loser re-reads the winners' entries: on
 an object store, adding producers made the store slower. So the loop of one process, the holder
-of the lease :data:`LEASE` in ``locks``, publishes everything committed (by anyone) every
-``store.publish_interval``, and at once after a COMMIT of its own process. The others only
+of the lease :data:`LEASE` in the root's ``locks``, publishes everything committed (by anyone,
+in every shard, in one commit a round) every ``store.publish_interval``, and at once after a
+COMMIT of its own process. The others only
 check the lease now and then; one of them takes it over when the holder stops renewing it
 (killed, stalled, cut off from the store). A COMMIT is visible after about
 ``publish_interval`` and one publish (up to :data:`IDLE_PAUSE` after a quiet spell: the loop
@@ -37,20 +38,24 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: The name of the publisher's lease in ``locks``.
+#: The name of the store's publisher lease, in the root's ``locks``.
 LEASE = "publish:commitlog"
+#: The name of a producer process's claim of a shard to write to, in the shard's ``locks``.
+CLAIM = "producer:shard"
 #: The longest pause of a holder's loop on an idle store (its own COMMITs wake it at once).
 IDLE_PAUSE = 1.0
 
 
 def publisher_for(store: Store) -> BackgroundPublisher:
-    """The publisher of the shard a producer process writes to, started.
+    """The background publisher of a producer process, started, with the shard it writes to
+    (:attr:`BackgroundPublisher.writer`).
 
     In a store of several shards (:mod:`rmq_spark.store.shards`) a producer process claims a
-    shard by taking its publisher lease, trying the shards from a random one: while there are
-    at least as many shards as producer processes, each writes to logs no other process
-    appends to, and publishes its own shard. With every lease held, it shares a shard picked
-    at random (its holder publishes it). In a store of one shard, that shard.
+    shard (the lease :data:`CLAIM` in its ``locks``), trying the shards from a random one:
+    while there are at least as many shards as producer processes, each writes to logs no other
+    process appends to. With every shard claimed, it shares a shard picked at random. In a
+    store of one shard, that shard. Either way one process of the store, the holder of its
+    publisher lease, publishes every shard's COMMITs.
 
     Parameters
     ----------
@@ -64,22 +69,21 @@ def publisher_for(store: Store) -> BackgroundPublisher:
     first = random.randrange(len(numbers))
     for number in numbers[first:] + numbers[:first]:
         shard = store.shard_store(number)  # opened only when tried
-        if shard.lock(LEASE, holder, shard.settings.publish_lease):
-            log.info(
-                "writing to shard %d of %s (its publisher lease taken)", shard.shard, store.root
-            )
-            return BackgroundPublisher(shard, holder, holding=True)
+        if shard.lock(CLAIM, holder, shard.settings.publish_lease):
+            log.info("writing to shard %d of %s (claimed)", shard.shard, store.root)
+            claim = Lease(shard, CLAIM, holder, held=True)
+            return BackgroundPublisher(store, holder, writer=shard, claim=claim)
     shared = store.shard_store(random.choice(numbers))
     log.info(
         "every shard of %s has a producer process; sharing shard %d (more shards: [store] shards)",
         store.root,
         shared.shard,
     )
-    return BackgroundPublisher(shared, holder)
+    return BackgroundPublisher(store, holder, writer=shared)
 
 
 def publish_own(store: Store, who: str) -> None:
-    """Publish up to this thread's last decision on ``store`` (the publisher lease's holder
+    """Publish up to this process's last decision on ``store`` (the publisher lease's holder
     may be another process, or none right now); a failure is logged, not raised: the COMMITs
     are recorded, and the lease's holder or the check-back job publishes them.
 
@@ -96,68 +100,139 @@ def publish_own(store: Store, who: str) -> None:
         )
 
 
-class BackgroundPublisher:
-    """Publishes a store's COMMITs on a background thread while this process holds the
-    publisher lease (see the module docstring).
+class Lease:
+    """A lease in a store's ``locks``, looked at on a thread of its own every third of
+    ``store.publish_lease``: taken when free or expired, renewed while held.
 
     Parameters
     ----------
     store : Store
-        The store (one shard of it); ``store.settings.publish_interval`` and ``publish_lease``
-        set the pace.
+        The store (or shard) whose ``locks`` hold it.
+    name : str
+        The lease (:data:`LEASE`, :data:`CLAIM`).
     holder : str
-        This process's name in the lease.
-    holding : bool, default False
-        The lease was just taken for ``holder`` (:func:`publisher_for`).
+        This process's name in it.
+    held : bool, default False
+        It was just taken for ``holder``.
     """
 
-    def __init__(self, store: Store, holder: str, *, holding: bool = False) -> None:
+    def __init__(self, store: Store, name: str, holder: str, *, held: bool = False) -> None:
+        self.store, self.name, self.holder = store, name, holder
+        self.seconds = store.settings.publish_lease
+        self._held = held
+        #: time.monotonic() of the last look that took or renewed it.
+        self._renewed = time.monotonic()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._keep, name=f"rmqtx-lease-{name}", daemon=True)
+        self._thread.start()
+
+    @property
+    def held(self) -> bool:
+        """Whether this process holds it: it took or renewed it when it last looked, less than
+        the lease ago (a look that hangs or fails for longer lets another process take it over,
+        and this one stops acting on it)."""
+        return self._held and time.monotonic() - self._renewed < self.seconds
+
+    def stop(self) -> None:
+        """Stop looking at it, and give it back if held."""
+        self._stopping.set()
+        self._thread.join()
+        if self._held:
+            self._held = False
+            try:
+                self.store.lock(self.name, self.holder, 0.0)
+            except Exception as exc:  # it expires by itself
+                log.warning("could not give the lease %s back (%s); it expires", self.name, exc)
+
+    def _keep(self) -> None:
+        pause = self.seconds / 3 if self._held else 0.0
+        while not self._stopping.wait(pause):
+            pause = self.seconds / 3
+            try:
+                looked = time.monotonic()
+                held_by = self.store.lock_holder(self.name)
+                held = held_by in (None, self.holder) and self.store.lock(
+                    self.name, self.holder, self.seconds
+                )
+                if held:
+                    self._renewed = looked
+            except Exception as exc:  # looked at again next time; work goes on meanwhile
+                log.warning("could not look at the lease %s (%s); trying again", self.name, exc)
+                continue
+            if held != self._held:
+                state = "took" if held else "lost"
+                log.info("%s the lease %s of %s", state, self.name, self.store.root)
+                self._held = held
+
+
+class BackgroundPublisher:
+    """Publishes every COMMIT of a store on a background thread while this process holds the
+    store's publisher lease (see the module docstring), and keeps the claim of the shard this
+    process writes to.
+
+    Parameters
+    ----------
+    store : Store
+        The store's root; ``store.settings.publish_interval`` and ``publish_lease`` set the
+        pace.
+    holder : str
+        This process's name in the leases.
+    writer : Store, optional
+        The shard this process writes to (default: the root).
+    claim : Lease, optional
+        This process's claim of ``writer``, given back by :meth:`stop`.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        holder: str,
+        *,
+        writer: Store | None = None,
+        claim: Lease | None = None,
+    ) -> None:
         self.store = store
+        self.writer = writer or store
         self.holder = holder
         self.interval = store.settings.publish_interval
-        self.lease = store.settings.publish_lease
+        self._claim = claim
         self._wake = threading.Event()
         self._stopping = threading.Event()
-        self._holding = holding
-        #: time.monotonic() of the last look that took or renewed the lease.
-        self._renewed = time.monotonic()
+        #: time.monotonic() of the last publish that listed every shard's ``op``.
+        self._listed = 0.0
+        #: time.monotonic() of the last look for shards made since.
+        self._looked = time.monotonic()
         # The lease is looked at on a thread of its own: a look reads and MERGEs ``locks``,
         # several round trips on an object store, which held up the COMMITs waiting to be
         # published (the publish lag's p99 on S3 was a second).
-        self._threads = [
-            threading.Thread(target=self._run, name="rmqtx-publisher", daemon=True),
-            threading.Thread(
-                target=self._keep_lease, args=(holding,), name="rmqtx-publisher-lease", daemon=True
-            ),
-        ]
+        self._lease = Lease(store, LEASE, holder)
+        self._thread = threading.Thread(target=self._run, name="rmqtx-publisher", daemon=True)
         _running.add(self)
-        for thread in self._threads:
-            thread.start()
+        self._thread.start()
 
     @property
     def holding(self) -> bool:
-        """Whether this process holds the lease: it took or renewed it when it last looked,
-        less than the lease ago (a look that hangs or fails for longer lets another process
-        take it over, and this one stops publishing)."""
-        return self._holding and time.monotonic() - self._renewed < self.lease
+        """Whether this process holds the store's publisher lease (:attr:`Lease.held`)."""
+        return self._lease.held
+
+    @property
+    def claimed(self) -> bool:
+        """Whether this process holds the claim of the shard it writes to."""
+        return self._claim is not None and self._claim.held
 
     def wake(self) -> None:
         """Publish now if this process holds the lease (it has just recorded a COMMIT)."""
         self._wake.set()
 
     def stop(self) -> None:
-        """Stop the loop (waiting for a publish under way) and give the lease back."""
+        """Stop the loop (waiting for a publish under way) and give the leases back."""
         self._stopping.set()
         self._wake.set()
-        for thread in self._threads:
-            thread.join()
+        self._thread.join()
         _running.discard(self)
-        if self._holding:
-            self._holding = False
-            try:
-                self.store.lock(LEASE, self.holder, 0.0)
-            except Exception as exc:  # it expires by itself
-                log.warning("could not give the publisher lease back (%s); it expires", exc)
+        for lease in (self._lease, self._claim):
+            if lease is not None:
+                lease.stop()
 
     def _run(self) -> None:
         pause = self.interval
@@ -169,40 +244,30 @@ class BackgroundPublisher:
             try:
                 published = 0
                 if self.holding:
-                    # Woken by this process's COMMITs: up to the op version it wrote, with no
-                    # listing of op's log; every interval: up to the latest (anyone's).
-                    published = self.store.publish(latest=not woken).published
+                    published = self._publish(woken)
                 # An idle store is looked at less and less often (each look lists op's log: a
                 # request, billed on an object store), down to once every IDLE_PAUSE.
                 idle = not woken and not published
                 pause = max(self.interval, min(pause * 2, IDLE_PAUSE)) if idle else self.interval
             except Exception as exc:
-                pause = min(pause * 2, self.lease / 3)
+                pause = min(pause * 2, self._lease.seconds / 3)
                 # Another holder, the check-back job or this loop's next turn publishes it.
                 log.warning("background publish failed (%s); trying again", exc)
                 log.debug("background publish traceback", exc_info=True)
 
-    def _keep_lease(self, holding: bool) -> None:
-        """Look at the lease every third of it (at once, unless ``holding`` it already): take
-        it when free or expired, renew it while held."""
-        pause = self.lease / 3 if holding else 0.0
-        while not self._stopping.wait(pause):
-            pause = self.lease / 3
-            try:
-                looked = time.monotonic()
-                held_by = self.store.lock_holder(LEASE)
-                holding = held_by in (None, self.holder) and self.store.lock(
-                    LEASE, self.holder, self.lease
-                )
-                if holding:
-                    self._renewed = looked
-            except Exception as exc:  # looked at again next time; publishing goes on meanwhile
-                log.warning("could not look at the publisher lease (%s); trying again", exc)
-                continue
-            if holding != self._holding:
-                state = "took" if holding else "lost"
-                log.info("%s the publisher lease of %s", state, self.store.root)
-                self._holding = holding
+    def _publish(self, woken: bool) -> int:
+        """One publish of every shard: woken by this process's COMMITs, up to the ``op``
+        versions it knows (no listing), but at least every interval up to the latest
+        (anyone's: a holder woken all the time must not leave other processes' COMMITs
+        behind); shards made since are looked for every third of the lease."""
+        now = time.monotonic()
+        if now - self._looked > self._lease.seconds / 3:
+            self._looked = now
+            self.store.shard_numbers(refresh=True)
+        latest = not woken or now - self._listed >= self.interval
+        if latest:
+            self._listed = now
+        return self.store.publish(latest=latest).published
 
 
 _running: weakref.WeakSet[BackgroundPublisher] = weakref.WeakSet()

@@ -11,6 +11,10 @@ per-queue offsets.
   in decision order (:mod:`rmq_spark.store.chunks`). Normal messages get their ``msg_id``
   once per publish, and a retry after a failure that does not say whether the commit landed
   looks them up in ``commitlog`` before writing them again.
+* **A store of shards** (:mod:`rmq_spark.store.shards`): each shard's ``op`` has a cursor of
+  its own, and the root's publisher takes every shard's COMMITs into the same commits, so one
+  publisher makes one commit a round however many shards there are (publishers of one shard
+  each, racing for the one log, waited seconds for each other at 16 processes).
 * **Nothing is lost** (rule 4). A crash after a COMMIT decision but before its publish is
   repaired by the next publish, which starts from the recorded ``op`` version.
 """
@@ -18,9 +22,12 @@ per-queue offsets.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import closing
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -50,6 +57,8 @@ from rmq_spark.store.reads import rows_by_id
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 #: Retries of a publish whose failure did not tell whether it landed.
 _MAX_UNSURE_ATTEMPTS = 3
 
@@ -65,26 +74,52 @@ class PublishResult:
     sent: list[tuple[str, int, int]] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class _Part:
+    """What one publish commit takes from one shard's ``op``: the half messages of the
+    transactions committed in versions (``cursor``, ``end``] (rows, or one version too large to
+    hold), short of ``target`` or not, and the foreign-writer guard to record."""
+
+    lane: Publisher
+    cursor: int
+    end: int
+    target: int
+    rows: pa.Table | LargeVersion
+    guard: int
+
+
 class Publisher:
-    """Publishes into one store's ``commitlog`` (see the module docstring); safe to use from
-    any number of threads and processes at once.
+    """Publishes one shard's COMMITs (and, at the root of a store of shards, every shard's)
+    into the store's one ``commitlog`` (see the module docstring); safe to use from any number
+    of threads and processes at once.
 
     Parameters
     ----------
     chunks : Chunks
         Reads what each publish commit holds; its tables, settings and clock are the
         publisher's.
+    lanes : callable, optional
+        The root of a store of shards: returns the other shards' publishers, whose COMMITs
+        each publish of this one takes too, in the same commits.
     """
 
-    def __init__(self, chunks: Chunks) -> None:
+    def __init__(
+        self, chunks: Chunks, lanes: Callable[[], Sequence[Publisher]] | None = None
+    ) -> None:
         self.chunks = chunks
         self.tables = chunks.tables
         self.clock = chunks.clock
         self.queue_nums = chunks.settings.queue_nums
         self.queue_base = chunks.queue_base
+        self.shard = chunks.shard
         #: This shard's op cursor and foreign-writer guard in the store's one CommitLog.
         self.cursor_id = op_cursor_app_id(chunks.shard)
         self.foreign_id = foreign_op_app_id(chunks.shard)
+        self._lanes = lanes
+        #: The thread that reads this shard's ``op`` and ``half`` for the root's publishes
+        #: (it keeps their snapshots, one per table, as every thread does).
+        self._worker: ThreadPoolExecutor | None = None
+        self._worker_lock = threading.Lock()
 
     def publish(
         self, normal: Sequence[tuple[Message, str]] = (), *, latest: bool = True
@@ -93,8 +128,10 @@ class Publisher:
 
         Publishes every COMMIT recorded in ``op`` before the call (by anyone) that no publisher
         has published yet, plus the given normal messages, with dense per-queue offsets, in
-        decision order. Safe to call from any number of processes at once; a crash at any point
-        loses nothing and duplicates nothing.
+        decision order; at the root of a store of shards, every shard's COMMITs, in the same
+        commits (one store-wide publisher makes one commit per round, not one per shard). Safe
+        to call from any number of processes at once; a crash at any point loses nothing and
+        duplicates nothing.
 
         Parameters
         ----------
@@ -102,22 +139,24 @@ class Publisher:
             Non-transactional messages to send (already validated), all in one commit: the
             last one, after the committed messages.
         latest : bool, default True
-            False: publish up to the ``op`` version this thread just read or wrote (it has
+            False: publish up to the ``op`` version this process just read or wrote (it has
             just decided transactions: every decision that concerns them is at or before it),
             without listing ``op``'s log again; later decisions are their deciders' to publish.
 
         Returns
         -------
         PublishResult
-            What this call wrote (over all its commits), and where the normal messages went.
+            What this call wrote (over all its commits), and where the normal messages went;
+            ``op_version`` is this shard's.
 
         Notes
         -----
         A backlog is published in successive commits of at most ``publish_max_messages``
-        messages and ``publish_max_bytes`` body bytes (store settings), each holding whole
-        ``op`` versions and moving the ``op`` cursor to the last one it holds, so memory stays
-        bounded and racing publishers share the work instead of repeating one huge write. One
-        ``op`` version larger than the limits (a large sink epoch) is one commit of its own.
+        messages and ``publish_max_bytes`` body bytes (store settings) per shard, each holding
+        whole ``op`` versions and moving each shard's ``op`` cursor to the last one it holds,
+        so memory stays bounded and racing publishers share the work instead of repeating one
+        huge write. One ``op`` version larger than the limits (a large sink epoch) is one
+        commit of its own.
 
         The normal messages get their ``msg_id`` and timestamps once, before the first attempt,
         so every attempt writes the same messages. Each commit is retried on its own (see
@@ -125,28 +164,55 @@ class Publisher:
         go on from where that one stopped.
         """
         unsent = self._normal_rows(normal)  # ids and timestamps fixed for every attempt
-        target = self.tables.snapshot("op").version() if latest else self.tables.known_version("op")
+        lanes = [self, *(self._lanes() if self._lanes else ())]
+        targets = dict(zip(lanes, self._each(lanes, lambda p: p._target(latest)), strict=True))
         published, sent = 0, []
         while True:
-            result, done = self._publish_chunk(target, unsent)
+            result, done = self._publish_chunk(targets, unsent)
             published += result.published
             sent += result.sent
             if done:
                 return PublishResult(published, result.op_version, result.commitlog_version, sent)
             failpoint("publish.chunk")
 
-    def _publish_chunk(self, target: int, unsent: pa.Table) -> tuple[PublishResult, bool]:
-        """Publish the next chunk of committed messages up to ``op`` version ``target`` in one
-        commit, with the normal messages ``unsent`` if it is the last; return what it wrote and
-        whether it was the last.
+    def _target(self, latest: bool) -> int:
+        """The ``op`` version to publish up to (see :meth:`publish`)."""
+        return self.tables.snapshot("op").version() if latest else self.tables.known_version("op")
+
+    def _each(self, lanes: Sequence[Publisher], work: Callable[[Publisher], T]) -> list[T]:
+        """``work(lane)`` for each lane, this shard's on this thread, the others' at once on
+        their own threads (on an object store, a shard's reads are round trips)."""
+        futures = [None if p is self else p._on_worker(work) for p in lanes]
+        done = [work(self) if f is None else None for f in futures]
+        return [d if f is None else f.result() for d, f in zip(done, futures, strict=True)]
+
+    def _on_worker(self, work: Callable[[Publisher], T]) -> Future[T]:
+        with self._worker_lock:
+            if self._worker is None:
+                self._worker = ThreadPoolExecutor(1, f"rmqtx-publish-shard-{self.shard}")
+        return self._worker.submit(work, self)
+
+    def _part(self, cursor: int, target: int, guard: int) -> _Part:
+        """This shard's part of the next publish commit (on the thread of its snapshots)."""
+        # ``target`` was read from this thread's op snapshot: no newer one is needed.
+        op = self.tables.snapshot("op", latest=False)
+        end, rows, guard = self.chunks.next_chunk(op, cursor, target, guard)
+        return _Part(self, cursor, end, target, rows, guard)
+
+    def _publish_chunk(
+        self, targets: Mapping[Publisher, int], unsent: pa.Table
+    ) -> tuple[PublishResult, bool]:
+        """Publish the next chunk of committed messages of each shard up to its ``op``
+        version in ``targets`` in one commit, with the normal messages ``unsent`` if it is the
+        last; return what it wrote and whether it was the last.
 
         A commit lost to a concurrent publisher (``CommitFailedError``) did not land and is
         retried from the new state. Before writing, the attempt checks that no other publisher
-        moved the ``op`` cursor while it read the chunk (it would write data files for a commit
+        moved an ``op`` cursor while it read the chunk (it would write data files for a commit
         bound to fail). A failure that does not say whether the commit landed (an I/O error, or
         a step after the commit such as writing a checkpoint) is retried as well: a landed
-        chunk moved the cursor, and the normal messages' ids are looked up in ``commitlog`` (by
-        file statistics) and not written again if they are there.
+        chunk moved the cursors, and the normal messages' ids are looked up in ``commitlog``
+        (by file statistics) and not written again if they are there.
         """
         landed: list[tuple[str, int, int]] = []  # normal messages an unsure attempt did send
         unsure: list[Exception] = []
@@ -169,40 +235,55 @@ class Publisher:
                     ) from unsure[-1]
                 # They were sent; committed transactions left over go with the next publish.
                 return PublishResult(len(landed), cursor, head.version, list(landed)), True
-            if cursor >= target and unsent.num_rows == 0:
+            behind = [
+                (p, head.txns.get(p.cursor_id, -1), t)
+                for p, t in targets.items()
+                if head.txns.get(p.cursor_id, -1) < t
+            ]
+            if not behind and unsent.num_rows == 0:
                 version = head.version if landed else None
                 return PublishResult(len(landed), cursor, version, list(landed)), True
-            # ``target`` was read from this thread's op snapshot: no newer one is needed.
-            guard = head.txns.get(self.foreign_id, 0)
-            end, batch, guard = self.chunks.next_chunk(
-                self.tables.snapshot("op", latest=False), cursor, target, guard
+            parts = self._each(
+                [p for p, _, _ in behind],
+                lambda p: p._part(
+                    head.txns.get(p.cursor_id, -1), targets[p], head.txns.get(p.foreign_id, 0)
+                ),
             )
-            streamed = isinstance(batch, LargeVersion)
+            # One version too large to hold is streamed, in a commit of its own.
+            streamed = next((q for q in parts if isinstance(q.rows, LargeVersion)), None)
+            if streamed is not None:
+                parts = [streamed]
+            finished = len(parts) == len(behind) and all(q.end >= q.target for q in parts)
             # A streamed version leaves the normal messages to a commit of their own.
-            last = end >= target and not (streamed and unsent.num_rows)
-            if last and not streamed:
-                batch = pa.concat_tables([batch, unsent])
+            last = finished and not (streamed and unsent.num_rows)
+            if streamed is None:
+                batch = pa.concat_tables([q.rows for q in parts] + ([unsent] if last else []))
             # Catch up before writing, so that a publisher that lost the race writes no files.
-            # The chunk was read for ``cursor``: the newer version may be written on only if
-            # its cursor is the same (else the chunk would be published twice); offsets come
-            # from it, and Delta's conflict check guards both against any later commit.
+            # The chunk was read for these cursors: the newer version may be written on only
+            # if they are the same (else a chunk would be published twice); offsets come from
+            # it, and Delta's conflict check guards both against any later commit.
             read_version, head = head.version, self.tables.head("commitlog", reload=False)
-            if head.version != read_version and head.txns.get(self.cursor_id, -1) != cursor:
-                raise CommitFailedError("another publisher moved the op cursor")
+            if head.version != read_version and any(
+                head.txns.get(q.lane.cursor_id, -1) != q.cursor for q in parts
+            ):
+                raise CommitFailedError("another publisher moved an op cursor")
             queues = per_queue(_QUEUE_APP_ID_PREFIX, head.txns)
-            if streamed:
-                stream, next_offsets, written = self.chunks.stream_offsets(batch, queues, end)
+            if streamed is not None:
+                stream, next_offsets, written = streamed.lane.chunks.stream_offsets(
+                    streamed.rows, queues, streamed.end
+                )
                 batch = COMMITLOG_SCHEMA.empty_table()
             else:
                 batch, next_offsets = assign_offsets(queues, batch)
                 written = batch.num_rows
             app_ids = {queue_app_id(t, q): n for (t, q), n in next_offsets.items()}
-            if end > cursor:
-                app_ids[self.cursor_id] = end
-            if guard > head.txns.get(self.foreign_id, 0):
-                app_ids[self.foreign_id] = guard
+            for q in parts:
+                if q.end > q.cursor:
+                    app_ids[q.lane.cursor_id] = q.end
+                if q.guard > head.txns.get(q.lane.foreign_id, 0):
+                    app_ids[q.lane.foreign_id] = q.guard
             try:
-                if streamed:
+                if streamed is not None:
                     # Closed here: a write that stops early (a writer failed) stops the reader's
                     # helper thread now, not when the traceback that holds it is collected.
                     with closing(read_ahead(stream)) as ahead:
@@ -232,16 +313,18 @@ class Publisher:
                     strict=True,
                 )
             )
-            if streamed:
+            if streamed is not None:
                 log.info(
-                    "published one large decision (op version %d): %s message(s) in commitlog "
-                    "version %d",
-                    end,
+                    "published one large decision (op version %d of shard %d): %s message(s) "
+                    "in commitlog version %d",
+                    streamed.end,
+                    streamed.lane.shard,
                     f"{written:,}",
                     version,
                 )
-            log.debug("published %d message(s) up to op version %d", written, end)
-            result = PublishResult(written + len(landed), max(end, cursor), version, landed + sent)
+            log.debug("published %d message(s) of %d shard(s)", written, len(parts))
+            mine = max([cursor] + [q.end for q in parts if q.lane is self])
+            result = PublishResult(written + len(landed), mine, version, landed + sent)
             return result, last
 
         return retry_commits("publish", "commitlog", attempt)

@@ -41,6 +41,7 @@ from deltalake import DeltaTable
 from rmq_spark.delta.retry import retry_commits
 from rmq_spark.delta.txnlog import app_transactions
 from rmq_spark.model.errors import StoreError
+from rmq_spark.model.failpoints import failpoint
 from rmq_spark.store.layout import mark_sharded, open_or_create, shard_uri, shards_found
 from rmq_spark.store.queues import (
     FOREIGN_OP_APP_ID,
@@ -118,7 +119,9 @@ class Shards:
         if not missing:
             return
         mark_sharded(self.root._tables)
+        failpoint("shards.marked")
         self._add(missing, create=True)
+        failpoint("shards.made")
         mark_sharded(self.root._tables, count)
         log.info("store %s: %d shard(s) now (made %s)", self.root.root, count, missing)
 

@@ -172,7 +172,8 @@ def test_a_large_version_reports_its_progress_and_its_end(
         "publishing one large decision (op version 1): 4 of 10 message(s) copied into commitlog",
         "publishing one large decision (op version 1): 8 of 10 message(s) copied into commitlog",
         "publishing one large decision (op version 1): 10 of 10 message(s) copied into commitlog",
-        "published one large decision (op version 1): 10 message(s) in commitlog version 1",
+        "published one large decision (op version 1 of shard 0): 10 message(s) in commitlog "
+        "version 1",
     ]
     check_published(store, [f"big-{i}" for i in range(10)])
 

@@ -26,10 +26,10 @@ LEASE_SECONDS = 2.0
 COMMIT = LocalTransactionState.COMMIT
 
 
-def _settings(root: Path, lease: float = LEASE_SECONDS) -> Settings:
+def _settings(root: Path, lease: float = LEASE_SECONDS, shards: int = 1) -> Settings:
     return Settings(
         store=StoreSettings(
-            path=str(root), queue_nums=2, publish_interval=0.05, publish_lease=lease
+            path=str(root), queue_nums=2, publish_interval=0.05, publish_lease=lease, shards=shards
         )
     )
 
@@ -50,9 +50,10 @@ def _commit(producer: TransactionMQProducer) -> str:
     return sent.msg_id
 
 
-@pytest.fixture
-def holder(tmp_path: Path):
-    """A producer process that took the publisher lease, sent one COMMIT, and waits."""
+@pytest.fixture(params=[1, 3], ids=["one shard", "three shards"])
+def holder(request: pytest.FixtureRequest, tmp_path: Path):
+    """A producer process that took the publisher lease, sent one COMMIT, and waits; on a
+    store of one shard, and of three (it claims one; the lease is the store's)."""
     child = textwrap.dedent(
         f"""
         import sys, time
@@ -60,7 +61,8 @@ def holder(tmp_path: Path):
         from tests.unit.test_publish_loop import _commit, _settings
         from tests.unit.test_producer import ScriptedListener
         from pathlib import Path
-        store = Store.open(settings=_settings(Path({str(tmp_path / "store")!r})))
+        root = Path({str(tmp_path / "store")!r})
+        store = Store.open(settings=_settings(root, shards={request.param}))
         producer = TransactionMQProducer("pg", ScriptedListener(), store=store).start()
         while not producer._publisher.holding:
             time.sleep(0.02)
@@ -88,7 +90,9 @@ def test_the_lease_holder_publishes_every_producers_commits_and_another_takes_ov
     store = Store.open(settings=_settings(tmp_path / "store"))
     assert store.lock_holder(LEASE).split(":")[1] == str(proc.pid)
     with TransactionMQProducer("pg", ScriptedListener(), store=store) as producer:
-        # Published by the other process's loop: this one holds no lease and never flushes.
+        # Published by the other process's loop: this one holds no lease and never flushes
+        # (with shards, it writes to a shard the other process does not).
+        assert producer._publisher.claimed == (len(store.shard_numbers()) > 1)
         mine = _commit(producer)
         assert _visible(store, {first, mine}, 10)
         assert not producer._publisher.holding

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -112,6 +113,32 @@ def test_decisions_stay_in_their_transactions_shard(tmp_path: Path) -> None:
     assert not (tmp_path / "store" / "shards" / "2" / "commitlog").exists()
 
 
+def test_the_roots_publish_takes_every_shards_commits_in_one_commit(tmp_path: Path) -> None:
+    """The store's one publisher publishes every shard: the root's ``publish()`` (the lease
+    holder's loop, check-back) takes each shard's COMMITs, in one CommitLog commit; a shard's
+    own publish takes its own."""
+    store = _open(tmp_path / "store", shards=3)
+    committed = []
+    for k in (0, 1, 2, 2):
+        shard = store.shard_store(k)
+        (prepared,) = shard.prepare([Message("T", f"m{len(committed)}", keys="k")], "g")
+        shard.end_transactions([Decision(prepared.transaction_id, "g", COMMIT)], publish=False)
+        committed.append(prepared)
+    before = store.table("commitlog").version()
+    assert store.publish().published == 4
+    assert store.table("commitlog").version() == before + 1
+    rows = commitlog(store).to_pylist()
+    assert sorted((r["msg_id"], r["queue_id"], r["queue_offset"]) for r in rows) == sorted(
+        (p.msg_id, p.queue_id, 0 if p is not committed[3] else 1) for p in committed
+    )
+    assert [store.shard_store(k).published_op_version() for k in range(3)] == [1, 1, 2]
+    assert store.publish().published == 0
+    (later,) = store.shard_store(1).prepare([Message("T", "later")], "g")
+    store.end_transactions([Decision(later.transaction_id, "g", COMMIT)], publish=False)
+    assert store.shard_store(2).publish().published == 0
+    assert store.shard_store(1).publish().published == 1
+
+
 def test_a_transaction_of_an_unknown_shard_names_the_problem(tmp_path: Path) -> None:
     store = _open(tmp_path / "store", shards=2)
     stranger = shard_transaction_id(9)
@@ -145,8 +172,9 @@ def test_producers_claim_shards_of_their_own_and_share_when_all_are_taken(
         shards = [shard_of(s.transaction_id) for s in sent]
         assert sorted(shards[:2]) == [0, 1]  # the first two took a shard each
         assert shards[2] in (0, 1)  # the third shares one
-        holding = [p._publisher.holding for p in producers]
-        assert holding[:2] == [True, True]
+        claimed = [p._publisher.claimed for p in producers]
+        assert claimed == [True, True, False]
+        assert sum(p._publisher.holding for p in producers) <= 1  # one publishes every shard
     finally:
         for p in producers:
             p.shutdown()
@@ -269,6 +297,57 @@ def test_a_shard_whose_maker_was_killed_before_its_marker_is_made_by_the_next(
     assert _marker(partial)["shard"] == 2
     (prepared,) = grown.shard_store(2).prepare([Message("T", "m")], "pg")
     assert shard_of(prepared.transaction_id) == 2
+
+
+_GROW = """
+import json, sys
+from rmq_spark import Store
+from rmq_spark.model.config import StoreSettings
+root, options, shards = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+Store.open(settings=StoreSettings(path=root, queue_nums=2, shards=shards, storage_options=options))
+"""
+
+
+@pytest.mark.parametrize("where", ["local", pytest.param("s3", marks=pytest.mark.objectstore)])
+def test_a_grower_killed_at_any_step_of_making_a_shard_leaves_a_store_the_next_one_grows(
+    where: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """A real process growing the store is killed (SIGKILL) at each step of making a shard in
+    turn: the store stays readable (a reader finds the shards made, the half-made one not),
+    and the next grower completes the shard, which then takes transactions."""
+    if where == "s3":
+        minio = request.getfixturevalue("minio")
+        root, options = minio.root(), minio.storage_options
+        steps = ["shards.marked", "storage.probed", "layout.table", "shards.made"]
+    else:
+        root, options = str(tmp_path / "store"), {}
+        steps = ["shards.marked", "layout.table", "layout.staged", "shards.made"]
+
+    def settings(shards: int) -> StoreSettings:
+        return StoreSettings(path=root, queue_nums=2, shards=shards, storage_options=options)
+
+    Store.open(settings=settings(1))
+    for shards, step in enumerate(steps, start=2):
+        killed = subprocess.run(
+            [sys.executable, "-c", _GROW, root, json.dumps(options), str(shards)],
+            env={**os.environ, "PYTHONPATH": str(REPO), "RMQ_SPARK_FAILPOINT": step},
+            start_new_session=True,  # the failpoint kills the child's whole session
+            capture_output=True,
+            timeout=300,
+        )
+        assert killed.returncode == -signal.SIGKILL, (step, killed.stderr.decode()[-2000:])
+        reader = Store.open(settings=settings(1), create=False)
+        made = shards if step == "shards.made" else shards - 1
+        assert reader.shard_numbers(refresh=True) == list(range(made)), step
+        grown = Store.open(settings=settings(shards))
+        assert grown.shard_numbers(refresh=True) == list(range(shards)), step
+        new = grown.shard_store(shards - 1)
+        (prepared,) = new.prepare([Message("T", step)], "g")
+        grown.end_transactions([Decision(prepared.transaction_id, "g", COMMIT)])
+        assert prepared.msg_id in commitlog(grown).column("msg_id").to_pylist(), step
+    assert Store.open(settings=settings(1), create=False).shard_numbers(refresh=True) == list(
+        range(len(steps) + 1)
+    )
 
 
 def _as_layout_2(root: Path) -> list[str]:
