@@ -92,7 +92,7 @@ class LargeVersion:
     @cached_property
     def uris(self) -> list[str]:
         """The files whose statistics admit one of the transactions, in stored order."""
-        return admitting(self.files, self.transaction_ids.to_pylist())
+        return admitting(self.files, self.transaction_ids.to_pylist()).column("uri").to_pylist()
 
     def keep(self, rows: pa.Table) -> pa.ChunkedArray:
         """Mask of the rows of these transactions."""
@@ -158,12 +158,11 @@ def _hand_over(ready: queue.Queue[object], item: object, stopped: threading.Even
     return False
 
 
-def admitting(files: pa.Table, ids: Sequence[str], column: str = "transaction_id") -> list[str]:
-    """The ``uri`` of each file (add action) whose statistics of ``column`` admit one of
-    ``ids``, in the files' order."""
+def admitting(files: pa.Table, ids: Sequence[str], column: str = "transaction_id") -> pa.Table:
+    """The files (add actions) whose statistics of ``column`` admit one of ``ids``, in the
+    files' order."""
     first, stop = id_ranges(files, np.sort(np.array(list(ids), dtype=object)), column)
-    uris = files.column("uri").to_pylist()
-    return [u for u, admits in zip(uris, stop > first, strict=True) if admits]
+    return files.filter(pa.array(stop > first, pa.bool_()))
 
 
 def id_ranges(

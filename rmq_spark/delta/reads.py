@@ -12,9 +12,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as pads
+import pyarrow.fs as pafs
 from deltalake import DeltaTable
 
-from rmq_spark.delta.storage import arrow_filesystem
+from rmq_spark.delta.storage import arrow_filesystem, filesystem
+
+#: Data files read together up to this many bytes in all are each read whole, at once
+#: (:func:`read_files`).
+WHOLE_FILES_BYTES = 64 * 1024 * 1024
 
 
 def _plain_type(dtype: pa.DataType) -> pa.DataType:
@@ -88,6 +93,7 @@ def read_files(
     storage_options: Mapping[str, str],
     keep: Callable[[pa.Table], pa.ChunkedArray] | None = None,
     columns: Sequence[str] | None = None,
+    sizes: Sequence[int] | None = None,
 ) -> pa.Table:
     """Read Parquet data files of a table directly with pyarrow (multi-threaded).
 
@@ -105,18 +111,30 @@ def read_files(
         which pyarrow's statistics pruning cannot compare with plain literals.)
     columns : sequence of str, optional
         Read only these columns.
+    sizes : sequence of int, optional
+        The files' sizes (their add actions'). Files this small together
+        (:data:`WHOLE_FILES_BYTES`) are each read whole, all at once: one request a file on
+        an object store, where pyarrow makes three one after the other (the size, the
+        footer, the data), 20 to 50 ms each.
     """
     if columns is not None:
         schema = pa.schema([schema.field(c) for c in columns])
     if not uris:
         return schema.empty_table()
     paths = [fsspec.core.strip_protocol(uri) for uri in uris]
-    dataset = pads.dataset(
-        paths,
-        schema=schema,
-        format="parquet",
-        filesystem=arrow_filesystem(uris[0], storage_options),
-    )
+    if sizes is not None and sum(sizes) <= WHOLE_FILES_BYTES:
+        fs, _ = filesystem(uris[0], storage_options)
+        whole = fs.cat(paths)
+        parquet = pads.ParquetFileFormat()
+        fragments = [parquet.make_fragment(pa.BufferReader(whole[p])) for p in paths]
+        dataset = pads.FileSystemDataset(fragments, schema, parquet, pafs.LocalFileSystem())
+    else:
+        dataset = pads.dataset(
+            paths,
+            schema=schema,
+            format="parquet",
+            filesystem=arrow_filesystem(uris[0], storage_options),
+        )
     rows = dataset.to_table(columns=list(columns) if columns is not None else None)
     if keep is None:
         return rows

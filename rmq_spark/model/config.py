@@ -162,7 +162,7 @@ class StoreSettings:
     #: COMMITs (and at once after one of its own): about how long a COMMIT takes to be visible.
     publish_interval: float = 0.1
     #: The publisher lease: held by one producer process at a time, renewed every third of it,
-    #: taken over by another this long after its holder stopped renewing it.
+    #: taken over by another within half of it after it ends (its holder stopped renewing it).
     publish_lease: float = 10.0
     #: How long the Delta log entries of the internal tables (all but the CommitLog) that a
     #: lagging check-back job still needs are kept (15 min); entries nobody needs go after ten

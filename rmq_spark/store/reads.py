@@ -38,12 +38,14 @@ def rows_by_id(
     time-ordered, so a lookup reads few files). Partition columns are read as nulls.
     """
     wanted = sorted(set(ids))
+    admitted = admitting(files, wanted, column)
     return read_files(
-        admitting(files, wanted, column),
+        admitted.column("uri").to_pylist(),
         TABLES[name][0],
         tables.storage_options,
         lambda rows: pc.is_in(rows.column(column), value_set=pa.array(wanted, pa.string())),
         columns,
+        sizes=admitted.column("size_bytes").to_pylist(),
     )
 
 
