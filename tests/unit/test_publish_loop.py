@@ -126,20 +126,21 @@ def test_end_transaction_returns_once_recorded_and_flush_waits_for_the_publish(
 
 @contextmanager
 def _hanging_looks(producer: TransactionMQProducer, monkeypatch: pytest.MonkeyPatch):
-    """The producer's looks at the publisher lease hang from its next look on (it held the
+    """The producer's renewals of the publisher lease hang from its next one on (it held the
     lease by then); yields once one hangs, and lets them go at the end."""
     deadline = time.monotonic() + 30
     while not producer._publisher.holding and time.monotonic() < deadline:
         time.sleep(0.02)
     looking, release = threading.Event(), threading.Event()
-    look = Store.lock_holder
+    renew = Store.lock
 
-    def hanging(self: Store, name: str) -> str | None:
-        looking.set()
-        release.wait(60)
-        return look(self, name)
+    def hanging(self: Store, name: str, holder: str, seconds: float) -> bool:
+        if seconds:
+            looking.set()
+            release.wait(60)
+        return renew(self, name, holder, seconds)
 
-    monkeypatch.setattr(Store, "lock_holder", hanging)
+    monkeypatch.setattr(Store, "lock", hanging)
     try:
         assert looking.wait(30)
         yield
