@@ -8,11 +8,11 @@ COMMITs would race for ``commitlog``'s log, and every loser re-reads the winners
 an object store, adding producers made the store slower. So the loop of one process, the holder
 of the lease :data:`LEASE` in the root's ``locks``, publishes everything committed (by anyone,
 in every shard, in one commit a round) every ``store.publish_interval``, and at once after a
-COMMIT of its own process. The others only
-check the lease now and then; one of them takes it over when the holder stops renewing it
-(killed, stalled, cut off from the store). A COMMIT is visible after about
-``publish_interval`` and one publish (up to :data:`IDLE_PAUSE` after a quiet spell: the loop
-of an idle store looks less often), or ``store.publish_lease`` more when the holder died.
+COMMIT of its own process. The others only check the lease now and then; one of them takes
+it over when the holder stops renewing it (killed, stalled, cut off from the store). A COMMIT
+is visible after about ``publish_interval`` and one publish (up to :data:`IDLE_PAUSE` after a
+quiet spell: the loop of an idle store looks less often), or up to one and a half
+``store.publish_lease`` more when the holder died.
 
 The lease is about cost, not correctness (rules 2, 4 and 5 hold without it): publishing is
 safe with any number of publishers at once (:mod:`rmq_spark.store.publishing`), so two holders
