@@ -6,20 +6,22 @@ default; real S3 is slower), and the store is on ``s3://`` through it (``--local
 disk instead, no proxy). For each run ``PxS`` of ``--runs``, P producer processes with S sender
 threads each start together and send for ``--seconds``: every sender, in a loop, sends a half
 message (``send_message_in_transaction``), and ends it with COMMIT (``end_transaction``, which
-returns once the decision is durable). Printed per run: transactions per second of all
-processes together, its ratio to the first run, the send latency (half durable, local
-transaction, decision durable) at p50 and p99, the time from a COMMIT's decision to its
-publish (the ``op`` row's ``decided_timestamp`` to the CommitLog row's ``store_timestamp``,
-taken as the publish commit is built: add one commit for the time until a reader sees it) at
-p50 and p99, the share of the machine's CPU busy during the run (near 100%: the run measures
-the machine, not the store), and the requests per transaction the proxy counted, by kind.
+returns once the decision is durable), as fast as it can or ``--rate`` transactions a second
+(the publish lag is measured where the CPU is not saturated). Printed per run: transactions
+per second of all processes together, its ratio to the first run, the send latency (half
+durable, local transaction, decision durable) at p50 and p99, the time from a COMMIT's
+decision to its publish (the ``op`` row's ``decided_timestamp`` to the CommitLog row's
+``store_timestamp``, taken as the publish commit is built: add one commit for the time until a
+reader sees it) at p50 and p99 over the COMMITs decided during the sends, the share of the
+machine's CPU busy during the run (near 100%: the run measures the machine, not the store),
+and the requests per transaction the proxy counted, by kind.
 
 The store of each run has one shard per producer process (``rmq_spark.store.shards``: each
 process appends to logs of its own), or ``--shards`` N for every run, or K for one run written
 ``PxSxK`` (``16x4x1``: every process appends to the same logs, as before shards).
 
 Usage: python bench/scale_bench.py [--runs 1x4,16x4,16x4x1,1x64] [--seconds 20] [--delay-ms 20]
-                                   [--shards N] [--local]
+                                   [--rate TX_PER_SENDER_PER_S] [--shards N] [--local]
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -53,6 +56,10 @@ from tests import minio  # noqa: E402
 from tests.latency_proxy import LatencyProxy  # noqa: E402
 
 BODY = b"x" * 256
+#: Seconds a producer process stays up after its sends: its last COMMITs are published by the
+#: running publisher, as in a service that goes on running (sixteen processes stopping at one
+#: moment would each publish their own, racing for the CommitLog).
+LINGER = 3.0
 
 
 class _Later(TransactionListener):
@@ -65,9 +72,12 @@ class _Later(TransactionListener):
         return LocalTransactionState.COMMIT
 
 
-def worker(root: str, options: dict[str, str], senders: int, start: float, seconds: float):
+def worker(
+    root: str, options: dict[str, str], senders: int, start: float, seconds: float, rate: float
+):
     """One producer process: ``senders`` threads send from ``start`` (wall clock) on for
-    ``seconds``; print ``{"count": n, "latencies": [...]}`` (seconds) on stdout."""
+    ``seconds``, each ``rate`` transactions a second at most (0: one after the other); print
+    ``{"count": n, "latencies": [...]}`` (seconds) on stdout."""
     store = Store.open(settings=StoreSettings(path=root, storage_options=options), create=False)
     latencies: list[float] = []
     lock = threading.Lock()
@@ -80,7 +90,11 @@ def worker(root: str, options: dict[str, str], senders: int, start: float, secon
 
         def send() -> None:
             mine = []
+            due = start + (random.random() / rate if rate else 0.0)  # senders spread out
             while time.time() < end:
+                if rate:
+                    time.sleep(max(0.0, due - time.time()))
+                    due += 1 / rate
                 t0 = time.perf_counter()
                 result = producer.send_message_in_transaction(Message("bench", BODY))
                 producer.end_transaction(result, LocalTransactionState.COMMIT)
@@ -94,16 +108,20 @@ def worker(root: str, options: dict[str, str], senders: int, start: float, secon
             t.start()
         for t in threads:
             t.join()
+        time.sleep(max(0.0, end + LINGER - time.time()))
     print(json.dumps({"count": len(latencies), "latencies": latencies}), flush=True)
 
 
-def publish_lags(root: str, options: dict[str, str]) -> np.ndarray:
-    """Seconds from each COMMIT's decision to its publish, from the store's own tables."""
+def publish_lags(root: str, options: dict[str, str], since: float, until: float) -> np.ndarray:
+    """Seconds from each COMMIT decided between ``since`` and ``until`` (wall clock) to its
+    publish, from the store's own tables."""
     store = Store.open(settings=StoreSettings(path=root, storage_options=options), create=False)
     shards = store.shards()
     op = pa.concat_tables(s.read("op", ["transaction_id", "decided_timestamp"]) for s in shards)
     published = store.read("commitlog", ["transaction_id", "store_timestamp"])
     both = published.join(op, "transaction_id")
+    decided = both["decided_timestamp"].cast(pa.int64()).to_numpy() / 1e6
+    both = both.filter(pa.array((decided >= since) & (decided < until)))
     lag = pc.subtract(both["store_timestamp"], both["decided_timestamp"]).cast(pa.int64())
     return lag.to_numpy() / 1e6
 
@@ -114,15 +132,18 @@ def run(
     processes: int,
     senders: int,
     seconds: float,
+    rate: float,
     proxy: LatencyProxy | None,
 ):
     """Start ``processes`` workers together; return (transactions/s, latencies, requests
-    counted by the proxy from the start to the end of the sends)."""
+    counted by the proxy from the start to the end of the sends, the share of CPU busy, the
+    wall-clock start of the sends)."""
     start = time.time() + 10 + processes * 1.5  # every worker has opened the store by then
     env = {**os.environ, "RMQ_BENCH_OPTIONS": json.dumps(options)}
+    argv = [sys.executable, __file__, "--worker", root, *map(str, (senders, start, seconds, rate))]
     procs = [
         subprocess.Popen(
-            [sys.executable, __file__, "--worker", root, str(senders), str(start), str(seconds)],
+            argv,
             stdout=subprocess.PIPE,
             env=env,
         )
@@ -142,7 +163,7 @@ def run(
             raise SystemExit(f"a producer process failed (exit {p.returncode})")
         results.append(json.loads(out.decode().strip().splitlines()[-1]))
     latencies = np.array([x for r in results for x in r["latencies"]])
-    return sum(r["count"] for r in results) / seconds, latencies, counts, busy
+    return sum(r["count"] for r in results) / seconds, latencies, counts, busy, start
 
 
 def _cpu_times() -> list[int]:
@@ -165,6 +186,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--delay-ms", type=float, default=20.0)
     parser.add_argument("--shards", type=int, default=None)
+    parser.add_argument("--rate", type=float, default=0.0)
     parser.add_argument("--local", action="store_true")
     args = parser.parse_args()
     runs = [[int(n) for n in r.split("x")] for r in args.runs.split(",")]
@@ -189,18 +211,18 @@ def main() -> None:
                 shards = fixed[0] if fixed else args.shards or processes
                 made = StoreSettings(path=root, storage_options=options, shards=shards)
                 Store.open(settings=made, create=True)
-                rate, lat, counts, busy = run(
-                    root, options, processes, senders, args.seconds, proxy
+                tps, lat, counts, busy, start = run(
+                    root, options, processes, senders, args.seconds, args.rate, proxy
                 )
-                first = first or rate
-                done = max(rate * args.seconds, 1)
+                first = first or tps
+                done = max(tps * args.seconds, 1)
                 per_tx = " ".join(f"{k} {v / done:.1f}" for k, v in sorted(counts.items()))
                 label = f"{processes} process(es) x {senders} senders"
                 p50, p99 = (np.percentile(lat, q) * 1000 if len(lat) else 0 for q in (50, 99))
-                lags = publish_lags(root, options) * 1000
+                lags = publish_lags(root, options, start, start + args.seconds) * 1000
                 published = "/".join(f"{np.percentile(lags, q):.0f}" for q in (50, 99))
                 print(
-                    f"{label:>24} {shards:>6} {rate:8.0f} {rate / first:5.1f}x {p50:8.0f} "
+                    f"{label:>24} {shards:>6} {tps:8.0f} {tps / first:5.1f}x {p50:8.0f} "
                     f"{p99:8.0f}  {published:>20} {busy:5.0%}  {per_tx or '-'}",
                     flush=True,
                 )
@@ -213,13 +235,14 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        root, senders, start, seconds = sys.argv[2:6]
+        root, senders, start, seconds, rate = sys.argv[2:7]
         worker(
             root,
             json.loads(os.environ["RMQ_BENCH_OPTIONS"]),
             int(senders),
             float(start),
             float(seconds),
+            float(rate),
         )
     else:
         main()

@@ -38,7 +38,7 @@ from rmq_spark.delta.files import commit_files, write_files, write_in_parallel
 from rmq_spark.delta.reads import read_arrow, with_uris
 from rmq_spark.delta.retry import refused_if_cleaned, relisting, retry_commits
 from rmq_spark.delta.storage import check_conditional_put, deltalake_options
-from rmq_spark.delta.txnlog import app_transactions, follow
+from rmq_spark.delta.txnlog import app_transactions, commit_infos, follow
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 TableSpec = tuple[pa.Schema, list[str], dict[str, str]]
 #: The kinds of chores a commit asks for (see :class:`ChoreKinds`).
 _CHORES = ("checkpoint", "maintain")
+#: The most ``commitInfo`` actions :meth:`DeltaTables.latest_version` keeps per table and thread.
+_MAX_KEPT_INFOS = 4096
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,8 @@ class DeltaTables:
         self._snapshots = threading.local()
         self._refreshed = threading.local()
         self._heads = threading.local()
+        self._followed = threading.local()
+        self._infos = threading.local()
         #: The newest version of each table this process committed: where a blind append
         #: starts looking for a free version when its cached snapshot is older.
         self._known: dict[str, int] = {}
@@ -146,6 +150,39 @@ class DeltaTables:
             return table
         refreshed[name] = now
         return table
+
+    def latest_version(self, name: str) -> int:
+        """A table's latest version, for a thread that looks at it often without committing to
+        it (the publisher, at every shard's ``op``): the log entries after the version this
+        thread found last are read (one request when there is none, :func:`follow`), and their
+        ``commitInfo`` kept for :meth:`commit_infos`. Its snapshot is brought up to date (its
+        log listed) instead when it is older than :attr:`fresh_seconds`, so an entry missing
+        after that version (cleaned under a stalled thread) delays what follows it by no more.
+        """
+        now = time.monotonic()
+        found = self._followed.__dict__.get(name)  # (version, when its snapshot was updated)
+        infos = self._infos.__dict__.setdefault(name, {})
+        if len(infos) > _MAX_KEPT_INFOS:
+            infos.clear()  # nobody asked for them: another publisher published those versions
+        if found is not None and now - found[1] < self.fresh_seconds:
+            followed = follow(self.uri(name), self.storage_options, found[0], {}, infos)
+            if followed is not None:
+                self._followed.__dict__[name] = (followed[0], found[1])
+                return followed[0]
+        version = self.snapshot(name).version()
+        self._followed.__dict__[name] = (version, now)
+        return version
+
+    def commit_infos(self, name: str, first: int, last: int) -> dict[int, dict]:
+        """The ``commitInfo`` of each commit ``first..last`` of a table
+        (:func:`rmq_spark.delta.txnlog.commit_infos`), without reading again those
+        :meth:`latest_version` read on this thread; those before ``first`` are forgotten."""
+        kept = self._infos.__dict__.get(name, {})
+        for version in [v for v in kept if v < first]:
+            del kept[version]
+        if all(v in kept for v in range(first, last + 1)):
+            return {v: kept[v] for v in range(first, last + 1)}
+        return commit_infos(self.uri(name), self.storage_options, first, last)
 
     def known_version(self, name: str) -> int:
         """The newest version of a table this thread's snapshot holds or this process

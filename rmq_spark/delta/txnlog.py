@@ -110,13 +110,18 @@ def app_transactions(
 
 
 def follow(
-    uri: str, storage_options: Mapping[str, str], version: int, txns: Mapping[str, int]
+    uri: str,
+    storage_options: Mapping[str, str],
+    version: int,
+    txns: Mapping[str, int],
+    infos: dict[int, dict] | None = None,
 ) -> tuple[int, Mapping[str, int]] | None:
     """The latest version of a table and its application transactions, ``(version, txns)``,
     from a version the caller knows and its ``txns``: the log entries after it are read one
     by one until the first that does not exist. No listing: on a local filesystem deltalake
     lists the whole log to bring a snapshot up to date, and the CommitLog keeps its log for
-    Delta's 30 days (about 100 ms a snapshot update at 3,000 entries).
+    Delta's 30 days (about 100 ms a snapshot update at 3,000 entries). The ``commitInfo`` of
+    each entry read goes into ``infos`` (by version), if given.
 
     Returns None when one of those entries changes the table (``metaData`` or ``protocol``):
     load a snapshot instead. The caller must know that no entry after ``version`` can have
@@ -140,6 +145,8 @@ def follow(
                     followed = dict(txns) if followed is None else followed
                     followed[action["txn"]["appId"]] = int(action["txn"]["version"])
         version += 1
+        if infos is not None:
+            infos[version] = _commit_info(content)
 
 
 #: Reader features that change nothing for a reader of the data files as they are.
@@ -301,16 +308,21 @@ def commit_infos(
     """
     fs, log_path = filesystem(f"{uri.rstrip('/')}/_delta_log", storage_options)
     return {
-        version: next(
-            (
-                json.loads(line)["commitInfo"]
-                for line in content.splitlines()
-                if line.startswith(b'{"commitInfo"')
-            ),
-            {},
-        )
+        version: _commit_info(content)
         for version, content in _commits(fs, log_path, first, last).items()
     }
+
+
+def _commit_info(content: bytes) -> dict:
+    """The ``commitInfo`` action of a commit's JSON (empty if it has none)."""
+    return next(
+        (
+            json.loads(line)["commitInfo"]
+            for line in content.splitlines()
+            if line.startswith(b'{"commitInfo"')
+        ),
+        {},
+    )
 
 
 def clean_log(

@@ -23,7 +23,6 @@ from deltalake import DeltaTable
 
 from rmq_spark.delta.reads import conform, read_arrow
 from rmq_spark.delta.tables import DeltaTables
-from rmq_spark.delta.txnlog import commit_infos
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +85,7 @@ def commits_in(tables: DeltaTables, op: DeltaTable, first: int, last: int) -> tu
         return _changed_commits(op if op.version() >= end else tables.snapshot("op"), start, end)
 
     try:
-        infos = commit_infos(tables.uri("op"), tables.storage_options, first, last)
+        infos = tables.commit_infos("op", first, last)
     except LookupError:
         return changed(first, last), 0
     parts, foreign = [_COMMITTED.empty_table()], 0

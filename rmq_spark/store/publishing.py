@@ -177,7 +177,7 @@ class Publisher:
 
     def _target(self, latest: bool) -> int:
         """The ``op`` version to publish up to (see :meth:`publish`)."""
-        return self.tables.snapshot("op").version() if latest else self.tables.known_version("op")
+        return self.tables.latest_version("op") if latest else self.tables.known_version("op")
 
     def _each(self, lanes: Sequence[Publisher], work: Callable[[Publisher], T]) -> list[T]:
         """``work(lane)`` for each lane, this shard's on this thread, the others' at once on
@@ -194,7 +194,7 @@ class Publisher:
 
     def _part(self, cursor: int, target: int, guard: int) -> _Part:
         """This shard's part of the next publish commit (on the thread of its snapshots)."""
-        # ``target`` was read from this thread's op snapshot: no newer one is needed.
+        # Only a decision of an older rmq-spark is read from a snapshot (at ``target`` or after).
         op = self.tables.snapshot("op", latest=False)
         end, rows, guard = self.chunks.next_chunk(op, cursor, target, guard)
         return _Part(self, cursor, end, target, rows, guard)

@@ -35,6 +35,7 @@ from rmq_spark.model.errors import CorruptStoreError, StoreError
 from rmq_spark.model.schema import TABLES
 from rmq_spark.store.queues import OP_CURSOR_APP_ID, queue_app_id
 from tests.conftest import commitlog, foreign_compaction_after_the_stores, race
+from tests.latency_proxy import LatencyProxy
 
 COMMIT, ROLLBACK = LocalTransactionState.COMMIT, LocalTransactionState.ROLLBACK
 REPO = Path(__file__).resolve().parents[2]
@@ -303,6 +304,36 @@ def test_the_commitlog_log_follows_its_log_retention(tmp_path: Path) -> None:
     versions = sorted(int(p.name[:20]) for p in log_dir.glob("*.json"))
     assert versions[0] >= 5, versions  # the early entries a checkpoint covers are gone
     assert commitlog(store).num_rows == 12
+
+
+@pytest.mark.objectstore
+def test_a_publish_reads_each_new_op_entry_once(minio) -> None:
+    """The store-wide publisher looks at every shard's ``op`` each round: a snapshot update
+    read each new log entry twice and the decisions' ``commitInfo`` read it a third time (a
+    GET each on S3, the publisher's round trips that set the publish lag). Following the log
+    reads each once."""
+    proxy = LatencyProxy(int(minio.endpoint.rsplit(":", 1)[1]), 0.0, record=True).start()
+    try:
+        options = dict(minio.storage_options, AWS_ENDPOINT_URL=proxy.endpoint)
+        root = minio.root()
+        store = Store.open(
+            settings=Settings(store=StoreSettings(path=root, storage_options=options))
+        )
+        store.publish()  # this thread has looked at op: the next publish follows its log
+        bodies = backlog(store, 3)
+        proxy.requests.clear()
+        assert store.publish().published == len(bodies)
+        op_entries = [
+            t
+            for m, t in proxy.requests
+            if m == "GET" and re.search(r"/op/_delta_log/\d+\.json$", t)
+        ]
+        assert op_entries and len(op_entries) == len(set(op_entries)), op_entries
+        assert sorted(commitlog(store).column("body").to_pylist()) == sorted(
+            b.encode() for b in bodies
+        )
+    finally:
+        proxy.stop()
 
 
 def test_a_publisher_notices_a_change_of_the_commitlog_made_by_another_writer(
