@@ -74,10 +74,14 @@ SECRET_KEY = "yourSecretKey"
 
 
 #: The settings of the serve target's store: the check-back job asks the topic's clients
-#: (through the server) about transactions open for 2 s.
+#: (through the server) about transactions open for 2 s; the client's account.
 SERVE_SETTINGS = """\
 [store]
 path = "{store}"
+
+[serve.accounts.{access_key}]
+secret_key = "{secret_key}"
+topics = ["{topic}"]
 
 [transaction]
 transaction_timeout = "2s"
@@ -92,7 +96,7 @@ def serve_commands(conf: Path, port: int, cert: Path, key: Path, topic: str) -> 
     """`rmqtx serve` and the check-back job beside it, on the store of ``conf``."""
     rmqtx = [str(REPO / ".venv" / "bin" / "rmqtx"), "--conf", str(conf)]
     serve = ["serve", "--port", str(port), "--tls-cert", str(cert), "--tls-key", str(key)]
-    serve += ["--access-key", f"{ACCESS_KEY}:{SECRET_KEY}", "--topic", topic]
+    serve += ["--topic", topic]
     return [rmqtx + serve, rmqtx + ["check", "--interval", "5s"]]
 
 
@@ -225,7 +229,11 @@ class Serve:
         self.cert, self.key = make_cert(workdir)
         self.store = workdir / "store"
         conf = workdir / "rmq-spark.toml"
-        conf.write_text(SERVE_SETTINGS.format(store=self.store, topic=topic))
+        conf.write_text(
+            SERVE_SETTINGS.format(
+                store=self.store, topic=topic, access_key=ACCESS_KEY, secret_key=SECRET_KEY
+            )
+        )
         self.cmd, self.check_cmd = serve_commands(conf, self.port, self.cert, self.key, topic)
         self.procs: list[tuple[str, subprocess.Popen]] = []
 

@@ -222,6 +222,9 @@ class Settings:
     #: ``[checkers.<producer group>]`` sections, built by
     #: :func:`rmq_spark.checkback.checkers.checkers_from_config`.
     checkers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: The ``[serve]`` section of ``rmqtx serve`` (its accounts, read by
+    #: :func:`rmq_spark.serve.accounts.accounts_from_settings`).
+    serve: dict[str, Any] = field(default_factory=dict)
 
 
 def _section(data: dict[str, Any], cls: type, name: str, parsers: dict[str, Any]) -> Any:
@@ -286,7 +289,7 @@ def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
         data = tomllib.loads(Path(chosen).read_text(encoding="utf-8"))
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise InvalidOptionError(f"cannot read settings file {str(chosen)!r}: {exc}") from exc
-    sections = {"store", "transaction", "retention", "spark", "logging", "checkers"}
+    sections = {"store", "transaction", "retention", "spark", "logging", "checkers", "serve"}
     unknown = sorted(set(data) - sections)
     if unknown:
         raise InvalidOptionError(
@@ -338,6 +341,7 @@ def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
         spark={str(k): str(v) for k, v in data.get("spark", {}).items()},
         log_level=str(logging_section.get("level", "INFO")).upper(),
         checkers={str(k): dict(v) for k, v in data.get("checkers", {}).items()},
+        serve=dict(data.get("serve", {})),
     )
 
 

@@ -14,16 +14,25 @@ from rmq_spark.model.config import Settings, parse_duration
 from rmq_spark.model.errors import InvalidMessageError, InvalidOptionError
 from rmq_spark.model.messages import check_topic
 
-#: Access keys from the environment, ``KEY:SECRET`` pairs separated by commas (used when no
-#: ``--access-key`` is given; the environment keeps secrets out of the process list).
-ACCESS_KEYS_ENV = "RMQTX_SERVE_ACCESS_KEYS"
+#: Where access keys came from before accounts moved to the settings file: refused with a
+#: pointer to the settings, never echoed.
+_OLD_ACCESS_KEYS_ENV = "RMQTX_SERVE_ACCESS_KEYS"
+_ACCOUNTS_HELP = (
+    "accounts (access keys, secrets and their topics) are in the settings file: "
+    '[serve.accounts.<access key>] with secret_key_env = "<VARIABLE>" (or secret_key) and '
+    'topics = ["<topic>", "<prefix>*"] (see the README, "Serving RocketMQ clients")'
+)
 
 SUMMARY = "serve RocketMQ 5 clients (gRPC): their sends and transactions go into the store"
 EXAMPLES = """\
-  rmqtx serve                                 every topic, on 127.0.0.1:8081, no access keys
-  rmqtx serve --topic Orders --topic Payments --access-key orders:s3cr3t
-  rmqtx serve --host 0.0.0.0 --tls-cert server.pem --tls-key server.key
-  RMQTX_SERVE_ACCESS_KEYS=orders:s3cr3t,billing:t0ps3cr3t rmqtx serve --path s3://bucket/store"""
+  rmqtx serve                                 every topic, on 127.0.0.1:8081
+  rmqtx serve --topic Orders --topic Payments
+  rmqtx --conf serve.toml serve --host 0.0.0.0 --tls-cert server.pem --tls-key server.key
+
+  Accounts are in the settings file (never on the command line), e.g. in serve.toml:
+    [serve.accounts.orders]
+    secret_key_env = "ORDERS_SECRET_KEY"
+    topics = ["Orders", "OrderEvents*"]"""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,14 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         help="a topic to serve (repeatable; default: every valid topic name)",
     )
-    parser.add_argument(
-        "--access-key",
-        action="append",
-        default=[],
-        metavar="KEY:SECRET",
-        help=f"an access key clients sign with (repeatable; default: ${ACCESS_KEYS_ENV}, "
-        "comma-separated; none: every client is accepted)",
-    )
+    parser.add_argument("--access-key", action="append", default=[], help=argparse.SUPPRESS)
     parser.add_argument("--tls-cert", help="PEM certificate chain: serve TLS")
     parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
     parser.add_argument(
@@ -73,18 +75,21 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     RmqSparkError
         For bad options (an invalid topic, a malformed access key, unreadable TLS files).
     """
-    from rmq_spark.serve.auth import parse_access_keys
+    from rmq_spark.serve.accounts import accounts_from_settings
     from rmq_spark.serve.server import ServeOptions, serve
     from rmq_spark.store.facade import Store
 
     if not 0 <= args.port <= 65535:
         raise InvalidOptionError(f"--port needs to be 0 to 65535, not {args.port}.")
-    keys = args.access_key or [k for k in os.environ.get(ACCESS_KEYS_ENV, "").split(",") if k]
+    if args.access_key:
+        raise InvalidOptionError(f"--access-key is gone (argv is public): {_ACCOUNTS_HELP}.")
+    if os.environ.get(_OLD_ACCESS_KEYS_ENV):
+        raise InvalidOptionError(f"${_OLD_ACCESS_KEYS_ENV} is no longer read: {_ACCOUNTS_HELP}.")
     options = ServeOptions(
         host=args.host,
         port=args.port,
         topics=_topics(args.topic),
-        access_keys=parse_access_keys(keys),
+        accounts=accounts_from_settings(settings.serve),
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         grace=parse_duration(args.grace, "--grace"),

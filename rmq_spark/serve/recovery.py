@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -38,41 +39,61 @@ from rmq_spark.store.facade import Store
 
 log = logging.getLogger(__name__)
 
+#: How many transactions asked about a server remembers (see :meth:`Clients.was_asked`).
+REMEMBERED_CHECKS = 100_000
+
 
 @dataclass(eq=False)
 class Client:
-    """A client's telemetry stream: the commands to write on it (None ends it), and the topics
-    (producer groups) it declared or sent to."""
+    """A client's telemetry stream: the account that signed it (``""``: a server without
+    accounts), the commands to write on it (None ends it), and the topics (producer groups) it
+    declared or sent to."""
 
     client_id: str
+    account: str = ""
     outbox: asyncio.Queue[service_pb.TelemetryCommand | None] = field(default_factory=asyncio.Queue)
     topics: set[str] = field(default_factory=set)
 
 
 class Clients:
-    """The clients connected to this server by a telemetry stream, by client id (the
-    ``x-mq-client-id`` metadata of their calls). Used on the event loop's thread only."""
+    """The clients connected to this server by a telemetry stream, by account and client id
+    (the ``x-mq-client-id`` metadata of their calls, which a client chooses: a stream signed by
+    another account never stands for it). Remembers the transactions the server asked about
+    lately, so that an answer is known for one whatever ``source`` the client gives. Used on
+    the event loop's thread only."""
 
     def __init__(self) -> None:
-        self._by_id: dict[str, Client] = {}
+        self._by_id: dict[tuple[str, str], Client] = {}
+        self._asked: OrderedDict[str, None] = OrderedDict()
 
-    def connect(self, client_id: str) -> Client:
-        """Register a new stream of ``client_id`` (replacing an older one of it)."""
-        client = Client(client_id)
-        self._by_id[client_id] = client
+    def connect(self, client_id: str, account: str = "") -> Client:
+        """Register a new stream of ``client_id`` of ``account`` (replacing an older one)."""
+        client = Client(client_id, account)
+        self._by_id[(account, client_id)] = client
         return client
 
     def disconnect(self, client: Client) -> None:
         """Forget ``client``'s stream (unless a newer one of it replaced it already)."""
-        if self._by_id.get(client.client_id) is client:
-            del self._by_id[client.client_id]
+        if self._by_id.get((client.account, client.client_id)) is client:
+            del self._by_id[(client.account, client.client_id)]
 
-    def note_topics(self, client_id: str, topics: Iterable[str]) -> None:
-        """Add topics a client declared or sent to (a producer made without topics declares
-        them only at its next settings sync, minutes later)."""
-        client = self._by_id.get(client_id)
+    def note_topics(self, client_id: str, account: str, topics: Iterable[str]) -> None:
+        """Add topics a client of ``account`` declared or sent to (a producer made without
+        topics declares them only at its next settings sync, minutes later)."""
+        client = self._by_id.get((account, client_id))
         if client is not None:
             client.topics.update(topics)
+
+    def asking(self, transaction_id: str) -> None:
+        """Note that a client is being asked about ``transaction_id``."""
+        self._asked[transaction_id] = None
+        self._asked.move_to_end(transaction_id)
+        while len(self._asked) > REMEMBERED_CHECKS:
+            self._asked.popitem(last=False)
+
+    def was_asked(self, transaction_id: str) -> bool:
+        """Whether a client was asked about ``transaction_id`` lately."""
+        return transaction_id in self._asked
 
     def groups(self) -> set[str]:
         """The producer groups (topics) that have a connected client."""
@@ -147,6 +168,7 @@ class ClientCheckBack:
             client = candidates[count % len(candidates)]
             self._asked_count[orphan.transaction_id] = count + 1
             self._last_asked[orphan.transaction_id] = time.monotonic()
+            self.clients.asking(orphan.transaction_id)
             client.outbox.put_nowait(orphan.command)
             log.info(
                 "asked client %s about transaction %s of group %s",

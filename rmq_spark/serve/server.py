@@ -10,6 +10,7 @@ what it did.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import signal
 from collections.abc import Mapping
@@ -21,6 +22,7 @@ from rocketmq.grpc_protocol import service_pb2_grpc as service_grpc
 
 from rmq_spark.model.config import TransactionSettings
 from rmq_spark.model.errors import InvalidOptionError
+from rmq_spark.serve.accounts import Account
 from rmq_spark.serve.recovery import ClientCheckBack, Clients
 from rmq_spark.serve.service import Counters, MessagingService
 from rmq_spark.store.facade import Store
@@ -40,8 +42,9 @@ class ServeOptions:
         The port (0: any free port, logged at start).
     topics : frozenset of str, optional
         The topics served (others are ``TOPIC_NOT_FOUND``); None serves every valid name.
-    access_keys : mapping of str to str
-        ``{access key: secret key}`` accepted; empty accepts every client.
+    accounts : mapping of str to Account
+        The accounts clients sign as, by access key (:mod:`rmq_spark.serve.accounts`);
+        empty accepts every client.
     tls_cert, tls_key : str, optional
         PEM files of the server's certificate chain and private key: TLS when given.
     grace : float, default 10.0
@@ -51,7 +54,7 @@ class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 8081
     topics: frozenset[str] | None = None
-    access_keys: Mapping[str, str] = field(default_factory=dict)
+    accounts: Mapping[str, Account] = field(default_factory=dict)
     tls_cert: str | None = None
     tls_key: str | None = None
     grace: float = 10.0
@@ -137,7 +140,7 @@ async def _serve(
     service = MessagingService(
         store,
         topics=options.topics,
-        access_keys=options.access_keys,
+        accounts=options.accounts,
         clients=clients,
         endpoint=(options.host, port),
     )
@@ -185,13 +188,28 @@ def _announce(options: ServeOptions, port: int, tls: bool, root: str) -> None:
         "open transactions are asked of their clients once the check-back job lists them: run "
         "'rmqtx check' with [checkers.<topic>] kind = \"clients\" (the topic is the group)"
     )
-    if not options.access_keys:
+    if not tls and not _loopback(options.host):
         log.warning(
-            "no access keys configured: any client that can reach %s:%d may send and end "
-            "transactions; give --access-key KEY:SECRET",
+            "serving PLAINTEXT beyond this host (%s): anyone on the network path reads the "
+            "messages and can replay a client's signed request for about a day; serve TLS "
+            "(--tls-cert, --tls-key)",
+            options.host,
+        )
+    if not options.accounts:
+        log.warning(
+            "no accounts configured: any client that can reach %s:%d may send and end "
+            "transactions; give each its [serve.accounts.<access key>] in the settings file",
             options.host,
             port,
         )
+
+
+def _loopback(host: str) -> bool:
+    """Whether ``host`` is reachable from this host only."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _summary(counters: Counters, checks_sent: int) -> ServeSummary:

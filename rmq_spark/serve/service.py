@@ -46,7 +46,8 @@ from rocketmq.grpc_protocol import service_pb2_grpc as service_grpc
 from rmq_spark.group_commit import GroupCommitter, Slot
 from rmq_spark.model.errors import RmqSparkError
 from rmq_spark.model.messages import LocalTransactionState, Message, shard_of
-from rmq_spark.serve.auth import authorization_error
+from rmq_spark.serve.accounts import Account, check_publish
+from rmq_spark.serve.auth import authenticate
 from rmq_spark.serve.protocol import (
     UNIQ_KEY,
     Code,
@@ -95,19 +96,21 @@ class Counters:
 
 
 def _signed(response: Callable[..., Any]) -> Callable[[_Handler], _Handler]:
-    """A handler of signed requests: one whose signature is refused (see
-    :func:`rmq_spark.serve.auth.authorization_error`), or whose handling raises
+    """A handler of signed requests, called with the account that signed it (None on a server
+    without accounts): one whose signature is refused (see
+    :func:`rmq_spark.serve.auth.authenticate`), or whose handling raises
     :class:`RequestError`, is answered ``response(status=...)`` with the reason."""
 
     def wrap(handler: _Handler) -> _Handler:
         @functools.wraps(handler)
         async def answer(self: MessagingService, request: Any, context: Any) -> Any:
-            error = authorization_error(_metadata(context), self.access_keys)
-            if error is not None:
-                log.warning("refused a request from %s: %s", context.peer(), error)
-                return response(status=status(Code.UNAUTHORIZED, error))
             try:
-                return await handler(self, request, context)
+                account = authenticate(_metadata(context), self.accounts)
+            except RequestError as exc:
+                log.warning("refused a request from %s: %s", context.peer(), exc.message)
+                return response(status=status(exc.code, exc.message))
+            try:
+                return await handler(self, request, context, account)
             except RequestError as exc:
                 log.info("%s refused: %s", handler.__name__, exc.message)
                 return response(status=status(exc.code, exc.message))
@@ -126,8 +129,8 @@ class MessagingService(service_grpc.MessagingServiceServicer):
         The store's root.
     topics : frozenset of str, optional
         The topics served; None serves every valid topic name.
-    access_keys : mapping of str to str
-        ``{access key: secret key}``; empty accepts unsigned requests.
+    accounts : mapping of str to Account
+        By access key (:mod:`rmq_spark.serve.accounts`); empty accepts unsigned requests.
     clients : Clients
         The registry of telemetry streams, shared with the check-back loop.
     endpoint : tuple of (str, int)
@@ -146,14 +149,14 @@ class MessagingService(service_grpc.MessagingServiceServicer):
         store: Store,
         *,
         topics: frozenset[str] | None,
-        access_keys: Mapping[str, str],
+        accounts: Mapping[str, Account],
         clients: Clients,
         endpoint: tuple[str, int],
         max_batch: int = 1024,
     ) -> None:
         self.store = store
         self.topics = topics
-        self.access_keys = dict(access_keys)
+        self.accounts = dict(accounts)
         self.clients = clients
         self.endpoint = endpoint
         self.counters = Counters()
@@ -166,7 +169,8 @@ class MessagingService(service_grpc.MessagingServiceServicer):
         self._sends: OrderedDict[tuple[str, str], asyncio.Task[service_pb.SendResultEntry]] = (
             OrderedDict()
         )
-        self._transactions: OrderedDict[str, str] = OrderedDict()
+        #: This process's open transactions: their producer group and topics.
+        self._transactions: OrderedDict[str, tuple[str, frozenset[str]]] = OrderedDict()
 
     # -------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -207,9 +211,13 @@ class MessagingService(service_grpc.MessagingServiceServicer):
     # -------------------------------------------------------------- routes, liveness
     @_signed(service_pb.QueryRouteResponse)
     async def QueryRoute(
-        self, request: service_pb.QueryRouteRequest, context: grpc.aio.ServicerContext
+        self,
+        request: service_pb.QueryRouteRequest,
+        context: grpc.aio.ServicerContext,
+        account: Account | None,
     ) -> service_pb.QueryRouteResponse:
         check_topic_name(request.topic.name, self.topics)
+        check_publish(account, request.topic.name)
         endpoints = request.endpoints
         if not endpoints.addresses:
             host, port = self.endpoint
@@ -229,7 +237,10 @@ class MessagingService(service_grpc.MessagingServiceServicer):
 
     @_signed(service_pb.HeartbeatResponse)
     async def Heartbeat(
-        self, request: service_pb.HeartbeatRequest, context: grpc.aio.ServicerContext
+        self,
+        request: service_pb.HeartbeatRequest,
+        context: grpc.aio.ServicerContext,
+        account: Account | None,
     ) -> service_pb.HeartbeatResponse:
         return service_pb.HeartbeatResponse(status=status(Code.OK))
 
@@ -238,6 +249,7 @@ class MessagingService(service_grpc.MessagingServiceServicer):
         self,
         request: service_pb.NotifyClientTerminationRequest,
         context: grpc.aio.ServicerContext,
+        account: Account | None,
     ) -> service_pb.NotifyClientTerminationResponse:
         log.info("client %s terminated", _metadata(context).get("x-mq-client-id"))
         return service_pb.NotifyClientTerminationResponse(status=status(Code.OK))
@@ -249,13 +261,15 @@ class MessagingService(service_grpc.MessagingServiceServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[service_pb.TelemetryCommand]:
         metadata = _metadata(context)
-        error = authorization_error(metadata, self.access_keys)
-        if error is not None:
-            log.warning("refused a telemetry stream from %s: %s", context.peer(), error)
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, error)
-        client = self.clients.connect(metadata.get("x-mq-client-id") or uuid.uuid4().hex)
+        try:
+            account = authenticate(metadata, self.accounts)
+        except RequestError as exc:
+            log.warning("refused a telemetry stream from %s: %s", context.peer(), exc.message)
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, exc.message)
+        client_id = metadata.get("x-mq-client-id") or uuid.uuid4().hex
+        client = self.clients.connect(client_id, account.access_key if account else "")
         log.info("client %s connected (%s)", client.client_id, context.peer())
-        reader = asyncio.create_task(self._read_telemetry(request_iterator, client))
+        reader = asyncio.create_task(self._read_telemetry(request_iterator, client, account))
         try:
             while (command := await client.outbox.get()) is not None:
                 yield command
@@ -265,13 +279,16 @@ class MessagingService(service_grpc.MessagingServiceServicer):
             log.info("client %s disconnected", client.client_id)
 
     async def _read_telemetry(
-        self, commands: AsyncIterator[service_pb.TelemetryCommand], client: Client
+        self,
+        commands: AsyncIterator[service_pb.TelemetryCommand],
+        client: Client,
+        account: Account | None,
     ) -> None:
         try:
             async for command in commands:
                 if command.WhichOneof("command") == "settings":
                     topics = [t.name for t in command.settings.publishing.topics]
-                    self.clients.note_topics(client.client_id, topics)
+                    self._note_topics(client.client_id, account, topics)
                     client.outbox.put_nowait(settings_reply(command.settings, self._max_body))
                 else:
                     log.debug("client %s sent %s", client.client_id, command.WhichOneof("command"))
@@ -283,14 +300,19 @@ class MessagingService(service_grpc.MessagingServiceServicer):
     # -------------------------------------------------------------- sends
     @_signed(service_pb.SendMessageResponse)
     async def SendMessage(
-        self, request: service_pb.SendMessageRequest, context: grpc.aio.ServicerContext
+        self,
+        request: service_pb.SendMessageRequest,
+        context: grpc.aio.ServicerContext,
+        account: Account | None,
     ) -> service_pb.SendMessageResponse:
         if not request.messages:
             return service_pb.SendMessageResponse(
                 status=status(Code.MESSAGE_CORRUPTED, "the request has no message to send.")
             )
         client_id = _metadata(context).get("x-mq-client-id", "")
-        entries = await asyncio.gather(*(self._send(m, client_id) for m in request.messages))
+        entries = await asyncio.gather(
+            *(self._send(m, client_id, account) for m in request.messages)
+        )
         codes = {e.status.code for e in entries}
         overall = (
             entries[0].status
@@ -299,13 +321,16 @@ class MessagingService(service_grpc.MessagingServiceServicer):
         )
         return service_pb.SendMessageResponse(status=overall, entries=entries)
 
-    async def _send(self, proto: pb.Message, client_id: str) -> service_pb.SendResultEntry:
+    async def _send(
+        self, proto: pb.Message, client_id: str, account: Account | None
+    ) -> service_pb.SendResultEntry:
         try:
             message = to_message(proto, self.topics, self._max_body)
+            check_publish(account, message.topic)
         except RequestError as exc:
             log.info("send to %r refused: %s", proto.topic.name, exc.message)
             return service_pb.SendResultEntry(status=status(exc.code, exc.message))
-        self.clients.note_topics(client_id, [message.topic])
+        self._note_topics(client_id, account, [message.topic])
         key = (message.topic, proto.system_properties.message_id)
         task = self._sends.get(key)
         if task is None:
@@ -329,7 +354,7 @@ class MessagingService(service_grpc.MessagingServiceServicer):
             if transactional:
                 assert self._prepare is not None
                 prepared = await _result(self._prepare.submit((message, group)))
-                self._remember_transaction(prepared.transaction_id, group)
+                self._remember_transaction(prepared.transaction_id, group, message.topic)
                 entry = service_pb.SendResultEntry(
                     message_id=message_id, transaction_id=prepared.transaction_id
                 )
@@ -353,20 +378,38 @@ class MessagingService(service_grpc.MessagingServiceServicer):
         entry.status.CopyFrom(status(Code.OK))
         return entry
 
-    def _remember_transaction(self, transaction_id: str, group: str) -> None:
-        self._transactions[transaction_id] = group
+    def _note_topics(self, client_id: str, account: Account | None, topics: list[str]) -> None:
+        """Have the client asked about the open transactions of those of ``topics`` its
+        account may be asked about."""
+        asked = [t for t in topics if account is None or account.may_be_asked(t)]
+        if len(asked) < len(topics):
+            log.info(
+                "client %s (account %r) is not asked about topic(s) %s",
+                client_id,
+                account and account.access_key,
+                ", ".join(sorted(set(topics) - set(asked))),
+            )
+        self.clients.note_topics(client_id, account.access_key if account else "", asked)
+
+    def _remember_transaction(self, transaction_id: str, group: str, topic: str) -> None:
+        self._transactions[transaction_id] = (group, frozenset([topic]))
         while len(self._transactions) > REMEMBERED_TRANSACTIONS:
             self._transactions.popitem(last=False)
 
     # -------------------------------------------------------------- transactions
     @_signed(service_pb.EndTransactionResponse)
     async def EndTransaction(
-        self, request: service_pb.EndTransactionRequest, context: grpc.aio.ServicerContext
+        self,
+        request: service_pb.EndTransactionRequest,
+        context: grpc.aio.ServicerContext,
+        account: Account | None,
     ) -> service_pb.EndTransactionResponse:
-        outcome = await self._end_transaction(request)
+        outcome = await self._end_transaction(request, account)
         return service_pb.EndTransactionResponse(status=status(Code.OK, outcome))
 
-    async def _end_transaction(self, request: service_pb.EndTransactionRequest) -> str:
+    async def _end_transaction(
+        self, request: service_pb.EndTransactionRequest, account: Account | None
+    ) -> str:
         """Decide the transaction; return what happened, or raise :class:`RequestError`."""
         transaction_id = request.transaction_id
         if not transaction_id:
@@ -374,17 +417,23 @@ class MessagingService(service_grpc.MessagingServiceServicer):
         state = _RESOLUTIONS.get(request.resolution)
         if state is None:
             return "no resolution: the transaction stays open for check-back"
-        group = self._transactions.get(transaction_id)
-        if group is None:
+        owner = self._transactions.get(transaction_id)
+        if owner is None:
             loop = asyncio.get_running_loop()
-            group = await loop.run_in_executor(None, self._group_of, transaction_id)
-        if group is None:
+            owner = await loop.run_in_executor(None, self._owner_of, transaction_id)
+        if owner is None:
             raise RequestError(
                 Code.INVALID_TRANSACTION_ID,
                 f"unknown transaction {transaction_id!r}: the store has no half message with "
                 "this id; end the transaction_id that the transactional send returned.",
             )
-        by_check = request.source == pb.SOURCE_SERVER_CHECK
+        group, topics = owner
+        for topic in sorted(topics):  # its messages' topics, whatever the request names
+            check_publish(account, topic)
+        # An answer to a check this server sent is a check answer: the Go client sends no source.
+        by_check = request.source == pb.SOURCE_SERVER_CHECK or (
+            request.source != pb.SOURCE_CLIENT and self.clients.was_asked(transaction_id)
+        )
         decided_by = DECIDED_BY_CLIENT_CHECK if by_check else "producer"
         assert self._end is not None
         result: EndTransactionResult = await _result(
@@ -405,14 +454,18 @@ class MessagingService(service_grpc.MessagingServiceServicer):
             log.debug("transaction %s: %s by %s", transaction_id, state.value, decided_by)
         return f"{state.value} {result.status.value.lower()}"
 
-    def _group_of(self, transaction_id: str) -> str | None:
-        """The producer group of a transaction the store holds, or None (blocking)."""
+    def _owner_of(self, transaction_id: str) -> tuple[str, frozenset[str]] | None:
+        """The producer group and the topics of a transaction the store holds, or None
+        (blocking)."""
         try:
             shard = self.store.shard_store(shard_of(transaction_id))
         except RmqSparkError:
             return None  # a shard the store does not have
-        groups = shard.half_messages([transaction_id]).column("producer_group").to_pylist()
-        return groups[0] if groups else None
+        halves = shard.half_messages([transaction_id])
+        if not halves.num_rows:
+            return None
+        group = halves.column("producer_group")[0].as_py()
+        return group, frozenset(halves.column("topic").to_pylist())
 
     # -------------------------------------------------------------- batch handlers
     def _prepare_batch(self, items: list[tuple[Message, str]]) -> list[Any]:

@@ -49,7 +49,18 @@ max_body_bytes = {MAX_BODY}
 transaction_timeout = "2s"
 transaction_check_interval = "1s"
 """
-LISTENING = re.compile(r"listening on 127\.0\.0\.1:(\d+)")
+#: Two accounts: the tests' clients (TxOrders, Orders) and another (Billing only).
+ACCOUNTS = f"""
+[serve.accounts.{AK}]
+secret_key = "{SK}"
+topics = ["Orders", "TxOrders"]
+
+[serve.accounts.billing]
+secret_key_env = "BILLING_SECRET_KEY"
+topics = ["Billing*"]
+"""
+BILLING_SK = "b1ll1ng-secret"
+LISTENING = re.compile(r"listening on [\d.]+:(\d+)")
 
 
 @dataclass
@@ -64,15 +75,15 @@ class Server:
         return self.process.wait(timeout)
 
 
-def start_server(folder: Path, *extra: str, conf: Path | None = None) -> Server:
+def start_server(folder: Path, *extra: str, conf: Path | None = None, accounts: str = "") -> Server:
     """``rmqtx serve`` on a new store under ``folder`` (or the store of the settings file
-    ``conf``), on a free port."""
+    ``conf``) with ``accounts`` (settings), on a free port."""
     folder.mkdir(parents=True, exist_ok=True)
     root, log = folder / "store", folder / "server.log"
     command = [sys.executable, "-m", "rmq_spark.ops.cli"]
     if conf is None:
         conf = folder / "rmq-spark.toml"
-        conf.write_text(SETTINGS)
+        conf.write_text(SETTINGS + accounts)
         command += ["--path", str(root)]
     command += ["--conf", str(conf), "serve"]
     with log.open("wb") as out:
@@ -81,6 +92,7 @@ def start_server(folder: Path, *extra: str, conf: Path | None = None) -> Server:
             stdout=out,
             stderr=subprocess.STDOUT,
             preexec_fn=die_with_parent,
+            env={**os.environ, "BILLING_SECRET_KEY": BILLING_SK},
         )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -98,6 +110,7 @@ def run_client(
     server: Server,
     scenario: str,
     *args: str,
+    access: str = AK,
     secret: str = SK,
     env: dict[str, str] | None = None,
 ):
@@ -105,7 +118,7 @@ def run_client(
     home = folder / "home"
     home.mkdir(parents=True, exist_ok=True)
     done = subprocess.run(
-        [sys.executable, str(CLIENT), scenario, server.endpoint, AK, secret, *args],
+        [sys.executable, str(CLIENT), scenario, server.endpoint, access, secret, *args],
         env={**os.environ, "HOME": str(home), **(env or {})},
         capture_output=True,
         timeout=120,
@@ -117,11 +130,10 @@ def run_client(
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """A server with access keys and two topics, shared by the module's tests."""
+    """A server with two accounts and three topics, shared by the module's tests."""
     folder = tmp_path_factory.mktemp("serve")
-    served = start_server(
-        folder, "--topic", "Orders", "--topic", "TxOrders", "--access-key", f"{AK}:{SK}"
-    )
+    topics = ("--topic", "Orders", "--topic", "TxOrders", "--topic", "Billing")
+    served = start_server(folder, *topics, accounts=ACCOUNTS)
     try:
         yield served
     finally:
@@ -223,6 +235,36 @@ def test_open_transactions_resolved_by_the_clients_checker(
     assert (ids[orphan["orphan"]], ids[commit_id], ids[rollback_id]) == (1, 1, 0)
 
 
+def test_two_accounts_cannot_send_to_end_or_be_asked_about_each_others_transactions(
+    spark, server: Server, tmp_path: Path
+) -> None:
+    """RocketMQ's ACL, kept small: account ``billing`` may publish to ``Billing*`` only. Its
+    key neither routes, sends to nor ends a transaction of ``TxOrders`` (an open one of the
+    tests' account), and a stream of it that declares ``TxOrders`` is asked about nothing,
+    while one of the owner's is (and its answer, with no ``source`` as the Go client sends,
+    is recorded as a check answer)."""
+    orphan = run_client(tmp_path / "killed", server, "orphan")
+    other = {"access": "billing", "secret": BILLING_SK}
+    crossed = run_client(tmp_path / "cross", server, "cross", orphan["orphan_txn"], **other)
+    assert crossed["route"][0] == "FORBIDDEN"
+    assert "account 'billing' may not publish to topic 'TxOrders'" in crossed["route"][1]
+    assert crossed["send"] == "FORBIDDEN" and crossed["end"][0] == "FORBIDDEN"
+    assert crossed["own_send"] == "OK"
+    assert orphan["orphan_txn"] not in decisions(server.root)
+    with check_back_job(spark, server.root, "TxOrders"):
+        # Neither answers: the server asks the group's clients in turn, every second.
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            heard = {
+                who: pool.submit(run_client, tmp_path / who, server, "listen", "10", "none", **a)
+                for who, a in [("owner", {}), ("other", other)]
+            }
+            asked = {who: f.result()["asked"] for who, f in heard.items()}
+        assert orphan["orphan_txn"] in asked["owner"]
+        assert asked["other"] == []
+        run_client(tmp_path / "answer", server, "listen", "10", "commit")
+    assert decisions(server.root)[orphan["orphan_txn"]] == ("COMMIT", "check-back:client")
+
+
 def test_wrong_secret_and_unknown_topic_refused(server: Server, tmp_path: Path) -> None:
     wrong = run_client(tmp_path, server, "refused-send", "Orders", secret="not-the-secret")
     unknown = run_client(tmp_path, server, "refused-send", "NoSuchTopic")
@@ -267,7 +309,8 @@ def test_raw_requests_retries_and_refusals(server: Server, tmp_path: Path) -> No
 def test_sigterm_stops_cleanly(tmp_path: Path) -> None:
     server = start_server(tmp_path / "server")
     log = server.log.read_text()
-    assert "no access keys configured" in log and "serving every valid topic name" in log
+    assert "PLAINTEXT" not in log
+    assert "no accounts configured" in log and "serving every valid topic name" in log
     result = run_client(tmp_path, server, "basic")
     assert server.stop() == 0
     log = server.log.read_text()
@@ -275,6 +318,15 @@ def test_sigterm_stops_cleanly(tmp_path: Path) -> None:
     assert "Traceback" not in log
     counts = stored(server.root, timeout=0)
     assert (counts[result["normal"]], counts[result["committed"]]) == (1, 1)
+
+
+def test_plaintext_beyond_this_host_is_warned_about(tmp_path: Path) -> None:
+    server = start_server(tmp_path / "server", "--host", "0.0.0.0", accounts=ACCOUNTS)
+    try:
+        warned = r"WARNING .* serving PLAINTEXT beyond this host \(0\.0\.0\.0\)"
+        assert re.search(warned, server.log.read_text())
+    finally:
+        assert server.stop() == 0
 
 
 def test_tls(tmp_path: Path) -> None:
@@ -299,7 +351,7 @@ def test_tls(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("option", "error"),
     [
-        (["--access-key", "no-secret"], "an access key needs to be KEY:SECRET"),
+        (["--access-key", "orders:s3cr3t"], "--access-key is gone (argv is public)"),
         (["--topic", "RMQ_SYS_TRANS_HALF_TOPIC"], "is a system topic"),
         (["--tls-cert", "cert.pem"], "TLS needs both a certificate and a key"),
         (["--tls-cert", "cert.pem", "--tls-key", "key.pem"], "TLS file 'cert.pem' does not exist"),
@@ -322,7 +374,7 @@ def test_bad_options_refused_before_serving(tmp_path: Path, option: list[str], e
         timeout=60,
     )
     assert done.returncode == 2
-    assert error in done.stderr.decode()
+    assert error in done.stderr.decode() and "s3cr3t" not in done.stderr.decode()
     assert not (tmp_path / "store").exists()
 
 

@@ -216,6 +216,76 @@ def raw(endpoint: str, ak: str, sk: str, run_id: str, limit: str) -> dict:
     }
 
 
+def cross(endpoint: str, ak: str, sk: str, other_txn: str) -> dict:
+    """What another account's key may do (the server allows it topic ``Billing`` only): the
+    status code of a route, a send and an end of ``other_txn`` on ``TxOrders``, and of a
+    send to its own topic."""
+    stub = service_grpc.MessagingServiceStub(grpc.insecure_channel(endpoint))
+    md = _metadata(ak, sk)
+
+    def send(topic: str) -> str:
+        message = _raw_message(topic, f"CROSS-{topic}-{time.time_ns()}", b"cross", pb.NORMAL)
+        request = service_pb.SendMessageRequest(messages=[message])
+        return pb.Code.Name(stub.SendMessage(request, metadata=md, timeout=30).status.code)
+
+    route = stub.QueryRoute(
+        service_pb.QueryRouteRequest(topic=pb.Resource(name=TX_TOPIC)), metadata=md, timeout=30
+    )
+    end = stub.EndTransaction(
+        service_pb.EndTransactionRequest(
+            topic=pb.Resource(name=TX_TOPIC),
+            transaction_id=other_txn,
+            resolution=pb.ROLLBACK,
+            source=pb.SOURCE_SERVER_CHECK,
+        ),
+        metadata=md,
+        timeout=30,
+    )
+    return {
+        "route": [pb.Code.Name(route.status.code), route.status.message],
+        "send": send(TX_TOPIC),
+        "end": [pb.Code.Name(end.status.code), end.status.message],
+        "own_send": send("Billing"),
+    }
+
+
+def listen(endpoint: str, ak: str, sk: str, seconds: str, answer: str) -> dict:
+    """A telemetry stream that declares ``TxOrders`` and collects for ``seconds`` the
+    transactions the server asks about; ``answer`` ``commit``: COMMITs each with no
+    ``source``, as the Go client's checker does (else none is answered)."""
+    stub = service_grpc.MessagingServiceStub(grpc.insecure_channel(endpoint))
+    done = threading.Event()
+
+    def commands():
+        settings = pb.Settings(client_type=pb.PRODUCER)
+        settings.publishing.topics.append(pb.Resource(name=TX_TOPIC))
+        yield service_pb.TelemetryCommand(settings=settings)
+        done.wait()
+
+    asked: list[str] = []
+    stream = stub.Telemetry(commands(), metadata=_metadata(ak, sk))
+    threading.Timer(float(seconds), lambda: (done.set(), stream.cancel())).start()
+    try:
+        for command in stream:
+            if command.WhichOneof("command") == "recover_orphaned_transaction_command":
+                asked.append(command.recover_orphaned_transaction_command.transaction_id)
+                if answer == "commit":
+                    ended = stub.EndTransaction(
+                        service_pb.EndTransactionRequest(
+                            topic=pb.Resource(name=TX_TOPIC),
+                            transaction_id=asked[-1],
+                            resolution=pb.COMMIT,
+                        ),
+                        metadata=_metadata(ak, sk),
+                        timeout=30,
+                    )
+                    assert ended.status.code == pb.OK, ended.status
+    except grpc.RpcError as exc:
+        if exc.code() != grpc.StatusCode.CANCELLED:
+            return {"asked": asked, "error": exc.code().name}
+    return {"asked": asked}
+
+
 def flood(endpoint: str, ak: str, sk: str, senders: str) -> None:
     """Send and commit transactions from ``senders`` threads until the server goes; print a
     JSON line as each send and each commit returns (the test kills the server meanwhile)."""
@@ -253,6 +323,8 @@ SCENARIOS = {
     "raw": raw,
     "tls-send": tls_send,
     "flood": flood,
+    "cross": cross,
+    "listen": listen,
 }
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ def test_only_transactions_still_open_are_asked_about(store: Store) -> None:
     )
     clients = Clients()
     client = clients.connect("client-1")
-    clients.note_topics("client-1", ["TxOrders"])
+    clients.note_topics("client-1", "", ["TxOrders"])
     loop = ClientCheckBack(store, clients, TransactionSettings(transaction_timeout=0.0))
     assert asyncio.run(loop.round()) == 1
     command = client.outbox.get_nowait()
