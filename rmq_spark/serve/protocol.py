@@ -12,6 +12,7 @@ store gives each stored message an id of its own (``msg_id``).
 from __future__ import annotations
 
 import hashlib
+import re
 import zlib
 from collections.abc import Mapping
 from typing import Any
@@ -21,15 +22,43 @@ from rocketmq.grpc_protocol import definition_pb2 as pb
 from rocketmq.grpc_protocol import service_pb2 as service_pb
 
 from rmq_spark.model.errors import InvalidMessageError
-from rmq_spark.model.messages import Message, check_topic, is_tag, validate_message
+from rmq_spark.model.messages import (
+    PROPERTY_CHECK_IMMUNITY,
+    Message,
+    check_topic,
+    is_tag,
+    validate_message,
+)
 
 #: The property holding the client's message id (RocketMQ ``MessageConst.PROPERTY_UNIQ_CLIENT_
 #: MESSAGE_ID_KEYIDX``).
 UNIQ_KEY = "UNIQ_KEY"
-#: Properties a client may not set: the server sets them.
-RESERVED_PROPERTIES = frozenset({UNIQ_KEY})
+#: Properties a client may not set (``ILLEGAL_MESSAGE_PROPERTY_KEY``): RocketMQ's system
+#: properties (``MessageConst.STRING_HASH_SET``, which its proxy refuses) and those a broker
+#: acts on (a delay, a check immunity: a client asks for those with system properties).
+RESERVED_PROPERTIES = frozenset(
+    {
+        UNIQ_KEY,
+        PROPERTY_CHECK_IMMUNITY,
+        *"""TRACE_ON MSG_REGION KEYS TAGS WAIT DELAY RETRY_TOPIC REAL_TOPIC REAL_QID TRAN_MSG
+        PGROUP MIN_OFFSET MAX_OFFSET BUYER_ID ORIGIN_MESSAGE_ID TRANSFER_FLAG CORRECTION_FLAG
+        MQ2_FLAG RECONSUME_TIME MAX_RECONSUME_TIMES CONSUME_START_TIME POP_CK POP_CK_OFFSET
+        1ST_POP_TIME TRAN_PREPARED_QUEUE_OFFSET DUP_INFO EXTEND_UNIQ_INFO INSTANCE_ID
+        CORRELATION_ID REPLY_TO_CLIENT TTL ARRIVE_TIME PUSH_REPLY_TIME CLUSTER MSG_TYPE
+        INNER_MULTI_QUEUE_OFFSET TIMER_DELAY_SEC TIMER_DELIVER_MS TIMER_ENQUEUE_MS
+        TIMER_DEQUEUE_MS TIMER_ROLL_TIMES TIMER_OUT_MS TIMER_DEL_UNIQKEY TIMER_DELAY_LEVEL
+        __BORNHOST BORN_TIMESTAMP __STARTDELIVERTIME __transactionId__ TRANSACTION_CHECK_TIMES
+        __SHARDINGKEY TRACE_CONTEXT""".split(),
+    }
+)
+#: Properties with names of this prefix are RocketMQ's transient ones, never stored.
+TRANSIENT_PREFIX = "__RMQ.TRANSIENT."
+#: The most user properties one message may have (the proxy's ``userPropertyMaxNum``).
+MAX_USER_PROPERTIES = 128
 
 Code = pb.Code
+#: A control character (Unicode category Cc), refused in property names and values.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 class RequestError(Exception):
@@ -74,18 +103,22 @@ def to_message(proto: pb.Message, topics: frozenset[str] | None, max_body_bytes:
     system = proto.system_properties
     if not system.message_id:
         raise RequestError(Code.ILLEGAL_MESSAGE_ID, f"a message to {topic!r} has no message_id.")
-    reserved = RESERVED_PROPERTIES.intersection(proto.user_properties)
-    if reserved:
-        raise RequestError(
-            Code.ILLEGAL_MESSAGE_PROPERTY_KEY,
-            f"property {min(reserved)!r} is reserved for the server; use another name.",
-        )
+    _check_properties(topic, proto.user_properties)
     if system.message_type not in (pb.NORMAL, pb.TRANSACTION):
         raise RequestError(
             Code.UNSUPPORTED,
             f"message type {pb.MessageType.Name(system.message_type)} is not supported; "
             "this server takes NORMAL and TRANSACTION messages.",
         )
+    for feature, asked in (
+        ("delayed delivery (delivery_timestamp)", system.HasField("delivery_timestamp")),
+        ("ordered delivery (message_group)", system.HasField("message_group")),
+    ):
+        if asked:
+            raise RequestError(
+                Code.UNSUPPORTED,
+                f"{feature} is not supported; send the message to {topic!r} without it.",
+            )
     body = _decoded_body(proto, max_body_bytes)
     if not body:
         raise RequestError(Code.MESSAGE_BODY_EMPTY, f"a message to {topic!r} has an empty body.")
@@ -94,17 +127,46 @@ def to_message(proto: pb.Message, topics: frozenset[str] | None, max_body_bytes:
             Code.ILLEGAL_MESSAGE_TAG,
             f"tag {system.tag!r} is not valid (empty, with '|' or surrounding whitespace).",
         )
+    properties = {**proto.user_properties, UNIQ_KEY: system.message_id}
+    if system.HasField("orphaned_transaction_recovery_duration"):
+        # The client's own check immunity, as the proxy takes it.
+        seconds = system.orphaned_transaction_recovery_duration.ToTimedelta().total_seconds()
+        properties[PROPERTY_CHECK_IMMUNITY] = str(max(0, int(seconds)))
     message = Message(
         topic=topic,
         body=body,
         tags=system.tag if system.HasField("tag") else None,
         keys=tuple(system.keys) or None,
-        properties={**proto.user_properties, UNIQ_KEY: system.message_id},
+        properties=properties,
     )
     try:
         return validate_message(message, max_body_bytes)
     except InvalidMessageError as exc:
         raise RequestError(Code.BAD_REQUEST, exc.message) from exc
+
+
+def _check_properties(topic: str, properties: Mapping[str, str]) -> None:
+    """Refuse the user properties RocketMQ's proxy refuses."""
+    if len(properties) > MAX_USER_PROPERTIES:
+        raise RequestError(
+            Code.MESSAGE_PROPERTIES_TOO_LARGE,
+            f"a message to {topic!r} has {len(properties)} properties; at most "
+            f"{MAX_USER_PROPERTIES} are taken.",
+        )
+    for name, value in properties.items():
+        if name in RESERVED_PROPERTIES or name.startswith(TRANSIENT_PREFIX):
+            why = "is a RocketMQ system property"
+        elif not name:
+            why = "is empty"
+        elif _CONTROL.search(name) or _CONTROL.search(value):
+            why = "has a control character in its name or value"
+        else:
+            continue
+        raise RequestError(
+            Code.ILLEGAL_MESSAGE_PROPERTY_KEY,
+            f"property {name!r} of a message to {topic!r} {why}; use another name (a delay "
+            "or a check immunity is a system property of the client's message).",
+        )
 
 
 def _decoded_body(proto: pb.Message, max_body_bytes: int) -> bytes:

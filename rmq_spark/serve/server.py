@@ -29,6 +29,9 @@ from rmq_spark.store.facade import Store
 
 log = logging.getLogger(__name__)
 
+#: The largest request gRPC takes, as RocketMQ's proxy (``grpcMaxInboundMessageSize``).
+MAX_RECEIVE_BYTES = 130 * 1024 * 1024
+
 
 @dataclass(frozen=True)
 class ServeOptions:
@@ -125,9 +128,10 @@ async def _serve(
     credentials: grpc.ServerCredentials | None,
 ) -> ServeSummary:
     loop = asyncio.get_running_loop()
-    limit = store.settings.max_body_bytes
-    # Room for a body over the limit, so that it is refused with RocketMQ's code.
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 2 * limit + (1 << 20))])
+    # Room for a body over the limit, so that it is refused with RocketMQ's code: up to the
+    # proxy's own transport limit, beyond which gRPC refuses it (RESOURCE_EXHAUSTED) for both.
+    receivable = max(2 * store.settings.max_body_bytes + (1 << 20), MAX_RECEIVE_BYTES)
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", receivable)])
     address = f"{options.host}:{options.port}"
     try:
         if credentials is None:

@@ -21,16 +21,18 @@ proxy registers a producer under each of its topics and stamps half messages wit
 as their group, so check-back asks the clients of that topic. The server does the same.
 
 **Retried sends are stored once per process.** A client retries a send that failed or timed
-out with the same message id; a retry of a send in flight or done (by topic and message id,
-the last :data:`REMEMBERED_SENDS` sends) gets the first send's result, so a retried half
-message never becomes a second transaction. Retries reaching another ``rmqtx serve`` process
-are not recognised.
+out with the same message id; a retry of a send in flight or done (the same topic, message id,
+type, tag, keys, properties and body, among the last :data:`REMEMBERED_SENDS` sends) gets the
+first send's result, so a retried half message never becomes a second transaction. Another
+message that reuses a message id is stored, as RocketMQ's proxy does. Retries reaching
+another ``rmqtx serve`` process are not recognised.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import logging
 import uuid
 from collections import OrderedDict
@@ -120,6 +122,31 @@ def _signed(response: Callable[..., Any]) -> Callable[[_Handler], _Handler]:
     return wrap
 
 
+#: What a consumer's call is answered.
+_NO_CONSUMERS = (
+    "consumers are not served by rmqtx serve: read the store's committed messages with Spark, "
+    'spark.readStream.format("rmqtx").'
+)
+
+
+def _unsupported(response: Callable[..., Any], why: str, *, stream: bool = False) -> _Handler:
+    """A handler that answers a signed call ``UNSUPPORTED`` with ``why`` (once, on a stream),
+    as RocketMQ's proxy answers what it does not serve: no gRPC error, no traceback."""
+
+    async def unary(self: MessagingService, request: Any, context: Any, account: Any) -> Any:
+        raise RequestError(Code.UNSUPPORTED, why)
+
+    unary.__name__ = response.__name__.removesuffix("Response")  # named in the log
+    signed = _signed(response)(unary)
+    if not stream:
+        return signed
+
+    async def streamed(self: MessagingService, request: Any, context: Any) -> AsyncIterator[Any]:
+        yield await signed(self, request, context)
+
+    return streamed
+
+
 class MessagingService(service_grpc.MessagingServiceServicer):
     """The ``MessagingService`` servicer (for ``grpc.aio``) over one store.
 
@@ -166,9 +193,8 @@ class MessagingService(service_grpc.MessagingServiceServicer):
         self._publisher: BackgroundPublisher | None = None
         self._prepare: GroupCommitter[tuple[Message, str], Any] | None = None
         self._end: GroupCommitter[Decision | tuple[Message, str], Any] | None = None
-        self._sends: OrderedDict[tuple[str, str], asyncio.Task[service_pb.SendResultEntry]] = (
-            OrderedDict()
-        )
+        #: Sends in flight or done, by :func:`_retry_key`.
+        self._sends: OrderedDict[bytes, asyncio.Task[service_pb.SendResultEntry]] = OrderedDict()
         #: This process's open transactions: their producer group and topics.
         self._transactions: OrderedDict[str, tuple[str, frozenset[str]]] = OrderedDict()
 
@@ -331,21 +357,25 @@ class MessagingService(service_grpc.MessagingServiceServicer):
             log.info("send to %r refused: %s", proto.topic.name, exc.message)
             return service_pb.SendResultEntry(status=status(exc.code, exc.message))
         self._note_topics(client_id, account, [message.topic])
-        key = (message.topic, proto.system_properties.message_id)
+        transactional = proto.system_properties.message_type == pb.TRANSACTION
+        key = _retry_key(message, transactional)
         task = self._sends.get(key)
         if task is None:
-            transactional = proto.system_properties.message_type == pb.TRANSACTION
             task = asyncio.create_task(self._store(key, message, transactional))
             self._sends[key] = task
             while len(self._sends) > REMEMBERED_SENDS:
                 self._sends.popitem(last=False)
         else:
-            log.info("send of message %s to %r retried: answered once", key[1], key[0])
+            log.info(
+                "send of message %s to %r retried: answered once",
+                message.properties[UNIQ_KEY],
+                message.topic,
+            )
         # Shielded: a client giving up on its call must not stop the store's write.
         return await asyncio.shield(task)
 
     async def _store(
-        self, key: tuple[str, str], message: Message, transactional: bool
+        self, key: bytes, message: Message, transactional: bool
     ) -> service_pb.SendResultEntry:
         """Store one message (the send's task, shared with its retries)."""
         group = message.topic
@@ -467,6 +497,27 @@ class MessagingService(service_grpc.MessagingServiceServicer):
         group = halves.column("producer_group")[0].as_py()
         return group, frozenset(halves.column("topic").to_pylist())
 
+    # -------------------------------------------------------------- not served
+    RecallMessage = _unsupported(
+        service_pb.RecallMessageResponse,
+        "recalling a message is not supported: a transactional send is recalled by rolling "
+        "its transaction back; a normal message is in the CommitLog once sent.",
+    )
+    QueryAssignment = _unsupported(service_pb.QueryAssignmentResponse, _NO_CONSUMERS)
+    ReceiveMessage = _unsupported(service_pb.ReceiveMessageResponse, _NO_CONSUMERS, stream=True)
+    AckMessage = _unsupported(service_pb.AckMessageResponse, _NO_CONSUMERS)
+    ForwardMessageToDeadLetterQueue = _unsupported(
+        service_pb.ForwardMessageToDeadLetterQueueResponse, _NO_CONSUMERS
+    )
+    PullMessage = _unsupported(service_pb.PullMessageResponse, _NO_CONSUMERS, stream=True)
+    UpdateOffset = _unsupported(service_pb.UpdateOffsetResponse, _NO_CONSUMERS)
+    GetOffset = _unsupported(service_pb.GetOffsetResponse, _NO_CONSUMERS)
+    QueryOffset = _unsupported(service_pb.QueryOffsetResponse, _NO_CONSUMERS)
+    ChangeInvisibleDuration = _unsupported(
+        service_pb.ChangeInvisibleDurationResponse, _NO_CONSUMERS
+    )
+    SyncLiteSubscription = _unsupported(service_pb.SyncLiteSubscriptionResponse, _NO_CONSUMERS)
+
     # -------------------------------------------------------------- batch handlers
     def _prepare_batch(self, items: list[tuple[Message, str]]) -> list[Any]:
         by_group: dict[str, list[int]] = {}
@@ -496,6 +547,15 @@ class MessagingService(service_grpc.MessagingServiceServicer):
             sent = [exc] * len(normal)
         published = iter(sent)
         return [next(ended) if isinstance(i, Decision) else next(published) for i in items]
+
+
+def _retry_key(message: Message, transactional: bool) -> bytes:
+    """What a retry of a send has in common with it: the whole message (its client message id
+    included, in the properties), not only the id, which a client may reuse."""
+    digest = hashlib.sha256(message.body_bytes)
+    fields = (message.topic, transactional, message.tags, message.keys_string)
+    digest.update(repr((fields, sorted(message.properties.items()))).encode())
+    return digest.digest()
 
 
 def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:

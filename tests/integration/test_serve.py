@@ -60,6 +60,8 @@ secret_key_env = "BILLING_SECRET_KEY"
 topics = ["Billing*"]
 """
 BILLING_SK = "b1ll1ng-secret"
+#: The raw scenario's messages that must be refused (RAW-<name>-<run id>).
+REFUSED_NAMES = {"SYSPROP", "IMMUNITY", "CONTROL", "DELAYED", "GROUPED", "HUGE"}
 LISTENING = re.compile(r"listening on [\d.]+:(\d+)")
 
 
@@ -298,12 +300,28 @@ def test_raw_requests_retries_and_refusals(server: Server, tmp_path: Path) -> No
     assert result["too_large"]["code"] == "MESSAGE_BODY_TOO_LARGE"
     assert f"limit of {MAX_BODY} bytes" in result["too_large"]["message"]
     assert result["unsigned"] == "UNAUTHORIZED"
+    # Over gRPC's own limit for the body limit: still RocketMQ's code, not RESOURCE_EXHAUSTED.
+    assert result["huge"]["code"] == "MESSAGE_BODY_TOO_LARGE"
+    for name in ("system_property", "immunity", "control"):
+        assert result[name]["code"] == "ILLEGAL_MESSAGE_PROPERTY_KEY", result[name]
+    assert "'__STARTDELIVERTIME'" in result["system_property"]["message"]
+    assert result["delayed"]["code"] == result["grouped"]["code"] == "UNSUPPORTED"
+    assert "delayed delivery" in result["delayed"]["message"]
+    assert "ordered delivery" in result["grouped"]["message"]
+    # A message id reused for another message: both stored (a retry of the second, once).
+    first_id, second_id, retried_id = result["reused_id"]
+    assert [first_id["code"], second_id["code"], retried_id["code"]] == ["OK"] * 3
+    assert result["recall"][0] == "UNSUPPORTED" and "rolling" in result["recall"][1]
     halves = Store.open(server.root, create=False).read("half").to_pylist()
     ids = Counter(dict(h["properties"])["UNIQ_KEY"] for h in halves)
     assert ids[f"RAW-HALF-{run_id}"] == 1
     counts = stored(server.root, until=lambda c: c[f"RAW-HALF-{run_id}"] > 0)
     assert counts[f"RAW-NORMAL-{run_id}"] == 1 and counts[f"RAW-HALF-{run_id}"] == 1
     assert not any(run_id in k and ("BAD" in k or "LARGE" in k or "UNKNOWN" in k) for k in ids)
+    reused = stored(server.root, until=lambda c: c[f"RAW-REUSED-{run_id}"] >= 2)
+    assert reused[f"RAW-REUSED-{run_id}"] == 2
+    assert not [k for k in reused if run_id in k and k.split("-")[1] in REFUSED_NAMES]
+    assert "Traceback" not in server.log.read_text()
 
 
 def test_sigterm_stops_cleanly(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ import threading
 import time
 
 import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
 from rocketmq import (
     ClientConfiguration,
     Credentials,
@@ -197,6 +198,24 @@ def raw(endpoint: str, ak: str, sk: str, run_id: str, limit: str) -> dict:
         response = stub.EndTransaction(request, metadata=md, timeout=30)
         return {"code": pb.Code.Name(response.status.code), "message": response.status.message}
 
+    def refused(name: str, properties=None, delivery=None, group=None) -> dict:
+        m = _raw_message(TOPIC, f"RAW-{name}-{run_id}", b"must not be stored", pb.NORMAL)
+        m.user_properties.update(properties or {})
+        if delivery is not None:
+            m.system_properties.delivery_timestamp.CopyFrom(delivery)
+        if group is not None:
+            m.system_properties.message_group = group
+        response = stub.SendMessage(service_pb.SendMessageRequest(messages=[m]), metadata=md)
+        return {"code": pb.Code.Name(response.status.code), "message": response.status.message}
+
+    later = Timestamp()
+    later.FromSeconds(int(time.time()) + 3600)
+    recall = stub.RecallMessage(
+        service_pb.RecallMessageRequest(topic=pb.Resource(name=TOPIC), recall_handle="x"),
+        metadata=md,
+        timeout=30,
+    )
+    reused = f"RAW-REUSED-{run_id}"
     normal_id, half_id = f"RAW-NORMAL-{run_id}", f"RAW-HALF-{run_id}"
     first_half = send(TX_TOPIC, half_id, b"retried half", pb.TRANSACTION)
     txn = first_half["transaction_id"]
@@ -210,6 +229,14 @@ def raw(endpoint: str, ak: str, sk: str, run_id: str, limit: str) -> dict:
         "illegal_topic": send("bad topic!", f"RAW-BAD-{run_id}", b"x"),
         "unknown_topic": send("NoSuchTopic", f"RAW-UNKNOWN-{run_id}", b"x"),
         "too_large": send(TOPIC, f"RAW-LARGE-{run_id}", b"x" * (int(limit) + 1)),
+        "huge": send(TOPIC, f"RAW-HUGE-{run_id}", b"x" * (4 * 1024 * 1024)),
+        "system_property": refused("SYSPROP", properties={"__STARTDELIVERTIME": "1"}),
+        "immunity": refused("IMMUNITY", properties={"CHECK_IMMUNITY_TIME_IN_SECONDS": "600"}),
+        "control": refused("CONTROL", properties={"bell\a": "x"}),
+        "delayed": refused("DELAYED", delivery=later),
+        "grouped": refused("GROUPED", group="g1"),
+        "reused_id": [send(TOPIC, reused, body) for body in (b"first", b"second", b"second")],
+        "recall": [pb.Code.Name(recall.status.code), recall.status.message],
         "unsigned": pb.Code.Name(
             stub.Heartbeat(service_pb.HeartbeatRequest(), timeout=30).status.code
         ),
