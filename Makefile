@@ -59,7 +59,7 @@ demo: setup
 # pytest exits 5 when it collects no test; that is not a failure of the suite.
 # The object-store and cluster tiers run too: here a missing MinIO is an error, not a skip.
 test: objectstore
-	RMQ_SPARK_OBJECTSTORE=required $(PY) -m pytest $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	RMQ_SPARK_OBJECTSTORE=required RMQ_SPARK_GO=required $(PY) -m pytest $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 # The torture test on demand: producers, sinks, publish_with_delta_write, check-back jobs,
 # resumes and compaction in real processes, SIGKILLed at random; then check-back to quiescence

@@ -41,9 +41,11 @@ setup(
             # rmqtx serve and its tests (the official RocketMQ 5 client).
             "rocketmq-python-client==5.1.2",
             "grpcio>=1.60",
+            "cryptography>=42",
         ],
-        # rmqtx serve: RocketMQ 5's gRPC protocol (the client's stubs) in front of a store.
-        "serve": ["rocketmq-python-client==5.1.2", "grpcio>=1.60"],
+        # rmqtx serve: RocketMQ 5's gRPC protocol (the client's stubs) in front of a store;
+        # cryptography makes its self-signed certificate when TLS is on and none is given.
+        "serve": ["rocketmq-python-client==5.1.2", "grpcio>=1.60", "cryptography>=42"],
         "notebooks": ["jupyterlab>=4", "matplotlib>=3.8"],
         # Object-storage store roots (fsspec filesystems); see rmq_spark/delta/storage.py.
         "s3": ["s3fs>=2024.6"],

@@ -25,9 +25,10 @@ _ACCOUNTS_HELP = (
 
 SUMMARY = "serve RocketMQ 5 clients (gRPC): their sends and transactions go into the store"
 EXAMPLES = """\
-  rmqtx serve                                 every topic, on 127.0.0.1:8081
+  rmqtx serve                                 every topic, on 127.0.0.1:8081, TLS and plaintext
   rmqtx serve --topic Orders --topic Payments
-  rmqtx --conf serve.toml serve --host 0.0.0.0 --tls-cert server.pem --tls-key server.key
+  rmqtx --conf serve.toml serve --host 0.0.0.0 --tls-mode enforcing \
+      --tls-cert server.pem --tls-key server.key
 
   Accounts are in the settings file (never on the command line), e.g. in serve.toml:
     [serve.accounts.orders]
@@ -51,7 +52,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a topic to serve (repeatable; default: every valid topic name)",
     )
     parser.add_argument("--access-key", action="append", default=[], help=argparse.SUPPRESS)
-    parser.add_argument("--tls-cert", help="PEM certificate chain: serve TLS")
+    parser.add_argument(
+        "--tls-mode",
+        choices=("permissive", "enforcing", "disabled"),  # rmq_spark.serve.tls.TlsMode
+        default="permissive",
+        help="permissive: TLS and plaintext on the port, as RocketMQ's proxy (default); "
+        "enforcing: TLS only; disabled: plaintext only",
+    )
+    parser.add_argument(
+        "--tls-cert", help="PEM certificate chain (default: a self-signed one made at start)"
+    )
     parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
     parser.add_argument(
         "--grace",
@@ -77,6 +87,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     """
     from rmq_spark.serve.accounts import accounts_from_settings
     from rmq_spark.serve.server import ServeOptions, serve
+    from rmq_spark.serve.tls import TlsMode
     from rmq_spark.store.facade import Store
 
     if not 0 <= args.port <= 65535:
@@ -90,6 +101,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         port=args.port,
         topics=_topics(args.topic),
         accounts=accounts_from_settings(settings.serve),
+        tls_mode=TlsMode(args.tls_mode),
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         grace=parse_duration(args.grace, "--grace"),

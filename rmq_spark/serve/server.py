@@ -25,6 +25,7 @@ from rmq_spark.model.errors import InvalidOptionError
 from rmq_spark.serve.accounts import Account
 from rmq_spark.serve.recovery import ClientCheckBack, Clients
 from rmq_spark.serve.service import Counters, MessagingService
+from rmq_spark.serve.tls import PortSharing, TlsMode, self_signed
 from rmq_spark.store.facade import Store
 
 log = logging.getLogger(__name__)
@@ -48,8 +49,11 @@ class ServeOptions:
     accounts : mapping of str to Account
         The accounts clients sign as, by access key (:mod:`rmq_spark.serve.accounts`);
         empty accepts every client.
+    tls_mode : TlsMode, default PERMISSIVE
+        TLS and plaintext on the port, TLS only or plaintext only (:mod:`rmq_spark.serve.tls`).
     tls_cert, tls_key : str, optional
-        PEM files of the server's certificate chain and private key: TLS when given.
+        PEM files of the server's certificate chain and private key (default, with TLS on:
+        a self-signed certificate made at start).
     grace : float, default 10.0
         Seconds the calls under way get to finish at a stop.
     """
@@ -58,6 +62,7 @@ class ServeOptions:
     port: int = 8081
     topics: frozenset[str] | None = None
     accounts: Mapping[str, Account] = field(default_factory=dict)
+    tls_mode: TlsMode = TlsMode.PERMISSIVE
     tls_cert: str | None = None
     tls_key: str | None = None
     grace: float = 10.0
@@ -66,6 +71,10 @@ class ServeOptions:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise InvalidOptionError(
                 "TLS needs both a certificate and a key (--tls-cert, --tls-key)."
+            )
+        if self.tls_cert is not None and self.tls_mode is TlsMode.DISABLED:
+            raise InvalidOptionError(
+                "--tls-cert is given but --tls-mode is disabled; drop one of them."
             )
         for path in (self.tls_cert, self.tls_key):
             if path is not None and not Path(path).is_file():
@@ -112,13 +121,38 @@ def serve(
 
 
 def _credentials(options: ServeOptions) -> grpc.ServerCredentials | None:
-    if options.tls_cert is None or options.tls_key is None:
+    """The server's TLS credentials (None: TLS disabled): its files, or a certificate made
+    now (its fingerprint logged, for clients that pin it)."""
+    if options.tls_mode is TlsMode.DISABLED:
         return None
+    if options.tls_cert is None or options.tls_key is None:
+        key, cert, fingerprint = self_signed(options.host)
+        log.info("TLS with a self-signed certificate made at start (SHA-256 %s)", fingerprint)
+        return grpc.ssl_server_credentials([(key, cert)])
     try:
         pair = (Path(options.tls_key).read_bytes(), Path(options.tls_cert).read_bytes())
     except OSError as exc:
         raise InvalidOptionError(f"cannot read a TLS file: {exc}") from exc
     return grpc.ssl_server_credentials([pair])
+
+
+async def _listen(
+    server: grpc.aio.Server, options: ServeOptions, credentials: grpc.ServerCredentials | None
+) -> tuple[int, PortSharing | None]:
+    """Open the server's port as its TLS mode says: ``(port, the relay of a permissive one)``."""
+    address = f"{options.host}:{options.port}"
+    try:
+        if credentials is None:
+            return server.add_insecure_port(address), None
+        if options.tls_mode is TlsMode.ENFORCING:
+            return server.add_secure_port(address, credentials), None
+        sharing = PortSharing(
+            server.add_insecure_port("127.0.0.1:0"),
+            server.add_secure_port("127.0.0.1:0", credentials),
+        )
+        return await sharing.start(options.host, options.port), sharing
+    except (RuntimeError, OSError) as exc:
+        raise InvalidOptionError(f"cannot listen on {address}: {exc} (is it in use?)") from exc
 
 
 async def _serve(
@@ -132,14 +166,7 @@ async def _serve(
     # proxy's own transport limit, beyond which gRPC refuses it (RESOURCE_EXHAUSTED) for both.
     receivable = max(2 * store.settings.max_body_bytes + (1 << 20), MAX_RECEIVE_BYTES)
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", receivable)])
-    address = f"{options.host}:{options.port}"
-    try:
-        if credentials is None:
-            port = server.add_insecure_port(address)
-        else:
-            port = server.add_secure_port(address, credentials)
-    except RuntimeError as exc:
-        raise InvalidOptionError(f"cannot listen on {address}: {exc} (is it in use?)") from exc
+    port, sharing = await _listen(server, options, credentials)
     clients = Clients()
     service = MessagingService(
         store,
@@ -155,12 +182,16 @@ async def _serve(
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     await server.start()
-    _announce(options, port, credentials is not None, store.root)
+    _announce(options, port, store.root)
     checking = asyncio.create_task(checkback.run(stop))
     await stop.wait()
     log.info("stopping: no new calls; the calls under way get %.0f s", options.grace)
     clients.close_all()
+    if sharing is not None:
+        sharing.stop_listening()
     await server.stop(options.grace)
+    if sharing is not None:
+        await sharing.close()
     clients.close_all()
     await service.finish_sends()
     await checking
@@ -176,12 +207,20 @@ async def _serve(
     return summary
 
 
-def _announce(options: ServeOptions, port: int, tls: bool, root: str) -> None:
+#: How each TLS mode is announced at start.
+_MODES = {
+    TlsMode.PERMISSIVE: "TLS and plaintext",
+    TlsMode.ENFORCING: "TLS",
+    TlsMode.DISABLED: "plaintext",
+}
+
+
+def _announce(options: ServeOptions, port: int, root: str) -> None:
     log.info(
         "rmqtx serve listening on %s:%d (%s) for the store at %s",
         options.host,
         port,
-        "TLS" if tls else "plaintext",
+        _MODES[options.tls_mode],
         root,
     )
     if options.topics is None:
@@ -192,11 +231,11 @@ def _announce(options: ServeOptions, port: int, tls: bool, root: str) -> None:
         "open transactions are asked of their clients once the check-back job lists them: run "
         "'rmqtx check' with [checkers.<topic>] kind = \"clients\" (the topic is the group)"
     )
-    if not tls and not _loopback(options.host):
+    if options.tls_mode is not TlsMode.ENFORCING and not _loopback(options.host):
         log.warning(
-            "serving PLAINTEXT beyond this host (%s): anyone on the network path reads the "
-            "messages and can replay a client's signed request for about a day; serve TLS "
-            "(--tls-cert, --tls-key)",
+            "serving PLAINTEXT beyond this host (%s): anyone on the network path reads what "
+            "plaintext clients send and can replay their signed requests for about a day; "
+            "give those clients TLS and --tls-mode enforcing",
             options.host,
         )
     if not options.accounts:

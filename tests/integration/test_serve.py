@@ -11,7 +11,9 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -267,6 +269,80 @@ def test_two_accounts_cannot_send_to_end_or_be_asked_about_each_others_transacti
     assert decisions(server.root)[orphan["orphan_txn"]] == ("COMMIT", "check-back:client")
 
 
+GO_CLIENT = Path(__file__).resolve().parents[1] / "serve_clients" / "go"
+
+
+@pytest.fixture(scope="module")
+def go_client(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The Go client's transaction example (tests/serve_clients/go), built with the machine's
+    Go; the client's module comes from the Go module proxy. Without Go the test is skipped,
+    except under ``make test`` (``RMQ_SPARK_GO=required``), where that is an error."""
+    if shutil.which("go") is None:
+        reason = "no Go toolchain ('go') on PATH"
+        if os.environ.get("RMQ_SPARK_GO") == "required":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    binary = tmp_path_factory.mktemp("go") / "go-client"
+    subprocess.run(
+        ["go", "build", "-o", str(binary), "."],
+        cwd=GO_CLIENT,
+        env={**os.environ, "GOFLAGS": "-mod=readonly"},
+        check=True,
+        capture_output=True,
+        timeout=900,
+    )
+    return binary
+
+
+def run_go(binary: Path, server: Server, folder: Path, *args: str) -> list[dict[str, str]]:
+    """Run the Go client against ``server`` as the tests' account; return what it reported."""
+    folder.mkdir(parents=True)
+    account = {"RMQTX_ACCESS_KEY": AK, "RMQTX_SECRET_KEY": SK, "RMQTX_TOPIC": "TxOrders"}
+    done = subprocess.run(
+        [str(binary), *args],
+        env={**os.environ, "HOME": str(folder), "RMQTX_ENDPOINT": server.endpoint, **account},
+        capture_output=True,
+        timeout=180,
+        preexec_fn=die_with_parent,
+    )
+    assert done.returncode == 0, done.stderr.decode()[-3000:] + done.stdout.decode()[-3000:]
+    reported = []
+    for line in done.stdout.decode().splitlines():
+        with contextlib.suppress(ValueError):
+            fields = json.loads(line)
+            if isinstance(fields, dict) and {"sent", "checked"} & set(fields):
+                reported.append(fields)
+    return reported
+
+
+def test_the_go_clients_transaction_example_runs_with_its_defaults(
+    spark, server: Server, go_client: Path, tmp_path: Path
+) -> None:
+    """The Go client (golang/v5 5.1.4) uses TLS unless told otherwise, and its transaction
+    example never turns it off: against a default server it runs unchanged but for the
+    endpoint, and a transaction it leaves open is answered by its checker."""
+    sent = [r["sent"] for r in run_go(go_client, server, tmp_path / "example", "example", "3")]
+    assert len(sent) == 3
+    with check_back_job(spark, server.root, "TxOrders"):
+        reported = run_go(go_client, server, tmp_path / "open", "open")
+    (opened,) = [r for r in reported if "sent" in r]
+    assert {"checked": opened["sent"]} in reported
+    assert decisions(server.root)[opened["transaction"]] == ("COMMIT", "check-back:client")
+    ids = [*sent, opened["sent"]]
+    stored(server.root, until=lambda c: all(c[i] for i in ids))
+    read = (
+        spark.read.format("rmqtx")
+        .option("path", str(server.root))
+        .option("topic", "TxOrders")
+        .load()
+        .selectExpr("properties['UNIQ_KEY'] AS id", "tags", "keys")
+        .collect()
+    )
+    found = Counter(r.id for r in read if r.id in ids)
+    assert found == dict.fromkeys(ids, 1)
+    assert {(r.tags, r.keys) for r in read if r.id in ids} == {("ab", "a b")}
+
+
 def test_wrong_secret_and_unknown_topic_refused(server: Server, tmp_path: Path) -> None:
     wrong = run_client(tmp_path, server, "refused-send", "Orders", secret="not-the-secret")
     unknown = run_client(tmp_path, server, "refused-send", "NoSuchTopic")
@@ -358,12 +434,43 @@ def test_tls(tmp_path: Path) -> None:
     )
     server = start_server(tmp_path / "server", "--tls-cert", str(cert), "--tls-key", str(key))
     try:
-        assert "(TLS)" in server.log.read_text()
+        assert "(TLS and plaintext)" in server.log.read_text()
         trust = {"GRPC_DEFAULT_SSL_ROOTS_FILE_PATH": str(cert)}
         result = run_client(tmp_path, server, "tls-send", env=trust)
         assert stored(server.root, timeout=0)[result["normal"]] == 1
     finally:
         assert server.stop() == 0
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [
+        ("permissive", {"plaintext": "OK", "tls": "OK"}),
+        ("enforcing", {"plaintext": "UNAVAILABLE", "tls": "OK"}),
+        ("disabled", {"plaintext": "OK", "tls": "UNAVAILABLE"}),
+    ],
+)
+def test_tls_modes_on_one_port(tmp_path: Path, mode: str, expected: dict[str, str]) -> None:
+    """RocketMQ's proxy serves TLS and plaintext on one port by default, with a certificate
+    it makes: the Java and Go clients' TLS default and the Python client's plaintext one both
+    connect unchanged."""
+    server = start_server(tmp_path / "server", "--tls-mode", mode, accounts=ACCOUNTS)
+    try:
+        env = {}
+        if mode != "disabled":
+            host, port = server.endpoint.split(":")
+            served = tmp_path / "served.pem"  # the certificate the server made, as fetched
+            served.write_text(ssl.get_server_certificate((host, int(port))))
+            env = {"GRPC_DEFAULT_SSL_ROOTS_FILE_PATH": str(served)}
+            assert "self-signed certificate made at start (SHA-256" in server.log.read_text()
+        got = {
+            kind: run_client(tmp_path / kind, server, "heartbeat", kind, env=env)["code"]
+            for kind in expected
+        }
+        assert got == expected
+    finally:
+        assert server.stop() == 0
+    assert "Traceback" not in server.log.read_text()
 
 
 @pytest.mark.parametrize(

@@ -149,6 +149,25 @@ def tls_send(endpoint: str, ak: str, sk: str) -> dict:
         p.shutdown()
 
 
+def heartbeat(endpoint: str, ak: str, sk: str, kind: str) -> dict:
+    """One signed Heartbeat over a ``plaintext`` or ``tls`` channel (the server's certificate
+    trusted through ``GRPC_DEFAULT_SSL_ROOTS_FILE_PATH``): its status code, or the gRPC error
+    of a connection the server does not take."""
+    channel = (
+        grpc.secure_channel(endpoint, grpc.ssl_channel_credentials())
+        if kind == "tls"
+        else grpc.insecure_channel(endpoint)
+    )
+    stub = service_grpc.MessagingServiceStub(channel)
+    try:
+        response = stub.Heartbeat(
+            service_pb.HeartbeatRequest(), metadata=_metadata(ak, sk), timeout=10
+        )
+        return {"code": pb.Code.Name(response.status.code)}
+    except grpc.RpcError as exc:
+        return {"code": exc.code().name}
+
+
 def _metadata(ak: str, sk: str) -> list[tuple[str, str]]:
     stamp = datetime.datetime.now().strftime("%Y%m%dT%H%M%SZ")
     signature = hmac.new(sk.encode(), stamp.encode(), hashlib.sha1).hexdigest()
@@ -351,6 +370,7 @@ SCENARIOS = {
     "tls-send": tls_send,
     "flood": flood,
     "cross": cross,
+    "heartbeat": heartbeat,
     "listen": listen,
 }
 
