@@ -254,6 +254,11 @@ def test_two_accounts_cannot_send_to_end_or_be_asked_about_each_others_transacti
     assert "account 'billing' may not publish to topic 'TxOrders'" in crossed["route"][1]
     assert crossed["send"] == "FORBIDDEN" and crossed["end"][0] == "FORBIDDEN"
     assert crossed["own_send"] == "OK"
+    # The official client signed as billing: its producer of TxOrders gets no route.
+    official = run_client(tmp_path / "official", server, "refused-send", "TxOrders", **other)
+    assert official["refused"]
+    client_log = (tmp_path / "official/home/logs/rocketmq_python/rocketmq_client.log").read_text()
+    assert "40300" in client_log and "may not publish to topic 'TxOrders'" in client_log
     assert orphan["orphan_txn"] not in decisions(server.root)
     with check_back_job(spark, server.root, "TxOrders"):
         # Neither answers: the server asks the group's clients in turn, every second.
