@@ -21,7 +21,10 @@ Targets, one after the other in one run (never at the same time: they would shar
 * **serve**: ``rmqtx serve`` on a fresh local store (a temporary directory), TLS with a
   self-signed certificate made here with openssl, the access key checked, and beside it the
   check-back job (``rmqtx check --interval 5s``, the topic's group with ``kind = "clients"``),
-  which lists the open transactions the server asks the clients about.
+  which lists the open transactions the server asks the clients about. Its default TLS mode,
+  ``permissive``, relays each connection through the port it shares between TLS and
+  plaintext; ``--serve-tls-modes permissive,enforcing`` runs it a second time as
+  ``serve-enforcing`` (TLS straight to the gRPC server) to show what the relay costs.
 
 Each target runs the producer once per sender count (``--senders 1,64`` with ``--count
 200,3000``), each in a fresh JVM. The table has tx/s, p50 and p99 (ms), errors and whether
@@ -34,8 +37,8 @@ producer is compiled with ``javac`` into ``.tools/java-client/classes``. Needs a
 was used), Maven and openssl.
 
 Usage: python bench/java_client_bench.py [--senders 1,64] [--count 200,3000]
-           [--warmup 500,1280] [--open-wait 90] [--only rocketmq|serve] [--keep]
-           [--json out.json]
+           [--warmup 500,1280] [--open-wait 90] [--only rocketmq|serve]
+           [--serve-tls-modes permissive,enforcing] [--keep] [--json out.json]
 """
 
 from __future__ import annotations
@@ -92,11 +95,13 @@ kind = "clients"
 """
 
 
-def serve_commands(conf: Path, port: int, cert: Path, key: Path, topic: str) -> list[list[str]]:
+def serve_commands(
+    conf: Path, port: int, cert: Path, key: Path, topic: str, tls_mode: str = "permissive"
+) -> list[list[str]]:
     """`rmqtx serve` and the check-back job beside it, on the store of ``conf``."""
     rmqtx = [str(REPO / ".venv" / "bin" / "rmqtx"), "--conf", str(conf)]
     serve = ["serve", "--port", str(port), "--tls-cert", str(cert), "--tls-key", str(key)]
-    serve += ["--topic", topic]
+    serve += ["--tls-mode", tls_mode, "--topic", topic]
     return [rmqtx + serve, rmqtx + ["check", "--interval", "5s"]]
 
 
@@ -223,7 +228,7 @@ def make_cert(directory: Path) -> tuple[Path, Path]:
 class Serve:
     """`rmqtx serve` and the check-back job on a fresh store, TLS, started and stopped here."""
 
-    def __init__(self, workdir: Path, topic: str = TOPIC) -> None:
+    def __init__(self, workdir: Path, topic: str = TOPIC, tls_mode: str = "permissive") -> None:
         self.workdir = workdir
         self.port = free_port()
         self.cert, self.key = make_cert(workdir)
@@ -234,7 +239,9 @@ class Serve:
                 store=self.store, topic=topic, access_key=ACCESS_KEY, secret_key=SECRET_KEY
             )
         )
-        self.cmd, self.check_cmd = serve_commands(conf, self.port, self.cert, self.key, topic)
+        self.cmd, self.check_cmd = serve_commands(
+            conf, self.port, self.cert, self.key, topic, tls_mode
+        )
         self.procs: list[tuple[str, subprocess.Popen]] = []
 
     @property
@@ -292,22 +299,24 @@ def run_target(
 
 def table(results: list[Result]) -> str:
     rows = [
-        f"{'target':<10} {'senders':>7} {'tx/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
+        f"{'target':<16} {'senders':>7} {'tx/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
         f"{'errors':>6}  open-0 checked"
     ]
     for r in results:
         rows.append(
-            f"{r.target:<10} {r.senders:>7} {r.tx_per_s:>8.0f} {r.p50_ms:>8.1f} {r.p99_ms:>8.1f} "
+            f"{r.target:<16} {r.senders:>7} {r.tx_per_s:>8.0f} {r.p50_ms:>8.1f} {r.p99_ms:>8.1f} "
             f"{r.errors:>6}  {'yes' if r.checked_open else 'no'}"
         )
     by = {(r.target, r.senders): r for r in results}
     for senders in sorted({r.senders for r in results}):
-        serve, proxy = by.get(("serve", senders)), by.get(("rocketmq", senders))
-        if serve and proxy and proxy.tx_per_s:
-            rows.append(
-                f"serve/rocketmq at {senders} senders: {serve.tx_per_s / proxy.tx_per_s:.2f}x "
-                f"tx/s, p99 {serve.p99_ms:.1f} vs {proxy.p99_ms:.1f} ms"
-            )
+        serve = by.get(("serve", senders))
+        for base in sorted({r.target for r in results} - {"serve"}):
+            other = by.get((base, senders))
+            if serve and other and other.tx_per_s:
+                rows.append(
+                    f"serve/{base} at {senders} senders: {serve.tx_per_s / other.tx_per_s:.2f}x "
+                    f"tx/s, p99 {serve.p99_ms:.1f} vs {other.p99_ms:.1f} ms"
+                )
     return "\n".join(rows)
 
 
@@ -322,6 +331,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int_list, default=[500, 1280], help="per sender count")
     parser.add_argument("--open-wait", type=int, default=90, help="seconds to wait for open-0")
     parser.add_argument("--only", choices=["rocketmq", "serve"], help="run one target only")
+    parser.add_argument(
+        "--serve-tls-modes",
+        default="permissive",
+        help="the serve target once per TLS mode (serve, serve-enforcing, ...)",
+    )
     parser.add_argument("--proxy-heap", default="512m", help="heap of the proxy+broker JVM")
     parser.add_argument("--keep", action="store_true", help="keep work directories (logs)")
     parser.add_argument("--json", type=Path, help="also write the results here")
@@ -355,19 +369,20 @@ def main() -> None:
                     args.open_wait,
                     workdir / "home-rocketmq",
                 )
-        if args.only in (None, "serve"):
-            print("serve: starting on a fresh local store", flush=True)
-            (workdir / "serve").mkdir()
-            serve = Serve(workdir / "serve")
+        for mode in args.serve_tls_modes.split(",") if args.only in (None, "serve") else ():
+            target = "serve" if mode == "permissive" else f"serve-{mode}"
+            print(f"{target}: starting on a fresh local store, --tls-mode {mode}", flush=True)
+            (workdir / target).mkdir()
+            serve = Serve(workdir / target, tls_mode=mode)
             try:
                 serve.start()
                 results += run_target(
-                    "serve",
+                    target,
                     serve.endpoint,
                     classpath,
                     plan,
                     args.open_wait,
-                    workdir / "home-serve",
+                    workdir / f"home-{target}",
                 )
             finally:
                 serve.stop()
