@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 _TLS_HANDSHAKE = 0x16
 #: How much one read of a relayed connection takes at most.
 _CHUNK = 256 * 1024
+#: How long a new connection may take to send its first byte (gRPC's own handshake timeout
+#: is 120 s; a client that connects and says nothing holds no relay longer than this).
+FIRST_BYTE_SECONDS = 20.0
 
 
 class TlsMode(enum.Enum):
@@ -123,12 +126,18 @@ class PortSharing:
             await self._relay(reader, writer)
         except OSError:
             pass  # either side went away (reset, or gone before its end was passed on)
+        except asyncio.CancelledError:
+            pass  # the server is stopping (close): this relay task ends here, quietly
         finally:
             self._relays.discard(relay)
             writer.close()
 
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        first = await reader.read(1)
+        try:
+            first = await asyncio.wait_for(reader.read(1), FIRST_BYTE_SECONDS)
+        except TimeoutError:
+            log.info("closed a connection from %s that sent nothing", _peer(writer))
+            return
         if not first:
             return
         tls = first[0] == _TLS_HANDSHAKE
