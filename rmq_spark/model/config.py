@@ -28,25 +28,47 @@ _announced: set[Path] = set()
 DEFAULT_CONF_FILE = Path("conf") / "rmq-spark.toml"
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
-_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+#: RocketMQ's settings whose bare numbers mean something else than seconds, by our name:
+#: (RocketMQ's name, its unit, that unit here).
+_ROCKETMQ_UNITS = {
+    "file_reserved_time": ("fileReservedTime", "hours", "h"),
+    "transaction_timeout": ("transactionTimeOut", "milliseconds", "ms"),
+    "transaction_check_interval": ("transactionCheckInterval", "milliseconds", "ms"),
+}
 
 
 def parse_duration(value: object, name: str) -> float:
-    """Parse ``"6s"``, ``"500ms"``, ``"72h"`` or a number of seconds into seconds."""
+    """Parse a duration with its unit (``"500ms"``, ``"6s"``, ``"30m"``, ``"72h"``, ``"7d"``)
+    into seconds. A bare number other than 0 is refused: its unit would be a guess (RocketMQ's
+    ``fileReservedTime`` is in hours, its ``transactionTimeOut`` in milliseconds), and a
+    retention read in the wrong unit expires every message."""
     if isinstance(value, bool):
         raise InvalidOptionError(f"{name} needs a duration such as '6s' but got {value!r}.")
-    if isinstance(value, int | float):
-        seconds = float(value)
-    else:
-        match = _DURATION.match(str(value))
-        if not match:
-            raise InvalidOptionError(
-                f"{name} needs a duration such as '500ms', '6s', '30m' or '72h' but got {value!r}."
-            )
-        seconds = float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
-    if seconds < 0:
-        raise InvalidOptionError(f"{name} must not be negative but got {value!r}.")
-    return seconds
+    match = _DURATION.match(str(value)) if isinstance(value, str | int | float) else None
+    if not match:
+        raise InvalidOptionError(
+            f"{name} needs a duration such as '500ms', '6s', '30m' or '72h' but got {value!r}."
+        )
+    number, unit = float(match.group(1)), match.group(2)
+    if unit is None and number != 0:
+        raise InvalidOptionError(_bare_number(value, name, number))
+    return number * _UNIT_SECONDS[unit or "s"]
+
+
+def _bare_number(value: object, name: str, number: float) -> str:
+    """Why a bare number is refused as ``name``, and what the user likely meant."""
+    known = _ROCKETMQ_UNITS.get(name.rsplit(".", 1)[-1])
+    if known is None:
+        return (
+            f"{name} = {value!r} has no unit; write it with one (ms, s, m, h or d), "
+            f"e.g. '{number:g}s'."
+        )
+    rocketmq, units, unit = known
+    return (
+        f"{name} = {value!r} has no unit. RocketMQ's {rocketmq} is in {units}: for the same, "
+        f"write '{number:g}{unit}' (units: ms, s, m, h, d)."
+    )
 
 
 def parse_positive_duration(value: object, name: str) -> float:

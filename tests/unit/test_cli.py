@@ -53,6 +53,20 @@ def test_maintain_expires_what_retention_no_longer_keeps(tmp_path, capsys) -> No
     assert old.read("commitlog").column("body").to_pylist() == [b"new"]
 
 
+def test_maintain_refuses_a_retention_without_a_unit_and_expires_nothing(tmp_path, capsys):
+    """RocketMQ's fileReservedTime is in hours: ``file_reserved_time = 72`` was read as 72
+    seconds, and maintain expired every message of the store (#48)."""
+    store = Store.open(tmp_path / "store")
+    store.send([Message("Orders", b"kept")], "pg")
+    conf = tmp_path / "rmq.toml"
+    conf.write_text("[retention]\nfile_reserved_time = 72\n")
+    assert main(["--conf", str(conf), "--path", store.root, "maintain"]) == EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert "retention.file_reserved_time = 72 has no unit" in err
+    assert "RocketMQ's fileReservedTime is in hours: for the same, write '72h'" in err
+    assert store.read("commitlog").column("body").to_pylist() == [b"kept"]
+
+
 def test_resume_unknown_transaction_is_a_clear_error(store: Store, capsys) -> None:
     discard(store)
     code = main(["--path", store.root, "resume", "--transaction-id", "nope"])
@@ -98,6 +112,7 @@ def _check(args: list[str]) -> subprocess.CompletedProcess:
     [
         (["check", "--once"], "no rmq-spark store"),
         (["check", "--interval", "bogus"], "--interval needs a duration"),
+        (["check", "--interval", "30"], "--interval = '30' has no unit"),
         (["check", "--interval", "0s"], "--interval 0s is below the minimum of 5 s"),
         (["check", "--interval", "500ms"], "--interval 500ms is below the minimum of 5 s"),
         (["check", "--once", "--checker", "pg=no_such_module:fn"], "checker module 'no_such"),

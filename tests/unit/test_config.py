@@ -60,9 +60,30 @@ def test_bad_settings_are_clear_errors(tmp_path: Path, text: str, match: str) ->
 
 def test_parse_duration_units() -> None:
     assert parse_duration("72h", "x") == 259200
-    assert parse_duration(6, "x") == 6.0
-    with pytest.raises(InvalidOptionError, match="must not be negative"):
+    assert parse_duration("500ms", "x") == 0.5
+    assert parse_duration(0, "x") == parse_duration("0", "x") == 0.0
+    with pytest.raises(InvalidOptionError, match="needs a duration"):
         parse_duration(-1, "x")
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("[retention]\nfile_reserved_time = 72\n", "fileReservedTime is in hours: .* '72h'"),
+        (
+            "[transaction]\ntransaction_timeout = 6000\n",
+            "transactionTimeOut is in milliseconds: .* '6000ms'",
+        ),
+        ('[store]\npublish_lease = "10"\n', "store.publish_lease = '10' has no unit; .* '10s'"),
+    ],
+)
+def test_a_duration_without_a_unit_is_refused(tmp_path: Path, text: str, match: str) -> None:
+    """A bare number's unit would be a guess: RocketMQ's ``fileReservedTime = 72`` is hours,
+    and read as seconds it expired every message (#48)."""
+    conf = tmp_path / "c.toml"
+    conf.write_text(text)
+    with pytest.raises(InvalidOptionError, match=match):
+        load_settings(conf)
 
 
 @pytest.mark.parametrize("planted", ["other owner", "world-writable", "writable folder"])
