@@ -32,6 +32,8 @@ log = logging.getLogger("rmq_spark.ops.cli")
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
 #: Shortest pause between check-back rounds (seconds) that ``rmqtx check`` accepts.
 MIN_CHECK_INTERVAL = 5.0
+#: ``maintain`` asks before expiring messages younger than this (seconds).
+_DAY = 86400.0
 
 
 #: Examples shown by each subcommand's ``--help``.
@@ -45,6 +47,7 @@ EXAMPLES = {
   rmqtx resume                                re-drive every discarded message
   rmqtx resume --transaction-id 0193A1...     re-drive one discarded transaction""",
     "maintain": """\
+  rmqtx maintain --dry-run                    what it would expire, per topic and queue
   rmqtx maintain                              expire old messages and decided transactions
   rmqtx maintain --conf prod.toml             with the [retention] settings of prod.toml""",
     "status": """\
@@ -52,7 +55,7 @@ EXAMPLES = {
   rmqtx status --json | jq .consumer_groups   the same, for scripts""",
     "shards": """\
   rmqtx shards                                how many shards the store has
-  rmqtx shards --set 4                        grow the store to 4 shards (never fewer)""",
+  rmqtx shards --set 4 --yes                  grow the store to 4 shards (never fewer)""",
     "tail": """\
   rmqtx tail OrderEvents                      the 10 newest committed messages of a topic
   rmqtx tail OrderEvents -n 50 --json         the 50 newest, as JSON""",
@@ -133,10 +136,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="a discarded transaction to re-drive (repeatable; default: all)",
     )
 
-    command(
+    maintain = command(
         "maintain",
         "apply the [retention] settings: expire old messages and decided transactions, "
         "vacuum unused files (rmqtx check also does it every maintenance_interval)",
+    )
+    maintain.add_argument(
+        "--dry-run", action="store_true", help="say what would expire, per queue; change nothing"
+    )
+    maintain.add_argument(
+        "--yes",
+        action="store_true",
+        help="expire without asking even messages younger than a day or a whole topic",
     )
 
     status = command(
@@ -155,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         metavar="N",
         help=f"make the store have N shards (1 to {MAX_SHARDS}); a store never loses a shard",
+    )
+    shards.add_argument(
+        "--yes", action="store_true", help="grow the store without asking (cannot be undone)"
     )
 
     tail = command("tail", "print the newest committed messages of a topic")
@@ -248,11 +262,40 @@ def _resume(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _maintain(args: argparse.Namespace, settings: Settings) -> int:
-    from rmq_spark.store.retention import maintain
+    from rmq_spark.store.retention import expiry_plan, maintain
+    from rmq_spark.store.retention_summary import emptied_topics, format_expiry
 
-    summary = maintain(Store.open(args.path, settings=settings, create=False), settings.retention)
+    store = Store.open(args.path, settings=settings, create=False)
+    plan = expiry_plan(store, settings.retention)
+    kept = settings.retention.file_reserved_time
+    if args.dry_run:
+        print(format_expiry(plan, kept) + "\nnothing changed (--dry-run)")
+        return EXIT_OK
+    emptied = emptied_topics(plan)
+    if any(e.messages for e in plan) and (kept < _DAY or emptied):
+        why = (
+            f"younger than a day (file_reserved_time {kept:g} s)"
+            if kept < _DAY
+            else (f"every message of topic(s) {', '.join(emptied)}")
+        )
+        _confirm(
+            args, f"{format_expiry(plan, kept)}\nThis deletes messages {why}; it cannot be undone."
+        )
+    summary = maintain(store, settings.retention)
     print(summary.format())
     return EXIT_OK
+
+
+def _confirm(args: argparse.Namespace, what: str) -> None:
+    """Go on when ``--yes`` was given or the person at the terminal types ``yes``; else stop
+    with an error that says what was not done."""
+    if args.yes:
+        return
+    if sys.stdin.isatty():
+        print(what)
+        if input("Type 'yes' to go on: ").strip().lower() == "yes":
+            return
+    raise InvalidOptionError(f"{what} Nothing was changed; to go on, run it again with --yes.")
 
 
 def _status(args: argparse.Namespace, settings: Settings) -> int:
@@ -279,6 +322,12 @@ def _shards(args: argparse.Namespace, settings: Settings) -> int:
             "more, or leave it as it is."
         )
     if wanted > had:
+        _confirm(
+            args,
+            f"Growing the store at {store.root} from {had} to {wanted} shards cannot be undone: "
+            "a store never loses a shard, and processes of an rmq-spark older than shards "
+            "must be stopped first (they would not see the new shards).",
+        )
         store.grow(wanted)
     now = len(store.shards(refresh=True))
     print(f"store {store.root}: {now} shard(s)" + (f" (had {had})" if now != had else ""))

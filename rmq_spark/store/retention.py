@@ -45,7 +45,7 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 
 import pyarrow as pa
-from deltalake import CommitProperties, Transaction
+from deltalake import CommitProperties, DeltaTable, Transaction
 
 from rmq_spark.delta.reads import sql_string, sql_time
 from rmq_spark.delta.retry import retry_commits
@@ -55,7 +55,7 @@ from rmq_spark.model.messages import new_id
 from rmq_spark.store.facade import Store
 from rmq_spark.store.fanout import on_every_shard
 from rmq_spark.store.queues import earliest_app_id
-from rmq_spark.store.retention_summary import MaintenanceSummary
+from rmq_spark.store.retention_summary import MaintenanceSummary, QueueExpiry
 
 log = logging.getLogger(__name__)
 
@@ -137,24 +137,52 @@ def _maintain_shard(
 
 
 # --------------------------------------------------------------------------- CommitLog
+def expiry_plan(
+    store: Store,
+    settings: RetentionSettings | None = None,
+    *,
+    clock: Callable[[], datetime] | None = None,
+) -> list[QueueExpiry]:
+    """What :func:`maintain` would expire from the CommitLog now (``rmqtx maintain --dry-run``),
+    for every queue (those it leaves alone too); nothing is changed."""
+    settings = settings or RetentionSettings()
+    cutoff = (clock or store.clock)() - timedelta(seconds=settings.file_reserved_time)
+    return _queue_expiries(store, store.table("commitlog"), cutoff)
+
+
+def _queue_expiries(store: Store, commitlog: DeltaTable, cutoff: datetime) -> list[QueueExpiry]:
+    """Each queue's messages below the first one stored at or after ``cutoff`` (every queue,
+    those with none too)."""
+    queues = store.sql(
+        "commitlog",
+        "SELECT topic, queue_id, MIN(queue_offset) AS lowest, "
+        "MAX(queue_offset) + 1 AS next_offset, "
+        f"MIN(CASE WHEN store_timestamp >= {sql_time(cutoff)} THEN queue_offset END) "
+        "AS keep_from FROM commitlog GROUP BY topic, queue_id ORDER BY topic, queue_id",
+        table=commitlog,
+    ).to_pylist()
+    return [
+        QueueExpiry(
+            q["topic"],
+            q["queue_id"],
+            q["lowest"],
+            q["next_offset"] if q["keep_from"] is None else q["keep_from"],
+            q["next_offset"],
+        )
+        for q in queues
+    ]
+
+
 def _expire_messages(store: Store, cutoff: datetime, summary: MaintenanceSummary) -> None:
     """Delete each queue's messages below the first one stored at or after ``cutoff``."""
 
     def attempt(_: int) -> tuple[int, int]:
         commitlog = store.table("commitlog")
-        queues = store.sql(
-            "commitlog",
-            "SELECT topic, queue_id, MIN(queue_offset) AS lowest, "
-            "MAX(queue_offset) + 1 AS next_offset, "
-            f"MIN(CASE WHEN store_timestamp >= {sql_time(cutoff)} THEN queue_offset END) "
-            "AS keep_from FROM commitlog GROUP BY topic, queue_id",
-            table=commitlog,
-        ).to_pylist()
-        moves = []
-        for q in queues:
-            earliest = q["next_offset"] if q["keep_from"] is None else q["keep_from"]
-            if earliest > q["lowest"]:
-                moves.append((q["topic"], q["queue_id"], earliest, earliest - q["lowest"]))
+        moves = [
+            (e.topic, e.queue_id, e.earliest, e.messages)
+            for e in _queue_expiries(store, commitlog, cutoff)
+            if e.messages
+        ]
         if not moves:
             return 0, 0
         predicate = " OR ".join(

@@ -1,10 +1,10 @@
 """What a maintenance run (:func:`rmq_spark.store.retention.maintain`) removed, on one shard
-of a store or on all of them."""
+of a store or on all of them, and what it would expire (``rmqtx maintain --dry-run``)."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 log = logging.getLogger("rmq_spark.store.retention")
@@ -95,3 +95,47 @@ class MaintenanceSummary:
             total.skipped = "another maintenance run holds the maintain lock of every shard"
         log.info("%s", total.format())
         return total
+
+
+@dataclass(frozen=True)
+class QueueExpiry:
+    """What retention takes from one CommitLog queue: the offsets ``lowest`` up to (not
+    including) ``earliest``, its new earliest offset; ``next_offset`` is the queue's end."""
+
+    topic: str
+    queue_id: int
+    lowest: int
+    earliest: int
+    next_offset: int
+
+    @property
+    def messages(self) -> int:
+        """How many messages it expires."""
+        return self.earliest - self.lowest
+
+    @property
+    def emptied(self) -> bool:
+        """Whether it expires every message of the queue."""
+        return self.earliest == self.next_offset
+
+
+def format_expiry(plan: Sequence[QueueExpiry], kept: float) -> str:
+    """What a maintenance run would expire from the CommitLog, per topic and queue, for a
+    ``file_reserved_time`` of ``kept`` seconds."""
+    plan = [e for e in plan if e.messages]
+    if not plan:
+        return f"no message is older than file_reserved_time ({kept:g} s): nothing would expire"
+    rows = [f"{'topic':<24} {'queue':>5} {'expire':>10}  offsets", "-" * 60]
+    for e in plan:
+        left = "none left" if e.emptied else f"kept from {e.earliest}"
+        rows.append(
+            f"{e.topic:<24} {e.queue_id:>5} {e.messages:>10,}  {e.lowest}..{e.earliest - 1}, {left}"
+        )
+    total = sum(e.messages for e in plan)
+    return "\n".join([f"would expire {total:,} message(s) older than {kept:g} s:", *rows])
+
+
+def emptied_topics(plan: Sequence[QueueExpiry]) -> list[str]:
+    """The topics whose every queue ``plan`` (of every queue) empties."""
+    topics = sorted({e.topic for e in plan})
+    return [t for t in topics if all(e.emptied for e in plan if e.topic == t)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from datetime import UTC, datetime, timedelta
@@ -65,6 +66,44 @@ def test_maintain_refuses_a_retention_without_a_unit_and_expires_nothing(tmp_pat
     assert "retention.file_reserved_time = 72 has no unit" in err
     assert "RocketMQ's fileReservedTime is in hours: for the same, write '72h'" in err
     assert store.read("commitlog").column("body").to_pylist() == [b"kept"]
+
+
+def test_maintain_dry_run_says_what_would_expire_and_asks_before_emptying_a_topic(
+    tmp_path, capsys
+) -> None:
+    """``--dry-run`` tells per topic and queue and deletes nothing; a run that would expire a
+    whole topic (or messages younger than a day) is not done without --yes (#48)."""
+    long_ago = datetime.now(UTC) - timedelta(hours=100)
+    old = Store.open(tmp_path / "store", clock=lambda: long_ago)
+    old.send([Message("Orders", b"old")], "pg")
+    old.send([Message("Audit", b"only old")], "pg")
+    Store.open(tmp_path / "store").send([Message("Orders", b"new")], "pg")
+    path = ["--path", old.root]
+    assert main([*path, "maintain", "--dry-run"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "would expire 2 message(s) older than 259200 s" in out
+    assert re.search(r"Audit +\d+ +1  0\.\.0, none left", out)
+    assert re.search(r"Orders +\d+ +1  0\.\.0, (none left|kept from 1)", out)  # its queue
+    assert "nothing changed (--dry-run)" in out
+    assert main([*path, "maintain"]) == EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert "every message of topic(s) Audit" in err and "run it again with --yes" in err
+    bodies = sorted(old.read("commitlog").column("body").to_pylist())
+    assert bodies == [b"new", b"old", b"only old"]
+    assert main([*path, "maintain", "--yes"]) == EXIT_OK
+    assert old.read("commitlog").column("body").to_pylist() == [b"new"]
+
+
+def test_maintain_asks_before_expiring_messages_younger_than_a_day(tmp_path, capsys) -> None:
+    hours_ago = datetime.now(UTC) - timedelta(hours=2)
+    store = Store.open(tmp_path / "store", clock=lambda: hours_ago)
+    store.send([Message("Orders", b"two hours old")], "pg")
+    Store.open(tmp_path / "store").send([Message("Orders", b"new")], "pg")
+    conf = tmp_path / "rmq.toml"
+    conf.write_text('[retention]\nfile_reserved_time = "1h"\n')
+    assert main(["--conf", str(conf), "--path", store.root, "maintain"]) == EXIT_CONFIG
+    assert "younger than a day (file_reserved_time 3600 s)" in capsys.readouterr().err
+    assert store.read("commitlog").num_rows == 2
 
 
 def test_resume_unknown_transaction_is_a_clear_error(store: Store, capsys) -> None:

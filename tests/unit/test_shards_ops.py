@@ -164,7 +164,12 @@ def test_rmqtx_shards_shows_and_grows_never_shrinks(tmp_path: Path, capsys) -> N
     root = Store.open(tmp_path / "s").root
     assert main(["--path", root, "shards"]) == EXIT_OK
     assert capsys.readouterr().out.strip() == f"store {root}: 1 shard(s)"
-    assert main(["--path", root, "shards", "--set", "3"]) == EXIT_OK
+    # Growing cannot be undone: it is not done without --yes (stdin is not a terminal here).
+    assert main(["--path", root, "shards", "--set", "3"]) == EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert "from 1 to 3 shards cannot be undone" in err and "run it again with --yes" in err
+    assert len(Store.open(root, create=False).shards(refresh=True)) == 1
+    assert main(["--path", root, "shards", "--set", "3", "--yes"]) == EXIT_OK
     assert capsys.readouterr().out.strip() == f"store {root}: 3 shard(s) (had 1)"
     assert len(Store.open(root, create=False).shards()) == 3
     assert main(["--path", root, "shards", "--set", "2"]) == EXIT_CONFIG
