@@ -29,6 +29,8 @@ DEFAULT_CONF_FILE = Path("conf") / "rmq-spark.toml"
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+#: The levels ``[logging] level`` takes (Python's).
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 #: RocketMQ's settings whose bare numbers mean something else than seconds, by our name:
 #: (RocketMQ's name, its unit, that unit here).
 _ROCKETMQ_UNITS = {
@@ -356,12 +358,18 @@ def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
     logging_section = data.get("logging", {})
     if set(logging_section) - {"level"}:
         raise InvalidOptionError("the [logging] section only takes 'level'.")
+    level = str(logging_section.get("level", "INFO")).upper()
+    if level not in _LOG_LEVELS:
+        raise InvalidOptionError(
+            f"logging.level {logging_section['level']!r} is not a level; use one of "
+            f"{', '.join(_LOG_LEVELS)}."
+        )
     return Settings(
         store=store,
         transaction=transaction,
         retention=retention,
         spark={str(k): str(v) for k, v in data.get("spark", {}).items()},
-        log_level=str(logging_section.get("level", "INFO")).upper(),
+        log_level=level,
         checkers={str(k): dict(v) for k, v in data.get("checkers", {}).items()},
         serve=dict(data.get("serve", {})),
     )

@@ -48,6 +48,7 @@ def test_overrides_and_durations(tmp_path: Path) -> None:
             "store.publish_max_bytes needs to be an integer >= 1 but got '64MiB'",
         ),
         ('[transaction]\ntransaction_timeout = "soon"\n', "needs a duration such as"),
+        ('[logging]\nlevel = "VERBOSE"\n', "logging.level 'VERBOSE' is not a level; use one of"),
         ("not toml = = 1", "cannot read settings file"),
     ],
 )
