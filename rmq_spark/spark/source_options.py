@@ -16,6 +16,7 @@ import logging
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 
 from rmq_spark.model.config import (
     StoreSettings,
@@ -179,6 +180,13 @@ def _timestamp(given: Mapping[str, str], option: str) -> int | None:
     if value is None:
         return None
     millis = parse_int(value, option, 0)
+    if _SECONDS_LIKE <= millis < _SECONDS_LIKE * 100:
+        seconds = datetime.fromtimestamp(millis, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+        raise InvalidOptionError(
+            f"option {option!r} is {millis}: in milliseconds since the epoch, as Kafka's, that "
+            f"is in January 1970. It looks like seconds ({seconds}); give milliseconds: "
+            f"{millis * 1000}."
+        )
     if millis > _MAX_MILLIS:
         raise InvalidOptionError(
             f"option {option!r} is {millis} ms since the epoch, after the year 9999; give "
@@ -189,6 +197,9 @@ def _timestamp(given: Mapping[str, str], option: str) -> int | None:
 
 #: The last millisecond a timestamp can name (9999-12-31T23:59:59.999 UTC).
 _MAX_MILLIS = 253_402_300_799_999
+#: Timestamps from this up to 100 times it read as January 1970 to March 1973 in milliseconds,
+#: and as 2001 to 5138 in seconds: given in seconds (refused).
+_SECONDS_LIKE = 1_000_000_000
 
 #: A size as Spark's byte strings write it (``maxBytesPerTrigger`` of Delta's source): bytes,
 #: or a binary multiple: 1k = 1024.

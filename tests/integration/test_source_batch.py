@@ -89,6 +89,11 @@ def test_starting_timestamp(spark, store: Store) -> None:
         ({"topic": "Orders", "startingTimestamp": "yesterday"}, "startingTimestamp needs"),
         # Past the year 9999: a bare OSError from datetime before.
         ({"topic": "Orders", "startingTimestamp": "99999999999999999"}, "after the year 9999"),
+        # Seconds, as from time.time(): read as milliseconds, the read started in 1970.
+        (
+            {"topic": "Orders", "startingTimestamp": "1767225600"},
+            r"looks like seconds \(2026-01-01 00:00:00 UTC\); give milliseconds: 1767225600000",
+        ),
         ({"topic": "Orders", "startingOffsets": '{"Orders": {"0": 1.5}}'}, r"Expected e\.g\."),
         ({"topic": "Orders", "tags": "A || "}, "not a subscription expression"),
     ],
