@@ -28,8 +28,9 @@ from rmq_spark.store.facade import Store
 
 log = logging.getLogger("rmq_spark.ops.cli")
 
-#: Exit codes: 0 done, 1 a run failed, 2 bad usage or configuration.
-EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
+#: Exit codes: 0 done, 1 a run failed, 2 bad usage or configuration, 3 ``check --once`` left
+#: pending transactions unchecked for want of a checker for their producer group.
+EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_UNROUTED = 0, 1, 2, 3
 #: Shortest pause between check-back rounds (seconds) that ``rmqtx check`` accepts.
 MIN_CHECK_INTERVAL = 5.0
 #: ``maintain`` asks before expiring messages younger than this (seconds).
@@ -109,7 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
         "its --master is used)",
     )
     mode = check.add_mutually_exclusive_group()
-    mode.add_argument("--once", action="store_true", help="run one round and exit")
+    mode.add_argument(
+        "--once",
+        action="store_true",
+        help="run one round and exit (exit code 3 when pending transactions of a producer "
+        "group without a checker were left unchecked, unless --skip-unrouted)",
+    )
     mode.add_argument(
         "--interval",
         help="time from one round's start to the next, e.g. 30s, at least 5s "
@@ -235,7 +241,15 @@ def _check(args: argparse.Namespace, settings: Settings) -> int:
         retention=settings.retention,
     )
     if interval is None:
-        job.run_once()
+        unrouted = job.run_once().summary.unrouted
+        if unrouted and not args.skip_unrouted:
+            print(
+                f"rmqtx check: {unrouted} pending transaction(s) were not checked: their producer "
+                "group has no checker. Route it ([checkers.<group>] in the settings, or "
+                "--checker GROUP=MODULE:FUNCTION), or pass --skip-unrouted if that is meant.",
+                file=sys.stderr,
+            )
+            return EXIT_UNROUTED
         return EXIT_OK
     stop = threading.Event()
 

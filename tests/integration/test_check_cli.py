@@ -112,6 +112,20 @@ def test_kill_mid_run_leaves_nothing_half_done(spark, store: Store, tmp_path: Pa
     assert {r["msg_id"] for r in rows if r["transaction_id"] == "tx-a"} == {m.msg_id for m in a}
 
 
+def test_a_round_that_leaves_unrouted_transactions_exits_3(store: Store, tmp_path: Path) -> None:
+    """A group without a checker warned, and ``check --once`` exited 0: a scheduler saw
+    success while transactions stayed pending (#48)."""
+    store.prepare([Message("Orders", "nobody checks me")], "no-checker-group")
+    conf = conf_file(tmp_path)
+    done = rmqtx(conf, store, "check", "--once")
+    _, err = done.communicate(timeout=600)
+    assert done.returncode == 3, err
+    assert "1 pending transaction(s) were not checked: their producer group has no checker" in err
+    skipped = rmqtx(conf, store, "check", "--once", "--skip-unrouted")
+    _, err = skipped.communicate(timeout=600)
+    assert skipped.returncode == 0, err
+
+
 def test_bad_checker_is_a_clear_error_with_exit_code_2(store: Store, tmp_path: Path) -> None:
     proc = rmqtx(conf_file(tmp_path), store, "check", "--once", "--checker", "pg=no_such:fn")
     _, err = proc.communicate(timeout=180)
