@@ -60,7 +60,11 @@ class CheckBackSummary:
             ("committed", self.committed, "checker said COMMIT; now visible"),
             ("rolled back", self.rolled_back, "checker said ROLLBACK"),
             ("unknown", self.unknown, "asked again next run"),
-            ("already decided", self.already_decided, "the producer decided first"),
+            (
+                "already decided",
+                self.already_decided,
+                "decided first by another: the producer or another check-back run",
+            ),
             ("discarded", self.discarded, "rolled back at the check max; see discard table"),
             ("skipped for age", self.skipped_for_age, "older than the max check age"),
             ("not yet due", self.not_yet_due, "younger than timeout or immunity; writer alive"),

@@ -24,11 +24,12 @@ RUN_COLUMNS = (
     "committed",
     "rolled_back",
     "unknown",
+    "unrouted",
     "discarded",
     "message",
 )
 #: The counts among :data:`RUN_COLUMNS`, summed over the shards of a run.
-_RUN_COUNTS = ("pending_found", "committed", "rolled_back", "unknown", "discarded")
+_RUN_COUNTS = ("pending_found", "committed", "rolled_back", "unknown", "unrouted", "discarded")
 
 
 def store_status(store: Store, now: datetime | None = None) -> dict[str, Any]:
@@ -302,7 +303,8 @@ def format_status(status: Mapping[str, Any]) -> str:
             f"last check-back run: {run['started']} {run['status']} in "
             f"{run['duration_seconds']:.1f} s: {run['pending_found']} pending, "
             f"{run['committed']} committed, {run['rolled_back']} rolled back, "
-            f"{run['unknown']} unknown, {run['discarded']} discarded"
+            f"{run['unknown']} unknown, {run['unrouted']} unrouted (no checker for their "
+            f"group), {run['discarded']} discarded"
         )
     )
     return "\n".join(parts)

@@ -92,6 +92,7 @@ def test_status_json_every_figure(spark, store: Store) -> None:
     assert status["discards"] == {"messages": 1, "transactions": 1, "not_redriven": 1}
     run = status["last_check_back"]
     assert run["status"] == "finished" and run["discarded"] == 1
+    assert run["unrouted"] == 1  # 'shop''s pending transaction: no checker, skipped
 
     cli = rmqtx(store.root, "status", "--json")
     assert cli.returncode == 0, cli.stderr
@@ -101,6 +102,7 @@ def test_status_json_every_figure(spark, store: Store) -> None:
     text = rmqtx(store.root, "status")
     assert text.returncode == 0
     assert "Orders" in text.stdout and "billing" in text.stdout and "discards: 1" in text.stdout
+    assert "1 unrouted (no checker for their group)" in text.stdout
 
 
 def test_tail_and_errors(store: Store, tmp_path: Path) -> None:
