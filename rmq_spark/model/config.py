@@ -119,37 +119,62 @@ def split_storage_options(given: Mapping[str, str]) -> tuple[dict[str, str], dic
     return others, storage
 
 
-#: Option names of Spark's Kafka connector that ``format("rmqtx")`` names otherwise
-#: (lower-cased), and the rmq-spark option to use instead.
-KAFKA_OPTIONS = {
-    "subscribe": "topic",
-    "subscribepattern": "topic",
-    "assign": "topic",
-    "maxoffsetspertrigger": "maxMessagesPerTrigger",
-    "kafka.bootstrap.servers": "path",
-    "kafka.group.id": "consumerGroup",
-    "groupidprefix": "consumerGroup",
-    "startingoffsetsbytimestamp": "startingTimestamp",
-    "endingoffsetsbytimestamp": "endingTimestamp",
+#: Options of Spark's Kafka connector, as Kafka spells them: the rmq-spark option to use
+#: instead, or what to do when there is none.
+KAFKA_OPTIONS: dict[str, tuple[str | None, str]] = {
+    "subscribe": ("topic", ""),
+    "assign": ("topic", ""),
+    "subscribePattern": (
+        None,
+        "a pattern of topics is not supported; name the topics in 'topic', separated by "
+        "commas",
+    ),
+    "maxOffsetsPerTrigger": ("maxMessagesPerTrigger", ""),
+    "kafka.bootstrap.servers": ("path", ""),
+    "kafka.group.id": ("consumerGroup", ""),
+    "groupIdPrefix": ("consumerGroup", ""),
+    "startingOffsetsByTimestamp": ("startingTimestamp", ""),
+    "endingOffsetsByTimestamp": ("endingTimestamp", ""),
+    "includeHeaders": (
+        None,
+        "not needed: every row has the message's properties (Kafka's headers) in its "
+        "'properties' column",
+    ),
+    "minPartitions": (
+        None,
+        "a read has one Spark partition per queue; for more, give topics more queues "
+        "([store] queue_nums)",
+    ),
+    "minOffsetsPerTrigger": (
+        None,
+        "not supported: a trigger reads what is committed, up to maxMessagesPerTrigger",
+    ),
+    "maxTriggerDelay": (None, "not supported (it goes with minOffsetsPerTrigger)"),
 }
+_KAFKA_BY_LOWER = {k.lower(): k for k in KAFKA_OPTIONS}
 
 
 def reject_unknown(given: Iterable[str], allowed: Sequence[str], usage: str) -> None:
     """Raise if a (lower-cased) option name is not one of ``allowed``, listing the valid ones,
-    and saying which one is meant for a Kafka connector option or a near miss."""
+    and saying which one is meant for a Kafka connector option (named as Kafka spells it) or
+    a near miss."""
     unknown = sorted(set(given) - {o.lower() for o in allowed})
     if not unknown:
         return
     by_lower = {o.lower(): o for o in allowed}
     hints = []
     for name in unknown:
-        meant = KAFKA_OPTIONS.get(name)
+        kafka = _KAFKA_BY_LOWER.get(name)
+        meant, advice = KAFKA_OPTIONS[kafka] if kafka else (None, "")
         if meant in allowed:
-            hints.append(f"{name!r} is Spark's Kafka option; use {meant!r}")
+            hints.append(f"{kafka!r} is Spark's Kafka option; use {meant!r}")
+        elif advice:
+            hints.append(f"{kafka!r} is Spark's Kafka option: {advice}")
         elif close := difflib.get_close_matches(name, by_lower, n=1, cutoff=0.8):
             hints.append(f"{name!r}: did you mean {by_lower[close[0]]!r}?")
+    shown = [_KAFKA_BY_LOWER.get(u, u) for u in unknown]
     raise InvalidOptionError(
-        f"unknown option(s) {', '.join(repr(u) for u in unknown)} for {usage}"
+        f"unknown option(s) {', '.join(repr(u) for u in shown)} for {usage}"
         + (f" ({'; '.join(hints)})" if hints else "")
         + f"; valid options: {', '.join(allowed)}."
     )

@@ -139,7 +139,7 @@ def test_concurrent_producer_while_streaming_loses_nothing(spark, store: Store, 
         ({"maxBytesPerTrigger": "lots"}, "'maxBytesPerTrigger' needs a size .* such as '1048576'"),
         (
             {"maxOffsetsPerTrigger": "5"},
-            r"unknown option\(s\) 'maxoffsetspertrigger'.*use 'maxMessagesPerTrigger'.*"
+            r"unknown option\(s\) 'maxOffsetsPerTrigger'.*use 'maxMessagesPerTrigger'.*"
             "valid options: path",
         ),
         ({"startingOffset": "earliest"}, "did you mean 'startingOffsets'"),

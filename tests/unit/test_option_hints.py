@@ -15,7 +15,11 @@ from rmq_spark.spark.source_options import ReaderOptions
     ("option", "value", "streaming", "hint"),
     [
         ("subscribe", "Orders", False, "Spark's Kafka option; use 'topic'"),
-        ("subscribePattern", "Ord.*", True, "Spark's Kafka option; use 'topic'"),
+        ("subscribePattern", "Ord.*", True, "a pattern of topics is not supported; name the"),
+        ("includeHeaders", "true", True, "'includeHeaders' is Spark's Kafka option: not needed"),
+        ("minPartitions", "8", False, "one Spark partition per queue"),
+        ("minOffsetsPerTrigger", "8", True, "'minOffsetsPerTrigger'.*not supported"),
+        ("maxTriggerDelay", "5m", True, "'maxTriggerDelay'.*not supported"),
         ("maxOffsetsPerTrigger", "5", True, "use 'maxMessagesPerTrigger'"),
         ("kafka.bootstrap.servers", "host:9092", False, "use 'path'"),
         ("kafka.group.id", "billing", True, "use 'consumerGroup'"),
@@ -28,6 +32,17 @@ from rmq_spark.spark.source_options import ReaderOptions
 def test_reader_option_names_from_kafka_and_typos(option, value, streaming, hint) -> None:
     with pytest.raises(InvalidOptionError, match=f"unknown option.*{hint}.*valid options: path"):
         ReaderOptions.parse({"topic": "Orders", option: value}, streaming=streaming)
+
+
+def test_a_kafka_option_is_named_as_kafka_spells_it_whatever_spark_passes() -> None:
+    """Spark hands a data source its option names lower-cased: the hint said
+    'maxoffsetspertrigger' (#48)."""
+    with pytest.raises(InvalidOptionError) as refused:
+        ReaderOptions.parse({"topic": "Orders", "maxoffsetspertrigger": "5"}, streaming=True)
+    assert "unknown option(s) 'maxOffsetsPerTrigger'" in refused.value.message
+    assert "'maxOffsetsPerTrigger' is Spark's Kafka option; use 'maxMessagesPerTrigger'" in (
+        refused.value.message
+    )
 
 
 def test_writer_option_names_from_kafka_and_typos() -> None:
