@@ -1,6 +1,6 @@
 """The check batch: a round's pending transactions, each with the reason it is asked or not.
 
-Keeps DESIGN.md section 3, rule 6: a pending transaction is asked once its age is at least
+Keeps docs/contract.md, rule 6: a pending transaction is asked once its age is at least
 the transaction timeout and its own ``CHECK_IMMUNITY_TIME_IN_SECONDS``, and at most the
 maximum check age (older ones are skipped and reported); only groups with a checker are asked
 (transactional writers' messages go to the built-in epoch checker), and only transactions of

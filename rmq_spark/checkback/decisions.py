@@ -1,6 +1,6 @@
 """Decisions of a check-back round, through the producers' end-transaction path.
 
-Keeps DESIGN.md section 3, rule 3: every decision check-back takes (a checker's answer, a
+Keeps docs/contract.md, rule 3: every decision check-back takes (a checker's answer, a
 rollback at the check max, a decision recorded again) goes through ``Store.end_transactions``,
 so the first decision wins whoever races, and a transaction the producer decided first is
 counted as already decided, not decided again. Keeps rule 2: a decision another Delta writer

@@ -1,6 +1,6 @@
 """Discards and re-drive: transactions rolled back at the check max, and putting them back.
 
-Keeps DESIGN.md section 3, rule 6: a transaction still UNKNOWN after
+Keeps docs/contract.md, rule 6: a transaction still UNKNOWN after
 ``transaction_check_max`` checks is rolled back and its messages are recorded in the
 ``discard`` table (RocketMQ's ``TRANS_CHECK_MAX_TIME_TOPIC``). Keeps rule 4: nothing is lost,
 a check-max rollback whose discard write a crash cut off is found again (see

@@ -22,7 +22,7 @@ failing does not stop the others. On each shard:
    ``check_runs`` and returns a :class:`CheckBackResult` whose ``check_batch`` DataFrame shows
    what was asked and why, over every shard.
 
-Keeps DESIGN.md section 3, rule 6 as a whole (RocketMQ's check-back loop, through the modules
+Keeps docs/contract.md, rule 6 as a whole (RocketMQ's check-back loop, through the modules
 above): one group's checker failing, or the job dying, never holds back the groups already
 done, since each group's answers are applied before the next group is asked; a transactional
 writer's transaction never spends the check budget (only its epoch decides its fate). Keeps

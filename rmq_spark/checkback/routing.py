@@ -1,6 +1,6 @@
 """Routing: ask each producer group's checker about its due transactions.
 
-Keeps DESIGN.md section 3, rule 6: checks are routed by producer group (messages staged by
+Keeps docs/contract.md, rule 6: checks are routed by producer group (messages staged by
 transactional writers go to the built-in epoch checker), and a checker that raises, or whose
 configuration is broken (a module that cannot be imported, a table that cannot be read),
 answers UNKNOWN for its own group only: the other groups are checked as usual

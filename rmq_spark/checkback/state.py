@@ -1,7 +1,7 @@
 """The per-transaction check state (``check_state``): when check-back first saw a pending
 transaction and how many times it asked about it.
 
-Keeps DESIGN.md section 3, rule 6: a transaction's clock (``first_seen``, from which its age
+Keeps docs/contract.md, rule 6: a transaction's clock (``first_seen``, from which its age
 against the timeout, immunity and max check age is measured) starts on the check-back job's
 clock, and each UNKNOWN spends one check of its ``transaction_check_max`` budget, counted with
 a conditional MERGE so that two jobs checking the same batch count once. The state is

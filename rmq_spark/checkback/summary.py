@@ -1,6 +1,6 @@
 """What a check-back round reports: its summary, its check batch, and its ``check_runs`` row.
 
-Keeps DESIGN.md section 3, rule 6 in view of the operator: every outcome a RocketMQ user knows
+Keeps docs/contract.md, rule 6 in view of the operator: every outcome a RocketMQ user knows
 (checked, COMMIT, ROLLBACK, UNKNOWN asked again, rolled back at the check max, older than the
 max check age, not yet due within timeout or immunity, a checker that raised) is counted by
 name. Every round, a failing one too, records a row in ``check_runs``; a failure to record it

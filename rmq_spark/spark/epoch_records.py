@@ -8,7 +8,7 @@ and writes the evidence :func:`rmq_spark.spark.sink.publish_with_delta_write` le
 business table: the ``userMetadata`` marker naming the staged transaction
 (:func:`delta_commit_marker`, :func:`landed_delta_write`).
 
-It keeps DESIGN.md rule 8 (no partial success) at the storage level: every transition is
+It keeps docs/contract.md rule 8 (no partial success) at the storage level: every transition is
 decided by the MERGE's condition on the stored row, never by what a writer read before, and
 the caller is handed the row as it is after the MERGE, whichever transition won.
 """

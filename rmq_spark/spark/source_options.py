@@ -3,7 +3,7 @@
 :meth:`ReaderOptions.parse` validates the options (case-insensitive keys, the table in
 :mod:`rmq_spark.spark.source`) on the driver: at ``load()`` with the options of both kinds of
 read, and when the batch or stream reader is made with what only the kind decides. It keeps
-DESIGN.md rule 7 (bad input gets a clear error and loses nothing): an unknown or misspelled
+docs/contract.md rule 7 (bad input gets a clear error and loses nothing): an unknown or misspelled
 option, a missing topic, a malformed offset, timestamp, size, tag expression or flag, or an
 option of the other kind of read fails fast with a message naming it and the fix (a stream-only
 option on a batch is a warning). What ``load()`` checks in the store lives in

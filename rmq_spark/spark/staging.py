@@ -3,7 +3,7 @@
 :func:`stage` turns the rows a writer task receives into half messages (durable, invisible to
 consumers) tagged with the writer's epoch, in one commit of the ``half`` table, and reports
 them as a :class:`Staged` commit message for the driver to close the epoch with. It keeps
-DESIGN.md rule 7 (bad input gets a clear error and loses nothing): a null, empty or oversized
+docs/contract.md rule 7 (bad input gets a clear error and loses nothing): a null, empty or oversized
 body, a bad topic, tag or property, or text that is not UTF-8 is refused, naming the problem,
 before anything is committed; and rule 1 (invisible until committed): staged rows are half
 messages, which no consumer reads until their epoch commits them.

@@ -2,7 +2,7 @@
 broker operations on them, as one object users and the other wings hold.
 
 :class:`Store` is a small facade over the concepts, each kept in one module that opens with
-the contract rule(s) it keeps (DESIGN.md section 3):
+the contract rule(s) it keeps (docs/contract.md):
 
 * :mod:`rmq_spark.store.layout` - opening, creating and checking a store (rule 7);
 * :mod:`rmq_spark.store.decisions` - half messages and the first decision that wins (rules 1, 3, 4);

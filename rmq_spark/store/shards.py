@@ -8,7 +8,7 @@ the root's own tables; shard ``k`` is a complete store under ``<root>/shards/<k>
 ``half``, ``op``, CommitLog, pending list, check-back state, discards, epochs and locks), made
 by :func:`rmq_spark.store.layout.open_or_create` like any store.
 
-Every rule of DESIGN.md section 3 holds within a shard by the code that keeps it for a store;
+Every rule of docs/contract.md holds within a shard by the code that keeps it for a store;
 what makes the shards one store:
 
 * **First decision wins** (rule 3): a transaction's id names its shard
