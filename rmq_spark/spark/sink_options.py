@@ -2,9 +2,10 @@
 
 :meth:`WriterOptions.parse` validates the options (case-insensitive keys, the table in
 :mod:`rmq_spark.spark.sink`) and the input columns once, on the driver, before anything is
-staged. It keeps docs/contract.md rule 7 (bad input gets a clear error and loses nothing): an unknown
-or misspelled option, a missing ``producerGroup``, topic or ``body`` column, a column of the
-wrong type, or an extra column not asked for fails fast with a message naming it and the fix.
+staged. It keeps docs/contract.md rule 7 (bad input gets a clear error and loses nothing): an
+unknown or misspelled option, a missing ``producerGroup``, topic or ``body`` column, a column
+of the wrong type, or an extra column not asked for fails fast with a message naming it and
+the fix.
 """
 
 from __future__ import annotations
