@@ -126,8 +126,7 @@ KAFKA_OPTIONS: dict[str, tuple[str | None, str]] = {
     "assign": ("topic", ""),
     "subscribePattern": (
         None,
-        "a pattern of topics is not supported; name the topics in 'topic', separated by "
-        "commas",
+        "a pattern of topics is not supported; name the topics in 'topic', separated by commas",
     ),
     "maxOffsetsPerTrigger": ("maxMessagesPerTrigger", ""),
     "kafka.bootstrap.servers": ("path", ""),
