@@ -98,9 +98,10 @@ committed since.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import functools
+from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
-from typing import NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import pyarrow as pa
 from pyspark.sql import SparkSession
@@ -138,6 +139,8 @@ from rmq_spark.spark.sink import RmqTxBatchWriter, RmqTxStreamWriter
 from rmq_spark.spark.sink_options import WriterOptions
 from rmq_spark.spark.source_options import ENDING_OFFSETS, STARTING_OFFSETS, ReaderOptions
 from rmq_spark.store.facade import Store
+
+T = TypeVar("T")
 
 #: The source's output schema: the CommitLog's, as the reader yields its rows.
 SOURCE_SCHEMA: StructType = from_arrow_schema(COMMITLOG_SCHEMA)
@@ -406,6 +409,22 @@ def _read(partition: InputPartition) -> Iterator[pa.RecordBatch]:
     return read_slice(partition) if isinstance(partition, CommitLogSlice) else iter(())
 
 
+def _ours_first(method: Callable[..., T]) -> Callable[..., T]:
+    """A data source hook whose rmq-spark error reaches the user without the traceback through
+    rmq-spark's modules: Spark puts the hook's whole traceback before the error's own line
+    (``[PYTHON_DATA_SOURCE_ERROR] Failed to create Python data source instance: Traceback
+    ...``), and the line that says what to fix came about eight lines down."""
+
+    @functools.wraps(method)
+    def hook(*args: Any, **kwargs: Any) -> T:
+        try:
+            return method(*args, **kwargs)
+        except RmqSparkError as exc:
+            raise exc.with_traceback(None) from None
+
+    return hook
+
+
 class RmqTxDataSource(DataSource):
     """The ``rmqtx`` data source: reads committed messages (see the module docstring for
     schema and options) and writes transactionally (see :mod:`rmq_spark.spark.sink`)."""
@@ -414,6 +433,7 @@ class RmqTxDataSource(DataSource):
     def name(cls) -> str:
         return "rmqtx"
 
+    @_ours_first
     def schema(self) -> StructType:
         """The fixed output schema (:data:`SOURCE_SCHEMA`); the read's options are checked here.
 
@@ -433,6 +453,7 @@ class RmqTxDataSource(DataSource):
         self._checked_at_load = True
         return SOURCE_SCHEMA
 
+    @_ours_first
     def reader(self, schema: StructType) -> RmqTxBatchReader:
         check_schema(schema)
         return RmqTxBatchReader(ReaderOptions.parse(self.options), checked=self._checked())
@@ -450,9 +471,11 @@ class RmqTxDataSource(DataSource):
         with what :meth:`schema` set, and calls the factories on that copy)."""
         return getattr(self, "_checked_at_load", False)
 
+    @_ours_first
     def writer(self, schema: StructType, overwrite: bool) -> RmqTxBatchWriter:
         return RmqTxBatchWriter(_writer_options(self.options, schema, overwrite))
 
+    @_ours_first
     def streamWriter(self, schema: StructType, overwrite: bool) -> RmqTxStreamWriter:
         return RmqTxStreamWriter(_writer_options(self.options, schema, overwrite))
 

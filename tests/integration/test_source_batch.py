@@ -76,6 +76,25 @@ def test_starting_timestamp(spark, store: Store) -> None:
     assert bodies(read(spark, store, topic="Orders", startingTimestamp=future)) == []
 
 
+def test_the_error_of_a_bad_option_comes_first_in_what_the_user_sees(spark, store: Store):
+    """Spark puts a data source hook's traceback before its error, and the line saying what
+    to fix came about eight lines down, after rmq-spark's frames (#48): now it is the fourth,
+    for a read and for a write."""
+    with pytest.raises(Exception) as raised:
+        read(spark, store, topics="Orders")
+    assert "[INVALID_OPTION] unknown option(s) 'topics'" in "\n".join(
+        str(raised.value).splitlines()[:4]
+    )
+    rows = spark.createDataFrame([("b",)], "body STRING")
+    with pytest.raises(Exception) as raised:
+        rows.write.format("rmqtx").mode("append").option("path", store.root).option(
+            "topik", "T"
+        ).save()
+    assert "[INVALID_OPTION] unknown option(s) 'topik'" in "\n".join(
+        str(raised.value).splitlines()[:4]
+    )
+
+
 @pytest.mark.parametrize(
     ("options", "match"),
     [
