@@ -91,7 +91,7 @@ def recover_removed(store: Store, due: pa.Table, counts: Counter[str]) -> set[st
         "%d pending transaction(s) were decided before, e.g. %s: another Delta writer "
         "removed their decisions from op (a RESTORE or DELETE); recording them again, "
         "%d already published as COMMIT (not published twice), %d discarded as ROLLBACK "
-        "(see the README's Guarantees)",
+        "(see docs/guarantees.md)",
         len(published) + len(discarded),
         sorted(published | discarded)[0],
         len(published),

@@ -200,7 +200,7 @@ def _redrive_shard(store: Store, rows: list[dict[str, object]]) -> list[str]:
         log.error(
             "%d discarded transaction(s), e.g. %s, are published already (another Delta "
             "writer removed their check-max ROLLBACK from op and a late COMMIT won): not "
-            "re-driven, marked as re-driven as themselves (see the README's Guarantees)",
+            "re-driven, marked as re-driven as themselves (see docs/guarantees.md)",
             len(published),
             min(published),
         )

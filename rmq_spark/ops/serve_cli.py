@@ -20,7 +20,7 @@ _OLD_ACCESS_KEYS_ENV = "RMQTX_SERVE_ACCESS_KEYS"
 _ACCOUNTS_HELP = (
     "accounts (access keys, secrets and their topics) are in the settings file: "
     '[serve.accounts.<access key>] with secret_key_env = "<VARIABLE>" (or secret_key) and '
-    'topics = ["<topic>", "<prefix>*"] (see the README, "Serving RocketMQ clients")'
+    'topics = ["<topic>", "<prefix>*"] (see docs/serve.md)'
 )
 
 SUMMARY = "serve RocketMQ 5 clients (gRPC): their sends and transactions go into the store"

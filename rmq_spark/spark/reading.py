@@ -172,7 +172,7 @@ def _check_stored(
         raise DataLossError(
             f"{lost} published message(s) are missing from the CommitLog: {named}. Another "
             "Delta writer removed them (a DELETE, RESTORE or overwrite of the store's commitlog "
-            "table; see the README's Guarantees), and they cannot be read. Restore the table "
+            "table; see docs/guarantees.md), and they cannot be read. Restore the table "
             "to a version that has them, or set option failOnDataLoss to false to read on past "
             "them (with a warning)."
         )

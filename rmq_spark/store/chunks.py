@@ -127,7 +127,7 @@ class Chunks(StoreConcept):
             if found:
                 log.error(
                     "%d transaction(s) decided again after another Delta writer changed op, "
-                    "e.g. %s, are %s (see the README's Guarantees)",
+                    "e.g. %s, are %s (see docs/guarantees.md)",
                     len(found),
                     min(found),
                     where,

@@ -101,7 +101,7 @@ def commits_in(tables: DeltaTables, op: DeltaTable, first: int, last: int) -> tu
                 "published. Decisions it removed leave their transactions pending again "
                 "(check-back records those already published as committed again, and asks "
                 "about the others); undo it with RESTORE TABLE ... TO VERSION AS OF %d "
-                "(see the README's Guarantees)",
+                "(see docs/guarantees.md)",
                 version,
                 info.get("operation", "an unnamed operation"),
                 info.get("engineInfo", "an unknown engine"),

@@ -130,6 +130,19 @@ def test_every_block_is_tagged_and_python_compiles() -> None:
             raise AssertionError(f"{block.name()} is not valid Python: {exc}") from exc
 
 
+def test_docs_blocks_are_tagged_and_python_compiles() -> None:
+    """docs/*.md's blocks as the README's: tagged, and each Python block valid (the one of
+    docs/serve.md runs against a server in tests/integration/test_serve.py)."""
+    docs = sorted((REPO / "docs").glob("*.md"))
+    assert docs, "docs/ is gone"
+    for doc in docs:
+        blocks = readme_blocks(doc.read_text())
+        untagged = [b.line - 1 for b in blocks if not b.language]
+        assert not untagged, f"{doc.name}: fences at lines {untagged} have no language"
+        for block in (b for b in blocks if b.language == "python"):
+            compile(block.code, f"{doc.name} line {block.line}", "exec")
+
+
 def test_readme_python_blocks_run_in_order(tmp_path: Path) -> None:
     blocks = [b for b in readme_blocks(README.read_text()) if b.language == "python"]
     runnable = [b for b in blocks if b.not_run is None]

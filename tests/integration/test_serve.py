@@ -509,8 +509,8 @@ def test_bad_options_refused_before_serving(tmp_path: Path, option: list[str], e
 
 
 def test_the_readme_example_runs_against_the_server(server: Server, tmp_path: Path) -> None:
-    """README.md's producer example, as pasted but for the endpoint and the access key."""
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    """docs/serve.md's producer example, as pasted but for the endpoint and the access key."""
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "serve.md").read_text()
     start = readme.index("```python\nfrom rocketmq import")
     code = readme[start + len("```python\n") : readme.index("```", start + 3)]
     code = code.replace("127.0.0.1:8081", server.endpoint)
