@@ -227,6 +227,15 @@ def check_topic(topic: object) -> str:
     return topic
 
 
+def is_topic(topic: object) -> bool:
+    """Whether ``topic`` is a user topic name (:func:`check_topic` would take it)."""
+    try:
+        check_topic(topic)
+    except InvalidMessageError:
+        return False
+    return True
+
+
 def is_tag(tag: object) -> bool:
     """Whether ``tag`` is a tag a subscription expression (``TagA || TagB``) can name.
 

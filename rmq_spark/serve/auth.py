@@ -71,9 +71,8 @@ def authenticate(
     account = accounts.get(access)
     if account is None:
         raise _refused(f"unknown access key {access!r}")
-    if not hmac.compare_digest(
-        signature(account.secret_key, date_time), fields.get("Signature", "").lower()
-    ):
+    given = fields.get("Signature", "").lower().encode("utf-8", "replace")
+    if not hmac.compare_digest(signature(account.secret_key, date_time).encode(), given):
         raise _refused(f"signature mismatch for access key {access!r} (wrong secret key)")
     _check_date(date_time, now or datetime.now(UTC))
     return account

@@ -53,6 +53,8 @@ RESERVED_PROPERTIES = frozenset(
 )
 #: Properties with names of this prefix are RocketMQ's transient ones, never stored.
 TRANSIENT_PREFIX = "__RMQ.TRANSIENT."
+#: The longest check immunity a client's ``orphaned_transaction_recovery_duration`` sets.
+_MAX_RECOVERY_SECONDS = 365 * 86400
 #: The most user properties one message may have (the proxy's ``userPropertyMaxNum``).
 MAX_USER_PROPERTIES = 128
 
@@ -85,7 +87,7 @@ def check_topic_name(topic: str, topics: frozenset[str] | None) -> None:
     if topics is not None and topic not in topics:
         raise RequestError(
             Code.TOPIC_NOT_FOUND,
-            f"topic {topic!r} not found; this server serves {', '.join(sorted(topics))}.",
+            f"topic {topic!r} not found: this server does not serve it (rmqtx serve --topic).",
         )
 
 
@@ -130,8 +132,9 @@ def to_message(proto: pb.Message, topics: frozenset[str] | None, max_body_bytes:
     properties = {**proto.user_properties, UNIQ_KEY: system.message_id}
     if system.HasField("orphaned_transaction_recovery_duration"):
         # The client's own check immunity, as the proxy takes it.
-        seconds = system.orphaned_transaction_recovery_duration.ToTimedelta().total_seconds()
-        properties[PROPERTY_CHECK_IMMUNITY] = str(max(0, int(seconds)))
+        duration = system.orphaned_transaction_recovery_duration
+        seconds = min(max(duration.seconds, 0), _MAX_RECOVERY_SECONDS)  # no overflow
+        properties[PROPERTY_CHECK_IMMUNITY] = str(seconds)
     message = Message(
         topic=topic,
         body=body,

@@ -34,6 +34,7 @@ from rocketmq.grpc_protocol import service_pb2 as service_pb
 
 from rmq_spark.model.config import TransactionSettings
 from rmq_spark.model.messages import PROPERTY_CHECK_IMMUNITY
+from rmq_spark.serve.accounts import Account
 from rmq_spark.serve.protocol import check_command
 from rmq_spark.store.facade import Store
 
@@ -41,16 +42,18 @@ log = logging.getLogger(__name__)
 
 #: How many transactions asked about a server remembers (see :meth:`Clients.was_asked`).
 REMEMBERED_CHECKS = 100_000
+#: The most topics one client is asked about (what it declares beyond is ignored).
+MAX_CLIENT_TOPICS = 1024
 
 
 @dataclass(eq=False)
 class Client:
-    """A client's telemetry stream: the account that signed it (``""``: a server without
+    """A client's telemetry stream: the account that signed it (None: a server without
     accounts), the commands to write on it (None ends it), and the topics (producer groups) it
     declared or sent to."""
 
     client_id: str
-    account: str = ""
+    account: Account | None = None
     outbox: asyncio.Queue[service_pb.TelemetryCommand | None] = field(default_factory=asyncio.Queue)
     topics: set[str] = field(default_factory=set)
 
@@ -66,23 +69,30 @@ class Clients:
         self._by_id: dict[tuple[str, str], Client] = {}
         self._asked: OrderedDict[str, None] = OrderedDict()
 
-    def connect(self, client_id: str, account: str = "") -> Client:
+    def connect(self, client_id: str, account: Account | None = None) -> Client:
         """Register a new stream of ``client_id`` of ``account`` (replacing an older one)."""
         client = Client(client_id, account)
-        self._by_id[(account, client_id)] = client
+        self._by_id[_key(client_id, account)] = client
         return client
 
     def disconnect(self, client: Client) -> None:
         """Forget ``client``'s stream (unless a newer one of it replaced it already)."""
-        if self._by_id.get((client.account, client.client_id)) is client:
-            del self._by_id[(client.account, client.client_id)]
+        key = _key(client.client_id, client.account)
+        if self._by_id.get(key) is client:
+            del self._by_id[key]
 
-    def note_topics(self, client_id: str, account: str, topics: Iterable[str]) -> None:
+    def note_topics(self, client_id: str, account: Account | None, topics: Iterable[str]) -> None:
         """Add topics a client of ``account`` declared or sent to (a producer made without
-        topics declares them only at its next settings sync, minutes later)."""
-        client = self._by_id.get((account, client_id))
-        if client is not None:
-            client.topics.update(topics)
+        topics declares them only at its next settings sync, minutes later), up to
+        :data:`MAX_CLIENT_TOPICS`."""
+        client = self._by_id.get(_key(client_id, account))
+        if client is None:
+            return
+        for topic in topics:
+            if len(client.topics) >= MAX_CLIENT_TOPICS:
+                log.warning("client %s declared over %d topics", client_id, MAX_CLIENT_TOPICS)
+                return
+            client.topics.add(topic)
 
     def asking(self, transaction_id: str) -> None:
         """Note that a client is being asked about ``transaction_id``."""
@@ -99,9 +109,16 @@ class Clients:
         """The producer groups (topics) that have a connected client."""
         return {t for c in self._by_id.values() for t in c.topics}
 
-    def of_group(self, group: str) -> list[Client]:
-        """The connected clients of a producer group, oldest connection first."""
-        return [c for c in self._by_id.values() if group in c.topics]
+    def of_group(self, group: str, topics: Iterable[str] = ()) -> list[Client]:
+        """The connected clients of a producer group, oldest connection first, whose account
+        may be asked about every one of ``topics`` (a transaction's: its group need not be one
+        of them)."""
+        return [
+            c
+            for c in self._by_id.values()
+            if group in c.topics
+            and (c.account is None or all(c.account.may_be_asked(t) for t in topics))
+        ]
 
     def close_all(self) -> None:
         """End every stream (the server is stopping)."""
@@ -109,12 +126,18 @@ class Clients:
             client.outbox.put_nowait(None)
 
 
+def _key(client_id: str, account: Account | None) -> tuple[str, str]:
+    return (account.access_key if account else "", client_id)
+
+
 @dataclass(frozen=True)
 class Orphan:
-    """A pending transaction due for a check: its group and the command that asks."""
+    """A pending transaction due for a check: its group, the topics of its messages and the
+    command that asks."""
 
     transaction_id: str
     producer_group: str
+    topics: frozenset[str]
     command: service_pb.TelemetryCommand
 
 
@@ -161,7 +184,7 @@ class ClientCheckBack:
         orphans = await asyncio.get_running_loop().run_in_executor(None, self._due, groups)
         asked = 0
         for orphan in orphans:
-            candidates = self.clients.of_group(orphan.producer_group)
+            candidates = self.clients.of_group(orphan.producer_group, orphan.topics)
             if not candidates:
                 continue  # disconnected meanwhile: UNKNOWN, ask again later
             count = self._asked_count.get(orphan.transaction_id, 0)
@@ -206,10 +229,14 @@ class ClientCheckBack:
                 continue
             halves = shard.half_messages([r["transaction_id"] for r in ripe]).to_pylist()
             first = {h["msg_id"]: h for h in halves}
+            topics: dict[str, set[str]] = {}
+            for h in halves:
+                topics.setdefault(h["transaction_id"], set()).add(h["topic"])
             due.extend(
                 Orphan(
                     r["transaction_id"],
                     r["producer_group"],
+                    frozenset(topics[r["transaction_id"]]),
                     check_command(first[r["msg_id"]], r["transaction_id"]),
                 )
                 for r in ripe

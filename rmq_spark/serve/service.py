@@ -47,7 +47,7 @@ from rocketmq.grpc_protocol import service_pb2_grpc as service_grpc
 
 from rmq_spark.group_commit import GroupCommitter, Slot
 from rmq_spark.model.errors import RmqSparkError
-from rmq_spark.model.messages import LocalTransactionState, Message, shard_of
+from rmq_spark.model.messages import LocalTransactionState, Message, is_topic, shard_of
 from rmq_spark.serve.accounts import Account, check_publish
 from rmq_spark.serve.auth import authenticate
 from rmq_spark.serve.protocol import (
@@ -71,6 +71,8 @@ REMEMBERED_SENDS = 100_000
 #: How many of its own open transactions a process remembers (others are looked up in the
 #: store when they are ended).
 REMEMBERED_TRANSACTIONS = 100_000
+#: Settings replies are not queued for a client with this many commands unread.
+_MAX_OUTBOX = 64
 #: Who decided, in ``op``, a transaction ended by a client's answer to a check.
 DECIDED_BY_CLIENT_CHECK = "check-back:client"
 #: How long a group commit waits for more sends or decisions once clients are concurrent:
@@ -293,7 +295,7 @@ class MessagingService(service_grpc.MessagingServiceServicer):
             log.warning("refused a telemetry stream from %s: %s", context.peer(), exc.message)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, exc.message)
         client_id = metadata.get("x-mq-client-id") or uuid.uuid4().hex
-        client = self.clients.connect(client_id, account.access_key if account else "")
+        client = self.clients.connect(client_id, account)
         log.info("client %s connected (%s)", client.client_id, context.peer())
         reader = asyncio.create_task(self._read_telemetry(request_iterator, client, account))
         try:
@@ -315,7 +317,8 @@ class MessagingService(service_grpc.MessagingServiceServicer):
                 if command.WhichOneof("command") == "settings":
                     topics = [t.name for t in command.settings.publishing.topics]
                     self._note_topics(client.client_id, account, topics)
-                    client.outbox.put_nowait(settings_reply(command.settings, self._max_body))
+                    if client.outbox.qsize() < _MAX_OUTBOX:  # else it does not read them
+                        client.outbox.put_nowait(settings_reply(command.settings, self._max_body))
                 else:
                     log.debug("client %s sent %s", client.client_id, command.WhichOneof("command"))
         except (grpc.aio.AioRpcError, asyncio.CancelledError):
@@ -358,7 +361,7 @@ class MessagingService(service_grpc.MessagingServiceServicer):
             return service_pb.SendResultEntry(status=status(exc.code, exc.message))
         self._note_topics(client_id, account, [message.topic])
         transactional = proto.system_properties.message_type == pb.TRANSACTION
-        key = _retry_key(message, transactional)
+        key = _retry_key(message, transactional, account)
         task = self._sends.get(key)
         if task is None:
             task = asyncio.create_task(self._store(key, message, transactional))
@@ -411,7 +414,13 @@ class MessagingService(service_grpc.MessagingServiceServicer):
     def _note_topics(self, client_id: str, account: Account | None, topics: list[str]) -> None:
         """Have the client asked about the open transactions of those of ``topics`` its
         account may be asked about."""
-        asked = [t for t in topics if account is None or account.may_be_asked(t)]
+        asked = [
+            t
+            for t in topics
+            if is_topic(t)
+            and (self.topics is None or t in self.topics)
+            and (account is None or account.may_be_asked(t))
+        ]
         if len(asked) < len(topics):
             log.info(
                 "client %s (account %r) is not asked about topic(s) %s",
@@ -419,7 +428,7 @@ class MessagingService(service_grpc.MessagingServiceServicer):
                 account and account.access_key,
                 ", ".join(sorted(set(topics) - set(asked))),
             )
-        self.clients.note_topics(client_id, account.access_key if account else "", asked)
+        self.clients.note_topics(client_id, account, asked)
 
     def _remember_transaction(self, transaction_id: str, group: str, topic: str) -> None:
         self._transactions[transaction_id] = (group, frozenset([topic]))
@@ -549,11 +558,13 @@ class MessagingService(service_grpc.MessagingServiceServicer):
         return [next(ended) if isinstance(i, Decision) else next(published) for i in items]
 
 
-def _retry_key(message: Message, transactional: bool) -> bytes:
-    """What a retry of a send has in common with it: the whole message (its client message id
-    included, in the properties), not only the id, which a client may reuse."""
+def _retry_key(message: Message, transactional: bool, account: Account | None) -> bytes:
+    """What a retry of a send has in common with it: its account and the whole message (its
+    client message id included, in the properties), not only the id, which a client may
+    reuse."""
     digest = hashlib.sha256(message.body_bytes)
-    fields = (message.topic, transactional, message.tags, message.keys_string)
+    signer = account.access_key if account else None
+    fields = (signer, message.topic, transactional, message.tags, message.keys_string)
     digest.update(repr((fields, sorted(message.properties.items()))).encode())
     return digest.digest()
 

@@ -33,6 +33,10 @@ _CHUNK = 256 * 1024
 #: How long a new connection may take to send its first byte (gRPC's own handshake timeout
 #: is 120 s; a client that connects and says nothing holds no relay longer than this).
 FIRST_BYTE_SECONDS = 20.0
+#: Once one side of a relayed connection is done, how long the other may go on (to pass on
+#: what is in flight) before the relay ends both: a client that stays silent after the server
+#: closed held its relay, a task and two descriptors, forever.
+LINGER_SECONDS = 2.0
 
 
 class TlsMode(enum.Enum):
@@ -149,10 +153,13 @@ class PortSharing:
             asyncio.ensure_future(_pipe(server_r, writer)),
         ]
         try:
-            await asyncio.gather(*pipes)
+            _, going = await asyncio.wait(pipes, return_when=asyncio.FIRST_COMPLETED)
+            if going:
+                await asyncio.wait(going, timeout=LINGER_SECONDS)
         finally:
-            for pipe in pipes:  # one failed: the other stops too
+            for pipe in pipes:
                 pipe.cancel()
+            await asyncio.gather(*pipes, return_exceptions=True)  # retrieved: no warnings
             server_w.close()
 
 
