@@ -41,13 +41,20 @@ def test_resume_redrives_discarded_messages(store: Store, capsys) -> None:
     assert "re-drove 0" in capsys.readouterr().out
 
 
-def test_maintain_expires_what_retention_no_longer_keeps(tmp_path, capsys) -> None:
-    long_ago = datetime.now(UTC) - timedelta(hours=100)
-    old = Store.open(tmp_path / "store", clock=lambda: long_ago)
+def old_and_new(tmp_path: Path, hours: float, retention: str) -> tuple[Store, Path]:
+    """A store with an Orders message sent ``hours`` ago and one now, and a settings file whose
+    ``file_reserved_time`` is ``retention``."""
+    then = datetime.now(UTC) - timedelta(hours=hours)
+    old = Store.open(tmp_path / "store", clock=lambda: then)
     old.send([Message("Orders", b"old")], "pg")
     Store.open(tmp_path / "store").send([Message("Orders", b"new")], "pg")
     conf = tmp_path / "rmq.toml"
-    conf.write_text('[retention]\nfile_reserved_time = "72h"\n')
+    conf.write_text(f'[retention]\nfile_reserved_time = "{retention}"\n')
+    return old, conf
+
+
+def test_maintain_expires_what_retention_no_longer_keeps(tmp_path, capsys) -> None:
+    old, conf = old_and_new(tmp_path, 100, "72h")
     assert main(["--conf", str(conf), "--path", old.root, "maintain"]) == EXIT_OK
     out = capsys.readouterr().out
     assert "messages expired" in out and " 1   1 queue(s) moved up" in out
@@ -95,12 +102,7 @@ def test_maintain_dry_run_says_what_would_expire_and_asks_before_emptying_a_topi
 
 
 def test_maintain_asks_before_expiring_messages_younger_than_a_day(tmp_path, capsys) -> None:
-    hours_ago = datetime.now(UTC) - timedelta(hours=2)
-    store = Store.open(tmp_path / "store", clock=lambda: hours_ago)
-    store.send([Message("Orders", b"two hours old")], "pg")
-    Store.open(tmp_path / "store").send([Message("Orders", b"new")], "pg")
-    conf = tmp_path / "rmq.toml"
-    conf.write_text('[retention]\nfile_reserved_time = "1h"\n')
+    store, conf = old_and_new(tmp_path, 2, "1h")
     assert main(["--conf", str(conf), "--path", store.root, "maintain"]) == EXIT_CONFIG
     assert "younger than a day (file_reserved_time 3600 s)" in capsys.readouterr().err
     assert store.read("commitlog").num_rows == 2
