@@ -132,10 +132,7 @@ class ReaderOptions:
                 "option 'topic' is required: one topic, or several separated by commas "
                 "(e.g. .option('topic', 'OrderEvents'))."
             )
-        topics = tuple(
-            _option_value(check_topic, t.strip(), prefix="option 'topic': ")
-            for t in topic_text.split(",")
-        )
+        topics = tuple(_topic(t.strip()) for t in topic_text.split(","))
         starting = parse_offsets(
             given.get(STARTING_OFFSETS.lower(), "earliest"), STARTING_OFFSETS, topics
         )
@@ -219,6 +216,22 @@ def _byte_size(given: Mapping[str, str], option: str) -> int | None:
             f"'64m' or '1g' but got {value!r}."
         )
     return size
+
+
+#: Characters of a regular expression that no topic name has.
+_PATTERN_CHARACTERS = frozenset(".*+?[](){}^$\\")
+
+
+def _topic(name: str) -> str:
+    """One name of the ``topic`` option; a regular expression (Kafka's ``subscribePattern``
+    habit) is refused as such, not as a name with odd characters."""
+    if _PATTERN_CHARACTERS.intersection(name):
+        raise InvalidOptionError(
+            f"option 'topic': {name!r} is a pattern; format('rmqtx') reads topics by name "
+            "(Kafka's subscribePattern is not supported): name the topics, separated by commas "
+            "('rmqtx status' lists the store's topics)."
+        )
+    return _option_value(check_topic, name, prefix="option 'topic': ")
 
 
 def _option_value(check: Callable[..., str], value: str, *args: str, prefix: str) -> str:

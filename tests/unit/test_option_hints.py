@@ -45,6 +45,18 @@ def test_a_kafka_option_is_named_as_kafka_spells_it_whatever_spark_passes() -> N
     )
 
 
+@pytest.mark.parametrize("pattern", ["Order.*", "Order[AB]", "^Orders$", "(Orders)"])
+def test_a_topic_pattern_is_refused_as_a_pattern(pattern) -> None:
+    """``topic=Order.*`` (a Kafka user's subscribePattern) said only that the topic "has
+    characters RocketMQ does not allow" (#48)."""
+    with pytest.raises(InvalidOptionError) as refused:
+        ReaderOptions.parse({"topic": pattern}, streaming=True)
+    message = refused.value.message
+    assert f"option 'topic': {pattern!r} is a pattern" in message
+    assert "name the topics, separated by commas" in message
+    assert "rmqtx status" in message
+
+
 def test_writer_option_names_from_kafka_and_typos() -> None:
     schema = StructType([StructField("value", BinaryType()), StructField("key", StringType())])
     with pytest.raises(InvalidOptionError, match="'kafka.bootstrap.servers'.*use 'path'"):
