@@ -279,13 +279,13 @@ def plan_spark_conf(
 _NO_EXTENSION = (
     f"the running SparkSession was built without Delta Lake's {DELTA_EXTENSION} in "
     "spark.sql.extensions{value}, and it cannot be added to a running session: Delta tables' "
-    "SQL commands will fail. Build the session with it (README: 'Using your own "
+    "SQL commands will fail. Build the session with it (docs/deployment.md: 'Using your own "
     "SparkSession'), or call get_spark() before any other SparkSession is made."
 )
 _NO_CATALOG = (
     f"the running SparkSession has no spark.sql.catalog.spark_catalog; Delta Lake needs "
     f"{DELTA_CATALOG}, and it cannot be set in a running session. Build the session with it "
-    "(README: 'Using your own SparkSession'), or call get_spark() before any other "
+    "(docs/deployment.md: 'Using your own SparkSession'), or call get_spark() before any other "
     "SparkSession is made."
 )
 _OTHER_CATALOG = (

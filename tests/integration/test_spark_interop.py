@@ -117,7 +117,7 @@ def test_deletion_vectors_on_the_commitlog_are_refused_not_read_through(
 
 
 def test_delta_s_own_source_on_the_commitlog_reads_on_past_retention(spark, tmp_path: Path) -> None:
-    """The README's Delta-path consumer: with skipChangeCommits, retention's deletes of expired
+    """docs/reading.md's Delta-path consumer: with skipChangeCommits, retention's deletes of expired
     messages do not stop Delta's streaming source (without it: DELTA_SOURCE_IGNORE_DELETE at
     the first expiry)."""
     now = [datetime(2026, 1, 1, tzinfo=UTC)]

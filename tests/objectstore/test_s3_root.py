@@ -278,7 +278,7 @@ def _open_sharded(root: str, options: dict[str, str], shards: int, barrier, out)
 
 @pytest.mark.parametrize("shards", [(4, 4, 4), (4, 2, 3)])
 def test_producers_starting_together_on_a_fresh_s3_root_all_open_it(minio, shards) -> None:
-    """The README's deployment: several producer processes start at once on a fresh s3://
+    """docs/deployment.md's deployment: several producer processes start at once on a fresh s3://
     root, each asking for shards. Each opens the store (none trips over another's probe,
     half-made shard or rewritten marker) with at least the shards it asked for, and the store
     ends with as many as the largest asked for."""
