@@ -217,16 +217,27 @@ class _EpochWriter:
         configure_logging("INFO")
         staged = _staged(messages)
         group = self.options.producer_group
-        row = abort_attempt(
-            self._store(),
-            sink_id,
-            epoch,
-            _pairs(staged),
-            group,
-            owner,
-            reused=reused,
-            attempt=self.attempt,
-        )
+        try:
+            row = abort_attempt(
+                self._store(),
+                sink_id,
+                epoch,
+                _pairs(staged),
+                group,
+                owner,
+                reused=reused,
+                attempt=self.attempt,
+            )
+        except Exception:
+            # Spark's own "failed to abort" line is not logged (log4j2.properties): say it.
+            log.exception(
+                "rmqtx sink %s epoch %d: the abort failed; what it staged is rolled back by "
+                "the check-back job once the epoch's lease runs out, or when a restart closes "
+                "the epoch",
+                sink_id,
+                epoch,
+            )
+            raise
         log.info("rmqtx sink %s epoch %d aborted: %s", sink_id, epoch, _aborted(row, len(staged)))
 
 

@@ -123,6 +123,7 @@ from pyspark.sql.types import StructType
 
 from rmq_spark.model.errors import InvalidOptionError, RmqSparkError
 from rmq_spark.model.schema import COMMITLOG_SCHEMA, CONSUMER_OFFSETS_SCHEMA
+from rmq_spark.spark import interrupt
 from rmq_spark.spark.offsets import (
     Offsets,
     admit,
@@ -525,5 +526,9 @@ def _writer_options(
 
 
 def register(spark: SparkSession) -> None:
-    """Register ``format("rmqtx")`` with a SparkSession (``get_spark`` does it for you)."""
+    """Register ``format("rmqtx")`` with a SparkSession (``get_spark`` does it for you).
+
+    Also makes Ctrl-C stop the session's streaming queries with one line each instead of
+    tracebacks (:mod:`rmq_spark.spark.interrupt`)."""
     spark.dataSource.register(RmqTxDataSource)
+    interrupt.install(spark)

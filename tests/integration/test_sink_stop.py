@@ -9,6 +9,8 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -157,12 +159,11 @@ def test_a_stopped_stream_rolls_back_every_task_and_restarts_exactly_once(
 
     row = read_epoch(store, query_id, 0)
     # query.stop() interrupts the stream's thread, which then calls the writer's abort: now
-    # and then the interrupt lands in the abort's own call to its Python worker, and Spark
-    # logs "failed to abort" (3 runs in about 9 here). Then the epoch stays
-    # OPEN, and the paused task's halves are rolled back once the restart closes the epoch
-    # without them (or its lease runs out); that is the only excuse taken here.
-    abort_failed = [line for line in logged if "failed to abort" in line]
-    aborted = not abort_failed
+    # and then the interrupt lands in the abort's own call to its Python worker before it
+    # runs (3 runs in about 9 here; Spark's "failed to abort" line is not logged). Then the
+    # epoch stays OPEN, and the paused task's halves are rolled back once the restart closes
+    # the epoch without them (or its lease runs out); that is the only excuse taken here.
+    aborted = row.state == ABANDONED
     assert (row.state, row.generation) == ((ABANDONED if aborted else OPEN), 0)
     assert not aborted or row.closed_by.startswith("abort:")  # by this run of the query
     assert bodies(store) == []  # nothing of the stopped attempt is visible
@@ -172,8 +173,7 @@ def test_a_stopped_stream_rolls_back_every_task_and_restarts_exactly_once(
         assert bodies(store) == []
     # A quiet stop: nothing from Spark at ERROR, no TaskKilledException stack traces.
     assert not [line for line in logged if "TaskKilledException" in line]
-    errors = [line for line in logged if line.startswith(("ERROR", "FATAL"))]
-    assert errors == abort_failed
+    assert not [line for line in logged if line.startswith(("ERROR", "FATAL"))]
 
     run_stream(spark, store, source, checkpoint)  # the restart replays batch 0
     assert bodies(store) == sorted(ROWS)  # every row once
@@ -347,3 +347,66 @@ def test_a_batch_writer_abort_is_one_info_line(
         writer.abort([None, None])
     lines = [r for r in caplog.records if r.name.startswith("rmq_spark")]
     assert [r.levelname for r in lines] == ["INFO"]
+
+
+#: A streaming script as a user writes it: a query into the rmqtx sink, awaited in the main
+#: thread (interrupted by Ctrl-C), then a second one stopped with ``query.stop()``; the script
+#: ends without stopping Spark.
+INTERRUPTED_SCRIPT = r"""
+import sys, time
+from rmq_spark import get_spark
+
+spark = get_spark(extra_conf={"spark.ui.enabled": "false"})
+
+def start(name):
+    rows = spark.readStream.format("rate").option("rowsPerSecond", 20).load()
+    query = (
+        rows.selectExpr("CAST(value AS STRING) AS keys", "CAST(value AS STRING) AS body")
+        .writeStream.format("rmqtx").queryName(name)
+        .option("path", sys.argv[1]).option("topic", "Ticks").option("producerGroup", "ticks")
+        .option("checkpointLocation", f"{sys.argv[2]}/{name}")
+        .trigger(processingTime="500 milliseconds").start()
+    )
+    while query.lastProgress is None or query.lastProgress["numInputRows"] == 0:
+        time.sleep(0.2)
+    return query
+
+query = start("ticks")
+print("READY", flush=True)
+query.awaitTermination()
+print("AWAITED", query.isActive, flush=True)
+query = start("ticks-again")
+query.stop()
+print("STOPPED", flush=True)
+"""
+
+
+def test_ctrl_c_and_stop_print_one_line_and_no_traceback(tmp_path: Path) -> None:
+    """Ctrl-C on a script awaiting an rmqtx sink printed about 170 lines of py4j and
+    KeyboardInterrupt tracebacks and no line about the epoch; a ``query.stop()`` printed an
+    ``EOFError`` traceback of PySpark's accumulator server (#48). Ctrl-C here is SIGINT to the
+    script's process group, as a terminal sends it (Spark's JVM included)."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", INTERRUPTED_SCRIPT, str(tmp_path / "store"), str(tmp_path / "cp")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
+    lines: list[str] = []
+    try:
+        for raw in child.stdout:
+            lines.append(raw.decode(errors="replace").rstrip("\n"))
+            if lines[-1] == "READY":
+                os.killpg(child.pid, signal.SIGINT)
+        child.wait(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGKILL)
+    output = "\n".join(lines)
+    assert child.returncode == 0, output
+    assert "AWAITED False" in lines and "STOPPED" in lines, output
+    ours = [line for line in lines if line.startswith("rmqtx: Ctrl-C: stopping streaming query")]
+    assert len(ours) == 1 and "'ticks'" in ours[0] and "was the last committed" in ours[0], output
+    for noise in ("Traceback", "KeyboardInterrupt", "EOFError", "Py4J", "Exception"):
+        assert noise not in output, f"{noise!r} printed:\n{output}"

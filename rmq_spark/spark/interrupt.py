@@ -1,0 +1,120 @@
+"""Ctrl-C and stopped queries, quietly: what a person sees is one line, not tracebacks.
+
+PySpark's own SIGINT handler calls the JVM from inside the signal handler, on the main thread,
+which is usually itself waiting in a call to the JVM (``query.awaitTermination()``): py4j
+then logs a re-entrant call and a ``KeyboardInterrupt`` at ERROR with their tracebacks, the
+script dies with a third, and the JVM, losing its Python side, logs the query's failure. About
+170 lines, none of them about the epoch (#48). :func:`install` puts a handler before it that,
+while streaming queries run, stops them as ``query.stop()`` does (from a thread of its own, so
+that the main thread's call to the JVM is left alone), and logs one line per query: the
+sink's epoch in flight is rolled back by the stop and replayed once from the checkpoint
+(docs/sink.md). ``awaitTermination()`` then returns as after any stop. A second Ctrl-C, or one
+while no query runs, goes to PySpark's handler (it cancels the running jobs).
+
+It also keeps a stopped query's interrupted task from printing an ``EOFError`` traceback:
+PySpark's accumulator server reports any connection the JVM closes as an error, and a stopped
+task's connection is closed mid-way.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+from pyspark.sql import SparkSession
+
+log = logging.getLogger(__name__)
+
+#: How often the handler looks whether the queries stopped (a second Ctrl-C is taken then).
+_POLL_SECONDS = 0.2
+
+
+def install(spark: SparkSession) -> None:
+    """Make Ctrl-C stop ``spark``'s streaming queries quietly, and quiet the accumulator
+    server; idempotent. Only on the main thread, and only over PySpark's own SIGINT handler
+    (a handler the application installed is left alone)."""
+    _quiet_accumulator_server(spark)
+    if threading.current_thread() is not threading.main_thread():
+        return
+    current = signal.getsignal(signal.SIGINT)
+    if isinstance(current, _StopQueriesOnInterrupt) or not _is_pysparks(current):
+        return
+    signal.signal(signal.SIGINT, _StopQueriesOnInterrupt(spark, current))
+
+
+def _is_pysparks(handler: Any) -> bool:
+    return callable(handler) and getattr(handler, "__module__", "").startswith("pyspark.")
+
+
+class _StopQueriesOnInterrupt:
+    """The SIGINT handler: stop the active streaming queries, or hand over to PySpark's."""
+
+    def __init__(self, spark: SparkSession, fallback: Callable[[int, FrameType | None], Any]):
+        self.spark = spark
+        self.fallback = fallback
+        self.stopping = False
+        self.stopped: int | None = None  # queries the last Ctrl-C stopped
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        if self.stopping:  # a second Ctrl-C while the queries stop: the user insists
+            self.fallback(signum, frame)
+            return
+        self.stopping = True
+        try:
+            # Calls to the JVM from another thread: the main thread may be inside one.
+            worker = threading.Thread(target=self._stop_all, name="rmqtx-interrupt", daemon=True)
+            self.stopped = None
+            worker.start()
+            while worker.is_alive():
+                worker.join(_POLL_SECONDS)
+            if not self.stopped:
+                self.fallback(signum, frame)
+        finally:
+            self.stopping = False
+
+    def _stop_all(self) -> None:
+        try:
+            queries = self.spark.streams.active
+        except Exception:  # the session is going away: PySpark's handler takes over
+            log.debug("could not list the streaming queries", exc_info=True)
+            return
+        for query in queries:
+            progress = query.lastProgress
+            done = (
+                f"batch {progress['batchId']} was the last committed"
+                if progress
+                else ("no batch committed yet")
+            )
+            log.warning(
+                "rmqtx: Ctrl-C: stopping streaming query %s (%s); a batch in flight is rolled "
+                "back and replayed once when the query restarts from its checkpoint. Ctrl-C "
+                "again interrupts at once.",
+                f"'{query.name}'" if query.name else query.id,
+                done,
+            )
+            query.stop()
+        self.stopped = len(queries)
+
+
+def _quiet_accumulator_server(spark: SparkSession) -> None:
+    """PySpark's accumulator server prints an ``EOFError`` traceback for a connection the JVM
+    closed, which a stopped query's interrupted task does; that is no error (the JVM opens a
+    new connection for its next update), so it is logged at DEBUG instead."""
+    server = getattr(spark.sparkContext, "_accumulatorServer", None)
+    if server is None or getattr(server.handle_error, "rmqtx_quiet", False):
+        return
+    default = server.handle_error
+
+    def handle_error(request: Any, client_address: Any) -> None:
+        if isinstance(sys.exc_info()[1], EOFError):
+            log.debug("the JVM closed an accumulator connection %s", client_address)
+            return
+        default(request, client_address)
+
+    handle_error.rmqtx_quiet = True  # type: ignore[attr-defined]
+    server.handle_error = handle_error
