@@ -333,7 +333,11 @@ class RmqTxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         behind = sum(
             max(0, o - end.get(t, {}).get(q, 0)) for t, qs in latest.items() for q, o in qs.items()
         )
-        self._reported = {**self._encode(latest), "messagesBehindLatest": behind}
+        self._reported = {
+            **self._encode(latest),
+            "messagesBehindLatest": behind,
+            "source": f"rmqtx[topic={','.join(self.options.topics)}]",
+        }
         return self._encode(end)
 
     def _caps(self, limit: ReadLimit) -> tuple[int | None, int | None]:
@@ -351,7 +355,9 @@ class RmqTxStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def reportLatestOffset(self) -> dict | None:
         """The latest offsets the last :meth:`latestOffset` saw (under Trigger.AvailableNow:
         its target), with ``messagesBehindLatest``: the messages after the end of the batch it
-        planned (the backlog). Spark shows them as the source's ``latestOffset`` in
+        planned (the backlog), and ``source``, what it reads (``rmqtx[topic=Orders]``: Spark
+        names a Python source by its JVM class, ``PythonMicroBatchStream...@309fb014``, in the
+        progress's ``description``). Spark shows them as the source's ``latestOffset`` in
         ``StreamingQueryProgress``; they are never read back."""
         return self._reported
 

@@ -223,6 +223,9 @@ def test_max_bytes_per_trigger_bounds_batches(spark, store: Store, tmp_path) -> 
     assert latest[0]["offsets"] == {
         "Orders": {str(q): n for q, n in sorted(_per_queue(store).items())}
     }
+    # Spark names a Python source by its JVM class (PythonMicroBatchStream...@309fb014, #49):
+    # the progress says what it reads beside its offsets.
+    assert {offset["source"] for offset in latest} == {"rmqtx[topic=Orders]"}
     # Combined with maxMessagesPerTrigger, the cap hit first wins.
     both = stream(spark, store, maxBytesPerTrigger="1m", maxMessagesPerTrigger="4")
     assert [len(b) for b in run_sized(both, tmp_path / "b")[0]] == [4, 4, 2]
