@@ -18,6 +18,7 @@ from datetime import datetime
 import pyarrow as pa
 from pyspark.sql import DataFrame
 
+from rmq_spark.model.config import format_duration
 from rmq_spark.model.schema import CHECK_RUNS_SCHEMA
 from rmq_spark.store.facade import Store
 
@@ -49,11 +50,7 @@ class CheckBackSummary:
 
     def format(self) -> str:
         """A readable multi-line summary for logs and terminals."""
-        oldest = (
-            "-"
-            if self.oldest_pending_age_seconds is None
-            else f"{self.oldest_pending_age_seconds:,.1f} s"
-        )
+        oldest = format_duration(self.oldest_pending_age_seconds)
         rows = [
             ("pending found", self.pending_found, f"oldest pending: {oldest}"),
             ("checked", self.checked, "asked a checker this run"),
@@ -72,7 +69,8 @@ class CheckBackSummary:
             ("checker errors", self.errors, "checker raised; counted as unknown"),
         ]
         lines = [
-            f"check-back run {self.run_id} {self.status} in {self.duration_seconds:.1f} s"
+            f"check-back run {self.run_id} {self.status} in "
+            f"{format_duration(self.duration_seconds)}"
             + (f": {self.message}" if self.message else "")
         ]
         lines += [f"  {name:<16}{value:>10,}   {note}" for name, value, note in rows]

@@ -58,6 +58,24 @@ def parse_duration(value: object, name: str) -> float:
     return number * _UNIT_SECONDS[unit or "s"]
 
 
+def format_duration(seconds: float | None) -> str:
+    """A duration as a person reads it, the one way every command writes ages and times:
+    ``850 ms``, ``42 s``, ``14 min``, ``3.5 h``, ``2.1 d`` (``-`` for none)."""
+    if seconds is None:
+        return "-"
+    if seconds < 1:
+        return f"{seconds * 1000:.0f} ms"
+    if seconds < 10:
+        return f"{seconds:.1f} s"
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 2 * 86400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} d"
+
+
 def _bare_number(value: object, name: str, number: float) -> str:
     """Why a bare number is refused as ``name``, and what the user likely meant."""
     known = _ROCKETMQ_UNITS.get(name.rsplit(".", 1)[-1])

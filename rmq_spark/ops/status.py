@@ -12,6 +12,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from rmq_spark.model.config import format_duration
 from rmq_spark.spark.epoch_records import staged_in
 from rmq_spark.store.facade import Store
 
@@ -276,7 +277,7 @@ def format_status(status: Mapping[str, Any]) -> str:
                 g["producer_group"],
                 g["pending_transactions"],
                 g["pending_messages"],
-                _age(g["oldest_pending_age_seconds"]),
+                format_duration(g["oldest_pending_age_seconds"]),
                 _sink_epochs(g),
                 g["committed_transactions"],
                 g["rolled_back_transactions"],
@@ -301,7 +302,7 @@ def format_status(status: Mapping[str, Any]) -> str:
         if run is None
         else (
             f"last check-back run: {run['started']} {run['status']} in "
-            f"{run['duration_seconds']:.1f} s: {run['pending_found']} pending, "
+            f"{format_duration(run['duration_seconds'])}: {run['pending_found']} pending, "
             f"{run['committed']} committed, {run['rolled_back']} rolled back, "
             f"{run['unknown']} unknown, {run['unrouted']} unrouted (no checker for their "
             f"group), {run['discarded']} discarded"
@@ -327,16 +328,6 @@ def _sink_epochs(group: Mapping[str, Any]) -> str:
     parts = [f"{running} running"] if running else []
     parts += [f"{aborted} aborted (rolled back next round)"] if aborted else []
     return ", ".join(parts) or "-"
-
-
-def _age(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
 
 
 def _section(title: str, header: list[str], rows: list[list[Any]]) -> list[str]:

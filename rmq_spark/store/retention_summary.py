@@ -7,6 +7,8 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from rmq_spark.model.config import format_duration
+
 log = logging.getLogger("rmq_spark.store.retention")
 
 #: The counts a summary of several shards sums.
@@ -57,7 +59,9 @@ class MaintenanceSummary:
             ("files vacuumed", sum(self.files_vacuumed.values()), "deleted from storage"),
             ("live bytes", sum(self.live_bytes.values()), "in the tables' current files"),
         ]
-        lines = [f"maintenance run {self.run_id} finished in {self.duration_seconds:.1f} s"]
+        lines = [
+            f"maintenance run {self.run_id} finished in {format_duration(self.duration_seconds)}"
+        ]
         if self.shards > 1:
             skipped = ", ".join(map(str, self.shards_skipped))
             lines[0] += f" over {self.shards} shards" + (

@@ -185,3 +185,35 @@ def test_tail_reads_every_shard(tmp_path: Path) -> None:
     store.send([Message("Orders", "first")], "pg")
     store.shard_store(1).send([Message("Orders", "second")], "pg")
     assert [m["body"] for m in tail(store, "Orders")] == ["second", "first"]
+
+
+def test_check_and_status_write_an_age_the_same_way() -> None:
+    """``status`` said ``14 min`` where ``check`` said ``1,371.0 s`` (#49)."""
+    from rmq_spark.model.config import format_duration
+    from rmq_spark.ops.status import format_status
+
+    assert [format_duration(s) for s in (None, 0.25, 4.24, 42, 1371, 12_600, 200_000)] == [
+        "-", "250 ms", "4.2 s", "42 s", "23 min", "3.5 h", "2.3 d"
+    ]  # fmt: skip
+    assert "oldest pending: 23 min" in summary(oldest_pending_age_seconds=1371.0).format()
+    group = {
+        "producer_group": "g",
+        "pending_transactions": 1,
+        "pending_messages": 1,
+        "oldest_pending_age_seconds": 1371.0,
+        "in_running_sink_epochs": 0,
+        "in_aborted_sink_epochs": 0,
+        "committed_transactions": 0,
+        "rolled_back_transactions": 0,
+    }
+    status = {
+        "store": "s",
+        "generated": "now",
+        "shards": [{"shard": 0}],
+        "topics": [],
+        "producer_groups": [group],
+        "consumer_groups": [],
+        "discards": {"messages": 0, "transactions": 0, "not_redriven": 0},
+        "last_check_back": None,
+    }
+    assert "  g               1             1             23 min" in format_status(status)
