@@ -108,7 +108,20 @@ def scan_pending(store: Store) -> pa.Table:
     return _scan(store, half, op)
 
 
-def _attempt(store: Store) -> PendingUpdate:
+def pending_now(store: Store) -> pa.Table:
+    """The pending transactions at the latest ``half`` and ``op`` versions (``pending``
+    schema), without writing anything: the ``pending`` table moved on by what was written
+    since it, as :func:`update_pending` would (a full scan where it would rebuild). What
+    ``rmqtx status`` shows, at the cost of a check-back round's read; why it scans in full is
+    logged at DEBUG (the next check-back round logs it when it rebuilds)."""
+    return _computed(store, quiet=True)[0]
+
+
+def _computed(
+    store: Store, *, quiet: bool = False
+) -> tuple[pa.Table, DeltaTable, int, int, dict[str, int] | None, bool]:
+    """(pending rows, the ``pending`` table, half version, op version, the half version
+    each new transaction was stored in where known, whether ``pending`` is already there)."""
     pending = store.table("pending")
     half_cursor = pending.transaction_version(PENDING_HALF_APP_ID)
     op_cursor = pending.transaction_version(PENDING_OP_APP_ID)
@@ -118,13 +131,20 @@ def _attempt(store: Store) -> PendingUpdate:
     half_version, op_version = half.version(), op.version()
     current = _read(store, pending)
     if (half_cursor, op_cursor) == (half_version, op_version):
-        return PendingUpdate(current, half_version, op_version)
+        return current, pending, half_version, op_version, None, True
     stored_in: dict[str, int] | None = None  # known on the change feed's path only
+
+    def note(level: int, message: str, *args: object) -> None:
+        log.log(logging.DEBUG if quiet else level, message, *args)
+
     if half_cursor is None or op_cursor is None:
-        log.info("pending transactions: no recorded versions; rebuilding from a full scan")
+        note(
+            logging.INFO, "pending transactions: no recorded versions; rebuilding from a full scan"
+        )
         rows = _scan(store, half, op)
     elif half_cursor > half_version or op_cursor > op_version:
-        log.warning(
+        note(
+            logging.WARNING,
             "pending transactions cover half version %d and op version %d, beyond the tables' "
             "versions %d and %d (tables replaced?); rebuilding from a full scan",
             half_cursor,
@@ -134,7 +154,8 @@ def _attempt(store: Store) -> PendingUpdate:
         )
         rows = _scan(store, half, op)
     elif foreign := _foreign_versions(store, op_cursor, op_version):
-        log.warning(
+        note(
+            logging.WARNING,
             "pending transactions: op version %d was written by another Delta writer; "
             "rebuilding from a full scan",
             foreign[0],
@@ -144,7 +165,8 @@ def _attempt(store: Store) -> PendingUpdate:
         try:
             rows, stored_in = _advance(store, current, half, half_cursor, op, op_cursor)
         except (DeltaError, OSError, pa.ArrowException) as exc:
-            log.warning(
+            note(
+                logging.WARNING,
                 "pending transactions: the change feed of half versions %d-%d or op versions "
                 "%d-%d cannot be read (%s); rebuilding from a full scan",
                 half_cursor + 1,
@@ -154,6 +176,13 @@ def _attempt(store: Store) -> PendingUpdate:
                 str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
             )
             rows = _scan(store, half, op)
+    return rows, pending, half_version, op_version, stored_in, False
+
+
+def _attempt(store: Store) -> PendingUpdate:
+    rows, pending, half_version, op_version, stored_in, up_to_date = _computed(store)
+    if up_to_date:
+        return PendingUpdate(rows, half_version, op_version)
     if stored_in is None:
         # A rebuild knows no version per transaction: each is taken as stored in the latest
         # half version (so its age is never overstated) unless its clock started already.

@@ -60,7 +60,7 @@ def parse_duration(value: object, name: str) -> float:
 
 def format_duration(seconds: float | None) -> str:
     """A duration as a person reads it, the one way every command writes ages and times:
-    ``850 ms``, ``42 s``, ``14 min``, ``3.5 h``, ``2.1 d`` (``-`` for none)."""
+    ``850 ms``, ``42 s``, ``14 min``, ``3.5 h``, ``72 h``, ``9.5 d`` (``-`` for none)."""
     if seconds is None:
         return "-"
     if seconds < 1:
@@ -69,11 +69,12 @@ def format_duration(seconds: float | None) -> str:
         return f"{seconds:.1f} s"
     if seconds < 120:
         return f"{seconds:.0f} s"
-    if seconds < 7200:
+    if seconds < 3600:
         return f"{seconds / 60:.0f} min"
-    if seconds < 2 * 86400:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 86400:.1f} d"
+    hours = seconds / 3600
+    if hours < 10:
+        return f"{hours:.1f} h"
+    return f"{hours:.0f} h" if hours < 100 else f"{seconds / 86400:.1f} d"
 
 
 def _bare_number(value: object, name: str, number: float) -> str:

@@ -8,11 +8,13 @@ go before the subcommand or after it.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 from rmq_spark.checkback.checkers import (
     CallableChecker,
@@ -24,6 +26,7 @@ from rmq_spark.model.config import Settings, configure_logging, load_settings, p
 from rmq_spark.model.errors import InvalidOptionError, RmqSparkError
 from rmq_spark.model.messages import MAX_SHARDS
 from rmq_spark.ops import serve_cli
+from rmq_spark.ops.views import VIEWS
 from rmq_spark.store.facade import Store
 
 log = logging.getLogger("rmq_spark.ops.cli")
@@ -33,6 +36,10 @@ log = logging.getLogger("rmq_spark.ops.cli")
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_UNROUTED = 0, 1, 2, 3
 #: Shortest pause between check-back rounds (seconds) that ``rmqtx check`` accepts.
 MIN_CHECK_INTERVAL = 5.0
+#: ``status --watch``'s shortest interval, and how often ``tail --follow`` looks.
+MIN_WATCH_INTERVAL = FOLLOW_INTERVAL = 1.0
+#: ANSI: clear the terminal and go to its top left (``status --watch``).
+CLEAR_SCREEN = "\x1b[2J\x1b[H"
 #: ``maintain`` asks before expiring messages younger than this (seconds).
 _DAY = 86400.0
 
@@ -53,13 +60,18 @@ EXAMPLES = {
   rmqtx maintain --conf prod.toml             with the [retention] settings of prod.toml""",
     "status": """\
   rmqtx status                                topics, groups, consumer lag, discards, last run
-  rmqtx status --json | jq .consumer_groups   the same, for scripts""",
+  rmqtx status --json | jq .consumer_groups   the same, for scripts
+  rmqtx status groups                         lag per consumer group and queue, last progress
+  rmqtx status transactions --watch           pending by age, check-back runs; every 2 s
+  rmqtx status topics --json                  messages, rates, oldest stored, as JSON
+  rmqtx status store                          shards, table versions and sizes, retention""",
     "shards": """\
   rmqtx shards                                how many shards the store has
   rmqtx shards --set 4 --yes                  grow the store to 4 shards (never fewer)""",
     "tail": """\
   rmqtx tail OrderEvents                      the 10 newest committed messages of a topic
-  rmqtx tail OrderEvents -n 50 --json         the 50 newest, as JSON""",
+  rmqtx tail OrderEvents -n 50 --json         the 50 newest, as JSON
+  rmqtx tail OrderEvents --follow             then each new message as it is committed""",
     "serve": serve_cli.EXAMPLES,
 }
 
@@ -160,7 +172,22 @@ def build_parser() -> argparse.ArgumentParser:
         "status",
         "topics, pending transactions per producer group, consumer lag, discards, last run",
     )
+    status.add_argument(
+        "view",
+        nargs="?",
+        choices=sorted(VIEWS),
+        help="one view in detail: groups (lag per queue), transactions (pending by age, "
+        "check-back runs), topics (rates, oldest stored), store (shards, tables); default: "
+        "a summary of each",
+    )
     status.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    status.add_argument(
+        "--watch",
+        nargs="?",
+        const="2s",
+        metavar="INTERVAL",
+        help="print it again every INTERVAL (default 2s) until Ctrl-C",
+    )
 
     shards = command(
         "shards",
@@ -178,9 +205,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     tail = command("tail", "print the newest committed messages of a topic")
-    tail.add_argument("topic")
+    tail.add_argument("topic", help="the topic (names are case-sensitive; status lists them)")
     tail.add_argument("-n", "--count", type=int, default=10, help="how many (default 10)")
     tail.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    tail.add_argument(
+        "-f",
+        "--follow",
+        action="store_true",
+        help="then print each new message as it is committed, until Ctrl-C",
+    )
 
     serve_cli.add_arguments(command("serve", serve_cli.SUMMARY))
     return parser
@@ -271,7 +304,11 @@ def _resume(args: argparse.Namespace, settings: Settings) -> int:
 
     store = Store.open(args.path, settings=settings, create=False)
     new_ids = redrive(store, args.transaction_id)
-    print(f"re-drove {len(new_ids)} discarded message(s); the check-back job will check them again")
+    print(
+        f"re-drove {len(new_ids)} discarded message(s); the check-back job will check them again"
+        if new_ids
+        else "nothing to re-drive: no discarded message waits"
+    )
     return EXIT_OK
 
 
@@ -314,10 +351,45 @@ def _confirm(args: argparse.Namespace, what: str) -> None:
 
 def _status(args: argparse.Namespace, settings: Settings) -> int:
     from rmq_spark.ops.status import format_status, store_status, to_json
+    from rmq_spark.ops.view_text import FORMATS
 
-    status = store_status(Store.open(args.path, settings=settings, create=False))
-    print(to_json(status) if args.json else format_status(status))
-    return EXIT_OK
+    interval = parse_duration(args.watch, "--watch") if args.watch else None
+    if interval is not None and interval < MIN_WATCH_INTERVAL:
+        raise InvalidOptionError(
+            f"--watch needs at least {MIN_WATCH_INTERVAL:g}s, not {args.watch}."
+        )
+    store = Store.open(args.path, settings=settings, create=False)
+
+    def show() -> None:
+        if args.view is None:
+            status = store_status(store)
+            text = format_status(status)
+        else:
+            status = VIEWS[args.view](store, settings.retention)
+            text = FORMATS[args.view](status)
+        if args.json:
+            print(to_json(status) if interval is None else json.dumps(status, default=str))
+        elif interval is not None:
+            print(CLEAR_SCREEN + text + f"\n\nevery {args.watch}; Ctrl-C stops")
+        else:
+            print(text)
+        sys.stdout.flush()
+
+    return _repeat(show, interval)
+
+
+def _repeat(show: Callable[[], None], interval: float | None) -> int:
+    """``show()`` once, or every ``interval`` seconds until Ctrl-C (exit code 0)."""
+    if interval is None:
+        show()
+        return EXIT_OK
+    try:
+        while True:
+            started = time.monotonic()
+            show()
+            time.sleep(max(0.0, interval - (time.monotonic() - started)))
+    except KeyboardInterrupt:
+        return EXIT_OK
 
 
 def _shards(args: argparse.Namespace, settings: Settings) -> int:
@@ -350,13 +422,30 @@ def _shards(args: argparse.Namespace, settings: Settings) -> int:
 
 def _tail(args: argparse.Namespace, settings: Settings) -> int:
     from rmq_spark.ops.status import to_json
-    from rmq_spark.ops.tail import format_tail, tail
+    from rmq_spark.ops.tail import Follower, format_tail, tail
 
     if args.count < 1:
         raise RmqSparkError(f"-n/--count needs to be at least 1, not {args.count}.")
-    messages = tail(Store.open(args.path, settings=settings, create=False), args.topic, args.count)
-    print(to_json(messages) if args.json else format_tail(messages))
-    return EXIT_OK
+    store = Store.open(args.path, settings=settings, create=False)
+    messages = tail(store, args.topic, args.count)
+    if not args.follow:
+        print(to_json(messages) if args.json else format_tail(messages))
+        return EXIT_OK
+    # Following: oldest first, then each new one; with --json, one JSON object a line.
+    print(
+        "\n".join(json.dumps(m) for m in reversed(messages))
+        if args.json
+        else format_tail(messages[::-1]),
+        flush=True,
+    )
+    follow = Follower(store, args.topic)
+
+    def show() -> None:
+        for message in follow.new_messages():
+            print(json.dumps(message) if args.json else format_tail([message], header=False))
+        sys.stdout.flush()
+
+    return _repeat(show, FOLLOW_INTERVAL)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

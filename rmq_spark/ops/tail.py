@@ -4,9 +4,13 @@ prints (read with deltalake and pyarrow, no Spark).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from rmq_spark.delta.reads import read_files
 from rmq_spark.model.errors import InvalidOptionError
@@ -61,24 +65,76 @@ def _message_row(topic: str, row: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def format_tail(messages: Sequence[Mapping[str, Any]]) -> str:
-    """``tail`` as a readable table (bodies cut to ``BODY_PREVIEW`` characters)."""
-    return "\n".join(
-        table_lines(
-            ["queue", "offset", "stored", "keys", "tags", "body"],
-            [
-                [
-                    m["queue_id"],
-                    m["queue_offset"],
-                    m["store_timestamp"],
-                    m["keys"] or "",
-                    m["tags"] or "",
-                    _preview(m["body"]),
-                ]
-                for m in messages
-            ],
+class Follower:
+    """The messages of a topic committed since the last look, in every queue from where the
+    last look ended (``rmqtx tail --follow``): each look costs a read of the CommitLog's
+    offsets, and of the new files when there are new messages."""
+
+    def __init__(self, store: Store, topic: str) -> None:
+        self.store, self.topic = store, topic
+        self.next = self._ends()
+
+    def _ends(self) -> dict[int, int]:
+        return {q: o for (t, q), o in self.store.next_offsets().items() if t == self.topic}
+
+    def new_messages(self) -> list[dict[str, Any]]:
+        """The messages committed since the last call, oldest first."""
+        ends = self._ends()
+        grown = {q: (self.next.get(q, 0), e) for q, e in ends.items() if e > self.next.get(q, 0)}
+        if not grown:
+            return []
+        files = self.store.data_files("commitlog")
+        low = min(start for start, _ in grown.values())
+        chosen = files.filter(
+            pc.and_(
+                pc.equal(files.column("partition.topic"), self.topic),
+                pc.fill_null(pc.greater_equal(files.column("max.queue_offset"), low), True),
+            )
         )
+
+        def new(rows: pa.Table) -> pa.ChunkedArray:
+            queue, offset = rows.column("queue_id"), rows.column("queue_offset")
+            masks = [
+                pc.and_(
+                    pc.equal(queue, q),
+                    pc.and_(pc.greater_equal(offset, start), pc.less(offset, end)),
+                )
+                for q, (start, end) in grown.items()
+            ]
+            return functools.reduce(pc.or_, masks)
+
+        table = read_files(
+            chosen.column("uri").to_pylist(), FILE_SCHEMA, self.store.settings.storage_options, new
+        )
+        self.next.update(ends)
+        ordered = table.sort_by(
+            [
+                ("store_timestamp", "ascending"),
+                ("queue_id", "ascending"),
+                ("queue_offset", "ascending"),
+            ]
+        )
+        return [_message_row(self.topic, r) for r in ordered.to_pylist()]
+
+
+def format_tail(messages: Sequence[Mapping[str, Any]], *, header: bool = True) -> str:
+    """``tail`` as a readable table (bodies cut to ``BODY_PREVIEW`` characters); without
+    ``header``, the rows alone (``--follow``'s lines after the first table)."""
+    lines = table_lines(
+        ["queue", "offset", "stored", "keys", "tags", "body"],
+        [
+            [
+                m["queue_id"],
+                m["queue_offset"],
+                m["store_timestamp"],
+                m["keys"] or "",
+                m["tags"] or "",
+                _preview(m["body"]),
+            ]
+            for m in messages
+        ],
     )
+    return "\n".join(lines if header else lines[2:])
 
 
 def _preview(body: str) -> str:

@@ -119,7 +119,7 @@ def _maintain_shard(
     started = time.monotonic()
     if not store.lock("maintain", summary.run_id, _LOCK_SECONDS):
         summary.skipped = "another maintenance run holds the store's maintain lock"
-        log.info("%s", summary.format())
+        log.info("%s", summary.brief())
         return summary
     try:
         if not store.shard:  # the store's one CommitLog is the root's
@@ -132,7 +132,7 @@ def _maintain_shard(
     finally:
         store.lock("maintain", summary.run_id, 0.0)
     summary.duration_seconds = time.monotonic() - started
-    log.info("%s", summary.format())
+    log.info("%s", summary.brief())
     return summary
 
 

@@ -43,8 +43,19 @@ class MaintenanceSummary:
     shards: int = 1
     shards_skipped: list[int] = field(default_factory=list)
 
+    def brief(self) -> str:
+        """The summary in one line, for logs (``format`` is the table a terminal shows)."""
+        if self.skipped:
+            return f"maintenance run {self.run_id} skipped: {self.skipped}"
+        return (
+            f"maintenance run {self.run_id} finished in {format_duration(self.duration_seconds)}: "
+            f"{self.messages_expired:,} message(s) expired, {self.transactions_expired:,} "
+            f"decided transaction(s) removed, {sum(self.files_vacuumed.values()):,} file(s) "
+            "vacuumed"
+        )
+
     def format(self) -> str:
-        """A readable multi-line summary for logs and terminals."""
+        """A readable multi-line summary for terminals."""
         if self.skipped:
             return f"maintenance run {self.run_id} skipped: {self.skipped}"
         rows = [

@@ -157,7 +157,7 @@ def test_status_counts_every_shard_and_lag_over_every_queue(sharded: Store) -> N
     (billing,) = status["consumer_groups"]
     assert billing["lag"] == 3
     (pg,) = status["producer_groups"]
-    assert (pg["pending_transactions"], pg["committed_transactions"]) == (3, 0)
+    assert (pg["pending_transactions"], pg["committed_last_hour"]) == (3, 0)
     text = format_status(status)
     assert f"store {sharded.root}, 3 shard(s)" in text
     assert re.search(r"shards:\n.*\n.*\n +0 +0 +0\n +1 +1 +1\n +2 +2 +2\n", text), text

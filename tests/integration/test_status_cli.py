@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from datetime import UTC, datetime, timedelta
@@ -11,8 +12,10 @@ from pathlib import Path
 from rmq_spark import Decision, LocalTransactionState, Message, Store
 from rmq_spark.checkback.checkers import CallableChecker
 from rmq_spark.checkback.job import CheckBackJob
-from rmq_spark.model.config import TransactionSettings
+from rmq_spark.model.config import RetentionSettings, TransactionSettings
 from rmq_spark.ops.status import store_status
+from rmq_spark.ops.views import VIEWS, groups_view, store_view, topics_view, transactions_view
+from tests.lifetime import die_with_parent
 
 REPO = Path(__file__).resolve().parents[2]
 COMMIT, ROLLBACK = LocalTransactionState.COMMIT, LocalTransactionState.ROLLBACK
@@ -75,15 +78,13 @@ def test_status_json_every_figure(spark, store: Store) -> None:
     groups = {g["producer_group"]: g for g in status["producer_groups"]}
     assert groups["shop"]["pending_transactions"] == 1
     assert groups["shop"]["pending_messages"] == 1
-    assert groups["shop"]["committed_transactions"] == 2
-    assert groups["shop"]["rolled_back_transactions"] == 1
+    assert groups["shop"]["committed_last_hour"] == 2
+    assert groups["shop"]["rolled_back_last_hour"] == 1
     assert 10 <= groups["shop"]["oldest_pending_age_seconds"] < 300
     assert groups["pay"]["pending_transactions"] == 0
     assert groups["pay"]["oldest_pending_age_seconds"] is None
-    assert (
-        groups["pay"]["committed_transactions"] == 1 or groups["pay"]["committed_transactions"] == 2
-    )
-    assert groups["flaky"]["rolled_back_transactions"] == 1
+    assert groups["pay"]["committed_last_hour"] == 1 or groups["pay"]["committed_last_hour"] == 2
+    assert groups["flaky"]["rolled_back_last_hour"] == 1
     assert groups["flaky"]["pending_transactions"] == 0
     (billing,) = status["consumer_groups"]
     assert billing["consumer_group"] == "billing" and billing["topic"] == "Orders"
@@ -103,6 +104,82 @@ def test_status_json_every_figure(spark, store: Store) -> None:
     assert text.returncode == 0
     assert "Orders" in text.stdout and "billing" in text.stdout and "discards: 1" in text.stdout
     assert "1 unrouted (no checker for their group)" in text.stdout
+    _check_views(store, now)
+
+
+def _check_views(store: Store, now: datetime) -> None:
+    """``status groups | transactions | topics | store`` on the store of ``build`` (#49)."""
+    retention = RetentionSettings()
+    (billing,) = groups_view(store, retention, now)["groups"]
+    assert billing["lag"] == 0 and billing["queues"]  # the queues holding Orders
+    for queue in billing["queues"]:
+        assert queue["committed_offset"] in (queue["end_offset"], None)
+        assert queue["lag"] == 0
+    moved = [q for q in billing["queues"] if q["end_offset"]]
+    assert all(10 <= q["last_progress_age_seconds"] < 300 for q in moved)
+    store.send([Message("Orders", f"late{i}") for i in range(2)], "shop")
+    (billing,) = groups_view(store, retention, now)["groups"]
+    assert billing["lag"] == 2 and sum(q["lag"] for q in billing["queues"]) == 2
+
+    view = transactions_view(store, retention, now)
+    shop = next(g for g in view["producer_groups"] if g["producer_group"] == "shop")
+    assert shop["pending_by_age"] == {"< 1 min": 1, "1-10 min": 0, "10-60 min": 0, "> 1 h": 0}
+    (run,) = view["check_back_runs"]
+    assert (run["unrouted"], run["discarded"], run["status"]) == (1, 1, "finished")
+
+    topics = {t["topic"]: t for t in topics_view(store, retention, now)["topics"]}
+    orders = topics["Orders"]
+    assert (orders["messages"], orders["last_minute"], orders["last_hour"]) == (5, 5, 5)
+    assert sum(q["next"] for q in orders["queues"].values()) == 5
+    assert orders["oldest_stored"] is not None and "Audit" not in topics
+
+    (shard,) = store_view(store, retention, now)["shards"]
+    assert shard["tables"]["commitlog"]["rows"] == 7 and shard["tables"]["op"]["version"] >= 1
+
+    for name, view_of in VIEWS.items():
+        cli = rmqtx(store.root, "status", name, "--json")
+        assert cli.returncode == 0, cli.stderr
+        printed = json.loads(cli.stdout)
+        assert printed.keys() == view_of(store, retention).keys(), name
+    assert (
+        json.loads(rmqtx(store.root, "status", "groups", "--json").stdout)["groups"][0]["lag"] == 2
+    )
+    text = rmqtx(store.root, "status", "transactions").stdout
+    assert "pending transactions by producer group" in text and "10-60 min" in text
+
+
+def test_status_watch_and_tail_follow_until_ctrl_c(store: Store) -> None:
+    """``status --watch`` prints again until Ctrl-C; ``tail --follow`` prints each message
+    as it is committed (#49); both end with exit code 0 on Ctrl-C."""
+    store.send([Message("Orders", "first")], "shop")
+    watch = _start(store.root, "status", "topics", "--watch", "1s")
+    follow = _start(store.root, "tail", "Orders", "--follow", "--json")
+    try:
+        assert "first" in follow.stdout.readline()  # the tail before following
+        store.send([Message("Orders", f"new{i}") for i in range(3)], "shop")
+        seen = [json.loads(follow.stdout.readline())["body"] for _ in range(3)]
+        assert sorted(seen) == ["new0", "new1", "new2"]
+        screens = 0
+        while screens < 2:
+            screens += watch.stdout.readline().count("\x1b[2J")
+    finally:
+        for child in (watch, follow):
+            child.send_signal(signal.SIGINT)
+    assert watch.wait(30) == 0 and follow.wait(30) == 0
+    assert "Traceback" not in watch.stderr.read() + follow.stderr.read()
+    refused = rmqtx(store.root, "status", "--watch", "5")
+    assert refused.returncode == 2 and "'5s'" in refused.stderr
+
+
+def _start(store_root: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "rmq_spark.ops.cli", "--path", store_root, *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=die_with_parent,
+    )
 
 
 def test_tail_and_errors(store: Store, tmp_path: Path) -> None:

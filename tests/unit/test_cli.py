@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import json
 import subprocess
 import sys
 from datetime import UTC, datetime, timedelta
@@ -38,7 +39,8 @@ def test_resume_redrives_discarded_messages(store: Store, capsys) -> None:
     assert dict(redriven[0]["properties"]) == {"REDRIVEN_FROM_TRANSACTION_ID": old}
     assert redriven[0]["body"] == b"lost" and redriven[0]["keys"] == "o-1"
     assert main(["--path", store.root, "resume"]) == EXIT_OK  # nothing left: a no-op
-    assert "re-drove 0" in capsys.readouterr().out
+    # It said "re-drove 0 ... the check-back job will check them again" (#49).
+    assert capsys.readouterr().out.strip() == "nothing to re-drive: no discarded message waits"
 
 
 def old_and_new(tmp_path: Path, hours: float, retention: str) -> tuple[Store, Path]:
@@ -53,11 +55,26 @@ def old_and_new(tmp_path: Path, hours: float, retention: str) -> tuple[Store, Pa
     return old, conf
 
 
-def test_maintain_expires_what_retention_no_longer_keeps(tmp_path, capsys) -> None:
+def test_maintain_expires_what_retention_no_longer_keeps(tmp_path, capfd) -> None:
     old, conf = old_and_new(tmp_path, 100, "72h")
     assert main(["--conf", str(conf), "--path", old.root, "maintain"]) == EXIT_OK
-    out = capsys.readouterr().out
+    out = capfd.readouterr().out
     assert "messages expired" in out and " 1   1 queue(s) moved up" in out
+
+
+def test_maintain_prints_its_summary_once(tmp_path) -> None:
+    """It was printed, and logged again in full at INFO (#49): the log has one line."""
+    old, conf = old_and_new(tmp_path, 100, "72h")
+    done = subprocess.run(
+        [sys.executable, "-m", "rmq_spark.ops.cli", "--conf", str(conf), "--path", old.root,
+         "maintain"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("messages expired") == 1
+    assert "messages expired" not in done.stderr
+    (logged,) = [line for line in done.stderr.splitlines() if "maintenance run" in line]
+    assert "1 message(s) expired" in logged
     assert old.read("commitlog").column("body").to_pylist() == [b"new"]
 
 
@@ -196,3 +213,19 @@ def test_version_and_subcommand_help_with_examples(capsys) -> None:
         text = capsys.readouterr().out
         assert "examples:" in text and f"rmqtx {command}" in text.split("examples:")[1], command
         assert "--path" in text and "--conf" in text, command
+
+
+def test_a_topic_whose_messages_all_expired_stays_in_status(tmp_path, capsys) -> None:
+    """It disappeared from ``status`` (#49): its queues and offsets are still the store's."""
+    old, conf = old_and_new(tmp_path, 100, "72h")
+    old.send([Message("Gone", b"expires")], "pg")
+    assert main(["--conf", str(conf), "--path", old.root, "maintain", "--yes"]) == EXIT_OK
+    capsys.readouterr()
+    assert main(["--path", old.root, "status", "topics", "--json"]) == EXIT_OK
+    topics = {t["topic"]: t for t in json.loads(capsys.readouterr().out)["topics"]}
+    gone = topics["Gone"]
+    assert gone["messages"] == 0 and gone["last_hour"] == 0 and gone["oldest_stored"] is None
+    assert [q["earliest"] for q in gone["queues"].values()] == [1]  # offset 0 expired
+    assert [q["next"] for q in gone["queues"].values()] == [1]
+    assert main(["--path", old.root, "status"]) == EXIT_OK
+    assert re.search(r"^  Gone +0 +\d+:1$", capsys.readouterr().out, re.M)

@@ -18,7 +18,7 @@ import pytest
 
 from rmq_spark import Decision, LocalTransactionState, Message, Store
 from rmq_spark.checkback import pending as pending_module
-from rmq_spark.checkback.pending import scan_pending, update_pending
+from rmq_spark.checkback.pending import pending_now, scan_pending, update_pending
 from rmq_spark.model.config import Settings, StoreSettings
 from rmq_spark.model.messages import new_id
 from rmq_spark.model.schema import HALF_SCHEMA, PENDING_SCHEMA, WRITER_COLUMNS
@@ -234,8 +234,13 @@ def test_incremental_pending_equals_the_full_anti_join(tmp_path: Path, seed: int
     history = History(tmp_path / "store", random.Random(seed))
     for _ in range(STEPS):
         history.step()
+    # What status reads (no commit) is what an update would write.
+    version = history.store.table("pending").version()
+    shown = plain(pending_now(history.store).to_pylist())
+    assert history.store.table("pending").version() == version
     history.update()
     assert plain(scan_pending(history.store).to_pylist()) == plain(oracle(history.store))
+    assert shown == plain(oracle(history.store))
 
 
 def test_an_update_covers_only_new_versions(store: Store) -> None:

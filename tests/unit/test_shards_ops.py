@@ -192,8 +192,9 @@ def test_check_and_status_write_an_age_the_same_way() -> None:
     from rmq_spark.model.config import format_duration
     from rmq_spark.ops.status import format_status
 
-    assert [format_duration(s) for s in (None, 0.25, 4.24, 42, 1371, 12_600, 200_000)] == [
-        "-", "250 ms", "4.2 s", "42 s", "23 min", "3.5 h", "2.3 d"
+    ages = (None, 0.25, 4.24, 42, 1371, 3600, 12_600, 259_200, 820_800)
+    assert [format_duration(s) for s in ages] == [
+        "-", "250 ms", "4.2 s", "42 s", "23 min", "1.0 h", "3.5 h", "72 h", "9.5 d"
     ]  # fmt: skip
     assert "oldest pending: 23 min" in summary(oldest_pending_age_seconds=1371.0).format()
     group = {
@@ -203,8 +204,8 @@ def test_check_and_status_write_an_age_the_same_way() -> None:
         "oldest_pending_age_seconds": 1371.0,
         "in_running_sink_epochs": 0,
         "in_aborted_sink_epochs": 0,
-        "committed_transactions": 0,
-        "rolled_back_transactions": 0,
+        "committed_last_hour": 0,
+        "rolled_back_last_hour": 0,
     }
     status = {
         "store": "s",

@@ -1,0 +1,322 @@
+"""The operator's views of a store, as Kafka's and RocketMQ's operators read theirs: what
+``rmqtx status groups | transactions | topics | store`` print (``--json`` for each), read with
+deltalake and pyarrow (no Spark).
+
+Each view's cost follows the work, not the history: offsets come from the CommitLog's recorded
+application transactions, message counts and time ranges from its files' statistics, rates
+from the files written in the last hour alone, pending transactions from the ``pending`` table
+moved on by what was written since (:func:`rmq_spark.checkback.pending.pending_now`), and
+decisions from the ``op`` files of the last hour (``bench/status_bench.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from rmq_spark.checkback.pending import pending_now
+from rmq_spark.delta.reads import read_files
+from rmq_spark.model.config import RetentionSettings
+from rmq_spark.model.schema import TABLES
+from rmq_spark.spark.epoch_records import staged_in
+from rmq_spark.store.facade import Store
+
+#: Pending transactions by age: (label, upper bound in seconds).
+AGE_BUCKETS = (("< 1 min", 60.0), ("1-10 min", 600.0), ("10-60 min", 3600.0), ("> 1 h", None))
+#: Check-back runs ``status transactions`` lists, newest first.
+RUNS_SHOWN = 10
+_HOUR = timedelta(hours=1)
+_MINUTE = timedelta(minutes=1)
+
+
+def groups_view(
+    store: Store, retention: RetentionSettings, now: datetime | None = None
+) -> dict[str, Any]:
+    """Per consumer group, topic and queue: the committed (next) offset, the end offset, the
+    lag and when the group last moved, like ``kafka-consumer-groups --describe``. A queue the
+    group has not read yet counts from the queue's earliest stored offset."""
+    now = now or datetime.now(UTC)
+    ends, earliest = store.next_offsets(), store.earliest_stored()
+    rows = store.shard_store(0).read("consumer_offsets").to_pylist()
+    progress: dict[tuple[str, str], dict[int, dict[str, Any]]] = {}
+    for r in rows:
+        progress.setdefault((r["consumer_group"], r["topic"]), {})[r["queue_id"]] = r
+    groups = []
+    for (group, topic), done in sorted(progress.items()):
+        queue_ids = sorted({q for t, q in ends if t == topic} | set(done))
+        queues = []
+        for q in queue_ids:
+            end, row = ends.get((topic, q), 0), done.get(q)
+            committed = row["next_offset"] if row else None
+            start = committed if committed is not None else earliest.get((topic, q), 0)
+            moved = row["updated_timestamp"] if row else None
+            queues.append(
+                {
+                    "queue_id": q,
+                    "committed_offset": committed,
+                    "end_offset": end,
+                    "lag": max(0, end - start),
+                    "last_progress": moved.isoformat() if moved else None,
+                    "last_progress_age_seconds": _age(now, moved),
+                }
+            )
+        groups.append(
+            {
+                "consumer_group": group,
+                "topic": topic,
+                "lag": sum(q["lag"] for q in queues),
+                "queues": queues,
+            }
+        )
+    return {"store": store.root, "generated": now.isoformat(), "groups": groups}
+
+
+def transactions_view(
+    store: Store, retention: RetentionSettings, now: datetime | None = None
+) -> dict[str, Any]:
+    """Per producer group: pending transactions by age, those a sink staged (waiting for
+    their writer, or in an aborted epoch), decisions of the last hour; the discards; the last
+    check-back runs (with their unrouted and checker errors)."""
+    now = now or datetime.now(UTC)
+    shards = store.shards(refresh=True)
+    groups, _ = producer_groups(shards, now)
+    return {
+        "store": store.root,
+        "generated": now.isoformat(),
+        "producer_groups": groups,
+        "discards": discards(shards),
+        "check_back_runs": _runs(_union(shards, lambda s: s.read("check_runs"))),
+    }
+
+
+def producer_groups(
+    shards: list[Store], now: datetime
+) -> tuple[list[dict[str, Any]], dict[int, tuple[int, int]]]:
+    """Each producer group's pending transactions (by age, and those sinks staged) and
+    decisions of the last hour, over ``shards``; and each shard's (pending transactions,
+    pending messages)."""
+    groups: dict[str, dict[str, Any]] = {}
+
+    def group(name: str) -> dict[str, Any]:
+        return groups.setdefault(
+            name,
+            {
+                "producer_group": name,
+                "pending_transactions": 0,
+                "pending_messages": 0,
+                "oldest_pending_age_seconds": None,
+                "pending_by_age": {label: 0 for label, _ in AGE_BUCKETS},
+                "in_running_sink_epochs": 0,
+                "in_aborted_sink_epochs": 0,
+                "committed_last_hour": 0,
+                "rolled_back_last_hour": 0,
+            },
+        )
+
+    per_shard = {}
+    for s in shards:
+        pending = pending_now(s)
+        per_shard[s.shard] = (
+            pending.num_rows,
+            pc.sum(pending.column("message_count")).as_py() or 0,
+        )
+        clocks = s.read("check_state", ["transaction_id", "first_seen"])
+        columns = ["transaction_id", "producer_group", "store_timestamp", "message_count"]
+        seen = pending.select(columns).join(clocks, "transaction_id", join_type="left outer")
+        since = pc.coalesce(seen.column("first_seen"), seen.column("store_timestamp"))
+        for name, count, started in zip(
+            seen.column("producer_group").to_pylist(),
+            seen.column("message_count").to_pylist(),
+            since.to_pylist(),
+            strict=True,
+        ):
+            g, age = group(name), _age(now, started) or 0.0
+            g["pending_transactions"] += 1
+            g["pending_messages"] += count
+            g["oldest_pending_age_seconds"] = max(g["oldest_pending_age_seconds"] or 0.0, age)
+            g["pending_by_age"][_bucket(age)] += 1
+        staged = pending.filter(pc.is_valid(pending.column("sink_id")))
+        running = staged_in(s, staged.to_pylist()) if staged.num_rows else {}
+        for name, transaction in zip(
+            staged.column("producer_group").to_pylist(),
+            staged.column("transaction_id").to_pylist(),
+            strict=True,
+        ):
+            key = "in_running_sink_epochs" if running[transaction] else "in_aborted_sink_epochs"
+            group(name)[key] += 1
+        for name, decision in _recent(s, "op", "decided_timestamp", now - _HOUR, "decision"):
+            key = "committed_last_hour" if decision == "COMMIT" else "rolled_back_last_hour"
+            group(name)[key] += 1
+    return [groups[name] for name in sorted(groups)], per_shard
+
+
+def discards(shards: list[Store]) -> dict[str, int]:
+    """Messages and transactions in ``discard`` (check max reached), and those not re-driven."""
+    discard = _union(
+        shards, lambda s: s.read("discard", ["transaction_id", "redriven_transaction_id"])
+    )
+    return {
+        "messages": discard.num_rows,
+        "transactions": len(pc.unique(discard.column("transaction_id"))),
+        "not_redriven": pc.sum(pc.is_null(discard.column("redriven_transaction_id"))).as_py() or 0,
+    }
+
+
+def topics_view(
+    store: Store, retention: RetentionSettings, now: datetime | None = None
+) -> dict[str, Any]:
+    """Per topic: messages stored, queues and their offsets, messages stored in the last
+    minute and hour, and the oldest stored (retention expires it ``file_reserved_time`` after
+    it was stored). A topic whose messages all expired is listed with none."""
+    now = now or datetime.now(UTC)
+    files = store.data_files("commitlog")
+    stats = (
+        files.group_by("partition.topic")
+        .aggregate([("num_records", "sum"), ("min.store_timestamp", "min")])
+        .to_pylist()
+    )
+    stored = {r["partition.topic"]: r for r in stats}
+    ends, earliest = store.next_offsets(), store.earliest_stored()
+    recent = _recent(store, "commitlog", "store_timestamp", now - _HOUR, "store_timestamp")
+    minute_ago = now - _MINUTE
+    topics = []
+    for topic in sorted({t for t, _ in ends} | set(stored)):
+        queues = sorted(q for t, q in ends if t == topic)
+        hour = [ts for t, ts in recent if t == topic]
+        oldest = stored.get(topic, {}).get("min.store_timestamp_min")
+        topics.append(
+            {
+                "topic": topic,
+                "messages": stored.get(topic, {}).get("num_records_sum") or 0,
+                "queues": {
+                    str(q): {"earliest": earliest.get((topic, q), 0), "next": ends[(topic, q)]}
+                    for q in queues
+                },
+                "last_minute": sum(1 for ts in hour if ts >= minute_ago),
+                "last_hour": len(hour),
+                "oldest_stored": oldest.isoformat() if oldest else None,
+                "expires_after_seconds": retention.file_reserved_time,
+            }
+        )
+    return {"store": store.root, "generated": now.isoformat(), "topics": topics}
+
+
+def store_view(
+    store: Store, retention: RetentionSettings, now: datetime | None = None
+) -> dict[str, Any]:
+    """The store's shards, each table's Delta version and live data, and retention."""
+    now = now or datetime.now(UTC)
+    shards = []
+    for s in store.shards(refresh=True):
+        tables = {}
+        for name in TABLES:
+            if name == "commitlog" and s.shard:
+                continue  # one CommitLog, the root's
+            files = s.data_files(name)
+            tables[name] = {
+                "version": s.table(name).version(),
+                "files": files.num_rows,
+                "bytes": pc.sum(files.column("size_bytes")).as_py() or 0,
+                "rows": pc.sum(files.column("num_records")).as_py() or 0,
+            }
+        shards.append({"shard": s.shard, "tables": tables})
+    return {
+        "store": store.root,
+        "generated": now.isoformat(),
+        "shards": shards,
+        "retention": {
+            "file_reserved_time_seconds": retention.file_reserved_time,
+            "transaction_reserved_time_seconds": retention.transaction_reserved_time,
+            "maintenance_interval_seconds": retention.maintenance_interval,
+        },
+    }
+
+
+#: ``rmqtx status VIEW``: each view by name.
+#: Each takes the store, the ``[retention]`` settings (what expires when) and the time.
+VIEWS: Mapping[str, Callable[[Store, RetentionSettings], dict[str, Any]]] = {
+    "groups": groups_view,
+    "transactions": transactions_view,
+    "topics": topics_view,
+    "store": store_view,
+}
+
+
+def _recent(
+    store: Store, table: str, column: str, since: datetime, value: str
+) -> list[tuple[str, Any]]:
+    """(producer group, or topic for the CommitLog; ``value``) of the rows of ``table`` whose
+    ``column`` is at or after ``since``, reading only the files whose statistics say they may
+    hold one."""
+    files = store.data_files(table)
+    if not files.num_rows:
+        return []
+    newest = files.column(f"max.{column}")
+    chosen = files.filter(pc.fill_null(pc.greater_equal(newest, pa.scalar(since)), True))
+    schema = TABLES[table][0]
+    partitioned = "partition.topic" in chosen.column_names  # the CommitLog's files: no topic
+    key = None if partitioned else "producer_group"
+    columns = [c for c in dict.fromkeys([key, column, value]) if c]
+    parts = (
+        [
+            (t, chosen.filter(pc.equal(chosen.column("partition.topic"), t)))
+            for t in pc.unique(chosen.column("partition.topic")).to_pylist()
+        ]
+        if partitioned
+        else [(None, chosen)]
+    )
+    out: list[tuple[str, Any]] = []
+    for topic, part in parts:
+        rows = read_files(
+            part.column("uri").to_pylist(),
+            pa.schema([schema.field(c) for c in columns]),
+            store.settings.storage_options,
+            lambda t: pc.greater_equal(t.column(column), pa.scalar(since)),
+            sizes=part.column("size_bytes").to_pylist(),
+        )
+        keys = [topic] * rows.num_rows if partitioned else rows.column(key).to_pylist()
+        out += zip(keys, rows.column(value).to_pylist(), strict=True)
+    return out
+
+
+def _runs(runs: pa.Table) -> list[dict[str, Any]]:
+    """The newest check-back runs, one row a run (a run of several shards summed)."""
+    by_run: dict[str, dict[str, Any]] = {}
+    for r in runs.to_pylist():
+        run = by_run.get(r["run_id"])
+        if run is None:
+            by_run[r["run_id"]] = dict(r)
+            continue
+        for key in ("pending_found", "checked", "committed", "rolled_back", "unknown"):
+            run[key] += r[key]
+        for key in ("already_decided", "discarded", "unrouted", "errors"):
+            run[key] += r[key]
+        run["started"] = min(run["started"], r["started"])
+        run["finished"] = max(run["finished"], r["finished"])
+        if r["status"] != "finished":
+            run["status"], run["message"] = r["status"], r["message"]
+    newest = sorted(by_run.values(), key=lambda r: r["started"], reverse=True)[:RUNS_SHOWN]
+    return [
+        {
+            **{k: v for k, v in r.items() if k not in ("started", "finished")},
+            "started": r["started"].isoformat(),
+            "duration_seconds": (r["finished"] - r["started"]).total_seconds(),
+        }
+        for r in newest
+    ]
+
+
+def _union(shards: list[Store], read: Callable[[Store], pa.Table]) -> pa.Table:
+    return pa.concat_tables([read(s) for s in shards])
+
+
+def _age(now: datetime, then: datetime | None) -> float | None:
+    return None if then is None else round(max(0.0, (now - then).total_seconds()), 3)
+
+
+def _bucket(age: float) -> str:
+    return next(label for label, bound in AGE_BUCKETS if bound is None or age < bound)
