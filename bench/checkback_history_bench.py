@@ -64,9 +64,10 @@ def half_rows(ids: list[str], body: bytes) -> pa.Table:
     )
 
 
-def build_history(store: Store, size: int) -> None:
-    """``size`` decided transactions, counted as already published."""
-    now = datetime.now(UTC)
+def build_history(store: Store, size: int, decided: datetime | None = None) -> None:
+    """``size`` decided transactions (at ``decided``, default now), counted as already
+    published."""
+    now = decided or datetime.now(UTC)
     for start in range(0, size, CHUNK):
         ids = [f"{i:016d}" for i in range(start, min(size, start + CHUNK))]
         write_deltalake(store.table_uri("half"), half_rows(ids, b"x" * 100), mode="append")

@@ -52,12 +52,15 @@ class CommitAll(TransactionListener):
         return LocalTransactionState.COMMIT
 
 
-def build_history(store: Store, messages: int, topics: list[str]) -> None:
-    """``messages`` committed messages spread over ``topics``, one commit per topic."""
+def build_history(
+    store: Store, messages: int, topics: list[str], stored: list[datetime] | None = None
+) -> None:
+    """``messages`` committed messages spread over ``topics``, one commit per topic; the
+    topic's messages stored at ``stored[i]`` (default: now)."""
     per_topic = messages // len(topics)
-    now = pa.scalar(datetime.now(UTC), TIMESTAMP)
     index = np.arange(per_topic)
-    for topic in topics:
+    for number, topic in enumerate(topics):
+        now = pa.scalar(stored[number] if stored else datetime.now(UTC), TIMESTAMP)
         queue_ids = (index % QUEUES).astype(np.int32)
         ids = [f"{topic}-{i:012d}" for i in range(per_topic)]
         rows = pa.table(
