@@ -5,6 +5,7 @@
 #                   demand (SEED: default a new one; SHARDS: the store's shards, default 1;
 #                   S3_DELAY_MS: the store on s3://, MinIO behind a delay)
 #   make objectstore - what the object-store and cluster tests add (make test runs it)
+#   make browser  - Debian's chromium for the browser tests of rmqtx ui (make test runs it)
 PYTHON ?= python3.11
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -22,7 +23,7 @@ MINIO_VERSION := v0.0.0-20260212201848-7aac2a2c5b7c
 CACHE         ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/rmq-spark
 export RMQ_SPARK_MINIO := $(abspath $(TOOLS))/bin/minio
 
-.PHONY: setup objectstore demo test torture lint bench bench-objectstore bench-scale bench-peers bench-serve java-client-example check-back notebooks notebook-outputs clean
+.PHONY: setup objectstore browser demo test torture lint bench bench-objectstore bench-scale bench-peers bench-serve java-client-example check-back notebooks notebook-outputs clean
 setup: $(VENV)/.installed $(JARS)/.fetched
 
 $(VENV)/.installed: setup.py
@@ -56,10 +57,22 @@ $(JARS)/s3/.fetched: jars/s3/pom.xml
 demo: setup
 	$(PY) jobs/demo.py
 
+# Headless Chromium for the browser tests of rmqtx ui: Debian's package (as root, or with
+# sudo); Playwright, from the test extra, drives it.
+CHROMIUM := /usr/bin/chromium
+browser:
+	@test -x $(CHROMIUM) || { \
+	    if [ "$$(id -u)" -eq 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	    echo "installing Debian's chromium for the browser tests"; \
+	    $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium \
+	    || { $$SUDO apt-get update -q && $$SUDO env DEBIAN_FRONTEND=noninteractive \
+	         apt-get install -y --no-install-recommends chromium; }; }
+
 # pytest exits 5 when it collects no test; that is not a failure of the suite.
-# The object-store and cluster tiers run too: here a missing MinIO is an error, not a skip.
-test: objectstore
-	RMQ_SPARK_OBJECTSTORE=required RMQ_SPARK_GO=required $(PY) -m pytest $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+# The object-store, cluster and browser tiers run too: here a missing MinIO or Chromium is an
+# error, not a skip.
+test: objectstore browser
+	RMQ_SPARK_OBJECTSTORE=required RMQ_SPARK_GO=required RMQ_SPARK_BROWSER=required $(PY) -m pytest $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 # The torture test on demand: producers, sinks, publish_with_delta_write, check-back jobs,
 # resumes and compaction in real processes, SIGKILLed at random; then check-back to quiescence

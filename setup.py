@@ -16,7 +16,11 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.11,<3.12",
     packages=find_packages(include=["rmq_spark", "rmq_spark.*"]),
-    package_data={"rmq_spark": ["py.typed", "log4j2.properties"]},
+    package_data={
+        "rmq_spark": ["py.typed", "log4j2.properties"],
+        # rmqtx ui's pages, and uPlot (MIT, vendor/uPlot.LICENSE) for their charts.
+        "rmq_spark.ops.ui": ["static/*.*", "static/vendor/*"],
+    },
     install_requires=[
         "pyspark==4.2.0",
         "delta-spark==4.4.1",
@@ -42,6 +46,8 @@ setup(
             "rocketmq-python-client==5.1.2",
             "grpcio>=1.60",
             "cryptography>=42",
+            # rmqtx ui's pages in headless Chromium (Debian's, from make browser).
+            "playwright==1.65.2",
         ],
         # rmqtx serve: RocketMQ 5's gRPC protocol (the client's stubs) in front of a store;
         # cryptography makes its self-signed certificate when TLS is on and none is given.

@@ -2,11 +2,11 @@
 has grown for days, and does their time follow the work rather than the history?
 
 Builds two stores directly with deltalake (bulk appends, not through the producer):
-* **history**: a CommitLog of M messages in 100 topics stored over the last 3 days (a topic's
+* **history**: a CommitLog of M messages in 100 topics stored over the last 4 days (a topic's
   messages an hour apart from the next's, so the last hour holds few files), H transactions
-  decided two days ago and published, in ``half`` and ``op``, the ``pending`` table brought up to date (as
-  the check-back job keeps it), then P new pending transactions and a consumer group's
-  progress;
+  decided two days ago and published, in ``half`` and ``op``, the ``pending`` table brought up
+  to date (as the check-back job keeps it), then P new pending transactions and a consumer
+  group's progress;
 * **baseline**: the same P pending transactions and consumer group, and a CommitLog of 100
   messages a topic.
 Then times the overview (``rmqtx status``) and each view (``status groups | transactions |

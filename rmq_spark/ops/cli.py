@@ -68,6 +68,9 @@ EXAMPLES = {
     "shards": """\
   rmqtx shards                                how many shards the store has
   rmqtx shards --set 4 --yes                  grow the store to 4 shards (never fewer)""",
+    "ui": """\
+  rmqtx ui                                    http://127.0.0.1:8088/ : overview, groups, ...
+  rmqtx ui --port 9000 --sample-interval 10s  another port; lag charts sampled every 10 s""",
     "tail": """\
   rmqtx tail OrderEvents                      the 10 newest committed messages of a topic
   rmqtx tail OrderEvents -n 50 --json         the 50 newest, as JSON
@@ -213,6 +216,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--follow",
         action="store_true",
         help="then print each new message as it is committed, until Ctrl-C",
+    )
+
+    ui = command("ui", "a web dashboard of the store's views, on loopback, refreshing itself")
+    ui.add_argument("--host", default="127.0.0.1", help="loopback address (default 127.0.0.1)")
+    ui.add_argument("--port", type=int, default=8088, help="port (default 8088; 0: any free)")
+    ui.add_argument(
+        "--sample-interval",
+        default="30s",
+        metavar="INTERVAL",
+        help="how often the lag charts sample the consumer groups (default 30s)",
     )
 
     serve_cli.add_arguments(command("serve", serve_cli.SUMMARY))
@@ -448,6 +461,17 @@ def _tail(args: argparse.Namespace, settings: Settings) -> int:
     return _repeat(show, FOLLOW_INTERVAL)
 
 
+def _ui(args: argparse.Namespace, settings: Settings) -> int:
+    from rmq_spark.ops.ui.server import serve
+
+    interval = parse_duration(args.sample_interval, "--sample-interval")
+    if interval < MIN_WATCH_INTERVAL:
+        raise InvalidOptionError(f"--sample-interval needs at least {MIN_WATCH_INTERVAL:g}s.")
+    store = Store.open(args.path, settings=settings, create=False)
+    serve(store, settings.retention, args.host, args.port, interval, lambda s: print(s, flush=True))
+    return EXIT_OK
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``rmqtx``; returns the exit code."""
     args = build_parser().parse_args(argv)
@@ -461,6 +485,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "status": _status,
             "shards": _shards,
             "tail": _tail,
+            "ui": _ui,
             "serve": serve_cli.run,
         }[args.command]
         return handler(args, settings)

@@ -170,8 +170,9 @@ def topics_view(
     store: Store, retention: RetentionSettings, now: datetime | None = None
 ) -> dict[str, Any]:
     """Per topic: messages stored, queues and their offsets, messages stored in the last
-    minute and hour, and the oldest stored (retention expires it ``file_reserved_time`` after
-    it was stored). A topic whose messages all expired is listed with none."""
+    minute and hour (and in each minute of the hour, oldest first), and the oldest stored
+    (retention expires it ``file_reserved_time`` after it was stored). A topic whose messages
+    all expired is listed with none."""
     now = now or datetime.now(UTC)
     files = store.data_files("commitlog")
     stats = (
@@ -198,6 +199,7 @@ def topics_view(
                 },
                 "last_minute": sum(1 for ts in hour if ts >= minute_ago),
                 "last_hour": len(hour),
+                "per_minute": _per_minute(hour, now),
                 "oldest_stored": oldest.isoformat() if oldest else None,
                 "expires_after_seconds": retention.file_reserved_time,
             }
@@ -316,6 +318,16 @@ def _union(shards: list[Store], read: Callable[[Store], pa.Table]) -> pa.Table:
 
 def _age(now: datetime, then: datetime | None) -> float | None:
     return None if then is None else round(max(0.0, (now - then).total_seconds()), 3)
+
+
+def _per_minute(stamps: list[datetime], now: datetime) -> list[int]:
+    """How many of ``stamps`` fall in each of the last 60 minutes, the oldest minute first."""
+    counts = [0] * 60
+    for stamp in stamps:
+        minutes_ago = int((now - stamp).total_seconds() // 60)
+        if 0 <= minutes_ago < 60:
+            counts[59 - minutes_ago] += 1
+    return counts
 
 
 def _bucket(age: float) -> str:
