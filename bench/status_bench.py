@@ -10,8 +10,9 @@ Builds two stores directly with deltalake (bulk appends, not through the produce
 * **baseline**: the same P pending transactions and consumer group, and a CommitLog of 100
   messages a topic.
 Then times the overview (``rmqtx status``) and each view (``status groups | transactions |
-topics | store``) on each store, the best of --repeat runs, and prints them with the ratio
-history / baseline (the issue's bar: about a second with M = H = 5,000,000).
+topics | store``), and the same through ``rmqtx ui``'s JSON API, on each store, the best of
+--repeat runs, and prints them with the ratio history / baseline (the issue's bar: about a
+second with M = H = 5,000,000).
 
 Usage: python bench/status_bench.py [--messages 500000] [--history 500000] [--pending 10000]
        (the issue's size: --messages 5000000 --history 5000000)
@@ -20,8 +21,11 @@ Usage: python bench/status_bench.py [--messages 500000] [--history 500000] [--pe
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
+import threading
 import time
+import urllib.request
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -37,6 +41,7 @@ from rmq_spark.model.config import RetentionSettings
 from rmq_spark.model.messages import new_ids
 from rmq_spark.model.schema import CONSUMER_OFFSETS_SCHEMA
 from rmq_spark.ops.status import store_status
+from rmq_spark.ops.ui.server import Dashboard, make_server
 from rmq_spark.ops.views import VIEWS
 
 TOPICS = [f"Topic{i:03d}" for i in range(100)]
@@ -71,11 +76,19 @@ def build(root: Path, messages: int, history: int, pending: list[str]) -> Store:
 
 
 def timings(store: Store, repeat: int) -> dict[str, float]:
-    """Best of ``repeat`` runs of the overview and each view, in seconds."""
+    """Best of ``repeat`` runs of the overview and each view, in seconds; then of the same
+    through ``rmqtx ui``'s JSON API (HTTP on loopback, JSON encoding included)."""
     calls = {"status": lambda: store_status(store)}
     calls |= {
         f"status {name}": (lambda v=view: v(store, RetentionSettings()))
         for name, view in VIEWS.items()
+    }
+    server = make_server(Dashboard(store, RetentionSettings(), 60.0), "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/api/"
+    calls |= {
+        f"ui /api/{name}": (lambda n=name: json.load(urllib.request.urlopen(url + n)))
+        for name in ("status", *VIEWS)
     }
     best = {}
     for name, call in calls.items():
@@ -85,6 +98,7 @@ def timings(store: Store, repeat: int) -> dict[str, float]:
             call()
             runs.append(time.perf_counter() - started)
         best[name] = min(runs)
+    server.shutdown()
     return best
 
 
