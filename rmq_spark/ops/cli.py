@@ -219,7 +219,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     ui = command("ui", "a web dashboard of the store's views, on loopback, refreshing itself")
-    ui.add_argument("--host", default="127.0.0.1", help="loopback address (default 127.0.0.1)")
+    ui.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default 127.0.0.1); beyond loopback it serves HTTPS to the "
+        "accounts with dashboard = true only",
+    )
     ui.add_argument("--port", type=int, default=8088, help="port (default 8088; 0: any free)")
     ui.add_argument(
         "--sample-interval",
@@ -227,6 +232,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="INTERVAL",
         help="how often the lag charts sample the consumer groups (default 30s)",
     )
+    ui.add_argument(
+        "--tls-cert",
+        help="PEM certificate chain beyond loopback (default: a self-signed one made at start)",
+    )
+    ui.add_argument("--tls-key", help="PEM private key of --tls-cert")
 
     serve_cli.add_arguments(command("serve", serve_cli.SUMMARY))
     return parser
@@ -462,13 +472,27 @@ def _tail(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _ui(args: argparse.Namespace, settings: Settings) -> int:
-    from rmq_spark.ops.ui.server import serve
+    from rmq_spark.ops.ui.server import is_loopback, serve, tls_context
+    from rmq_spark.serve.accounts import accounts_from_settings
 
     interval = parse_duration(args.sample_interval, "--sample-interval")
     if interval < MIN_WATCH_INTERVAL:
         raise InvalidOptionError(f"--sample-interval needs at least {MIN_WATCH_INTERVAL:g}s.")
+    accounts = accounts_from_settings(settings.serve)
+    # Beyond loopback, TLS (made after the accounts are known to allow it at all).
+    wider = not is_loopback(args.host) and any(a.dashboard for a in accounts.values())
+    tls = tls_context(args.host, args.tls_cert, args.tls_key) if wider else None
     store = Store.open(args.path, settings=settings, create=False)
-    serve(store, settings.retention, args.host, args.port, interval, lambda s: print(s, flush=True))
+    serve(
+        store,
+        settings.retention,
+        args.host,
+        args.port,
+        interval,
+        accounts,
+        tls,
+        lambda s: print(s, flush=True),
+    )
     return EXIT_OK
 
 

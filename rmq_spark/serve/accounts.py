@@ -13,6 +13,8 @@ settings file, never on the command line (a process list shows it to every user 
     secret_key_env = "ORDERS_SECRET_KEY"  # or secret_key = "..."
     topics = ["Orders", "OrderEvents*"]
     check_back = true                     # the default
+    dashboard = false                     # the default: may it sign in to rmqtx ui from
+                                          # another host (which shows the whole store)
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from rmq_spark.model.errors import InvalidOptionError
 from rmq_spark.serve.protocol import Code, RequestError
 
 #: The settings an account section may have.
-_KEYS = ("secret_key", "secret_key_env", "topics", "check_back")
+_KEYS = ("secret_key", "secret_key_env", "topics", "check_back", "dashboard")
 #: An access key: what RocketMQ's clients put in a signature's ``Credential``.
 _ACCESS_KEY = re.compile(r"^[A-Za-z0-9_.@-]{1,128}$")
 #: A topic pattern: a topic name, the same ending in ``*`` (a prefix), or ``*``.
@@ -48,12 +50,16 @@ class Account:
         The topics it may publish to: names, prefixes ending in ``*``, or ``*``.
     check_back : bool, default True
         Whether its clients are asked about open transactions of those topics.
+    dashboard : bool, default False
+        Whether it may sign in to ``rmqtx ui`` bound beyond loopback (every page shows the
+        whole store: give it to operators).
     """
 
     access_key: str
     secret_key: str = field(repr=False)
     topics: tuple[str, ...]
     check_back: bool = True
+    dashboard: bool = False
 
     def may_publish(self, topic: str) -> bool:
         """Whether this account may send to ``topic`` and end its transactions."""
@@ -125,11 +131,12 @@ def accounts_from_settings(
                 f"{where} topics needs to be a list of topic names, prefixes ending in '*' "
                 f'or \'*\', e.g. ["Orders", "OrderEvents*"], not {topics!r}.'
             )
-        check_back = given.get("check_back", True)
-        if not isinstance(check_back, bool):
-            raise InvalidOptionError(f"{where} check_back needs to be true or false.")
+        check_back, dashboard = given.get("check_back", True), given.get("dashboard", False)
+        for name, value in (("check_back", check_back), ("dashboard", dashboard)):
+            if not isinstance(value, bool):
+                raise InvalidOptionError(f"{where} {name} needs to be true or false.")
         secret = _secret(given, where, environ)
-        accounts[access_key] = Account(access_key, secret, tuple(topics), check_back)
+        accounts[access_key] = Account(access_key, secret, tuple(topics), check_back, dashboard)
     return accounts
 
 

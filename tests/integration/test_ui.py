@@ -9,11 +9,16 @@ check-back round while the page refreshes itself. Screenshots of every page are 
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import re
 import shutil
+import ssl
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -209,14 +214,7 @@ def test_the_pages_escape_what_the_store_holds(store: Store, ui: str, browser) -
     assert page.errors == []
 
 
-def test_ui_binds_loopback_only_and_serves_no_file_outside_its_own(store: Store, ui: str) -> None:
-    refused = subprocess.run(
-        [sys.executable, "-m", "rmq_spark.ops.cli", "--path", store.root, "ui", "--host",
-         "0.0.0.0"],
-        cwd=REPO, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert refused.returncode == 2 and "binds loopback only" in refused.stderr
-    assert "ssh -L" in refused.stderr
+def test_ui_serves_no_file_outside_its_own(ui: str) -> None:
     curl = shutil.which("curl")
     assert curl
     for path in ("/../../setup.py", "/%2e%2e/%2e%2e/setup.py", "/api/../../setup.py"):
@@ -226,3 +224,56 @@ def test_ui_binds_loopback_only_and_serves_no_file_outside_its_own(store: Store,
             capture_output=True, text=True, timeout=30,
         )  # fmt: skip
         assert got.stdout == "404", (path, got.stdout)
+
+
+def test_beyond_loopback_only_dashboard_accounts_over_https(store: Store, tmp_path: Path) -> None:
+    """Bound wider, the pages (the whole store) need the same accounts as rmqtx serve, with
+    dashboard = true: HTTP Basic over TLS; nobody else, and never in plaintext (#49)."""
+    refused = subprocess.run(
+        [sys.executable, "-m", "rmq_spark.ops.cli", "--path", store.root, "ui", "--host",
+         "0.0.0.0"],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert refused.returncode == 2 and "dashboard = true" in refused.stderr
+    assert "ssh -L" in refused.stderr
+    conf = tmp_path / "ui.toml"
+    conf.write_text(
+        '[serve.accounts.ops]\nsecret_key = "0ps-s3cret"\ntopics = []\ndashboard = true\n'
+        '[serve.accounts.orders]\nsecret_key = "0rders"\ntopics = ["*"]\n'
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-m", "rmq_spark.ops.cli", "--conf", str(conf), "--path", store.root,
+         "ui", "--host", "0.0.0.0", "--port", "0"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=die_with_parent,
+    )  # fmt: skip
+    try:
+        port = re.search(r"https://0\.0\.0\.0:(\d+)/", child.stdout.readline()).group(1)
+        url = f"https://127.0.0.1:{port}/api/store"
+        insecure = ssl.create_default_context()
+        insecure.check_hostname, insecure.verify_mode = False, ssl.CERT_NONE  # self-signed
+
+        def status(credentials: str | None) -> int:
+            request = urllib.request.Request(url)
+            if credentials is not None:
+                token = base64.b64encode(credentials.encode()).decode()
+                request.add_header("Authorization", f"Basic {token}")
+            try:
+                with urllib.request.urlopen(request, context=insecure, timeout=30) as response:
+                    assert json.load(response)["store"] == store.root
+                    return response.status
+            except urllib.error.HTTPError as error:
+                return error.code
+
+        assert status(None) == 401
+        assert status("ops:wrong") == 401
+        assert status("orders:0rders") == 401  # a serve account, without dashboard = true
+        assert status("nobody:0ps-s3cret") == 401
+        assert status("ops:0ps-s3cret") == 200
+        with pytest.raises(OSError):  # no plaintext: refused or dropped
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/api/store", timeout=30)
+        assert status("ops:0ps-s3cret") == 200  # and the server is still there
+    finally:
+        child.terminate()
+        child.wait(30)
+    assert "Traceback" not in child.stderr.read()

@@ -40,12 +40,14 @@ def test_accounts_from_the_settings_file() -> None:
             "accounts": {
                 "orders": {"secret_key": "s3cr3t", "topics": ["Orders", "OrderEvents*"]},
                 "billing": {"secret_key_env": "BILLING_KEY", "topics": ["*"], "check_back": False},
+                "ops": {"secret_key": "0ps", "dashboard": True},
             }
         },
         environ={"BILLING_KEY": "b1ll"},
     )
-    assert accounts["orders"] == ORDERS
+    assert accounts["orders"] == ORDERS and not ORDERS.dashboard
     assert accounts["billing"] == Account("billing", "b1ll", ("*",), check_back=False)
+    assert accounts["ops"] == Account("ops", "0ps", (), dashboard=True)
     assert "s3cr3t" not in repr(accounts["orders"])
     orders = accounts["orders"]
     assert orders.may_publish("Orders") and orders.may_publish("OrderEvents-eu")
@@ -58,6 +60,7 @@ def test_accounts_from_the_settings_file() -> None:
     [
         ({"accounts": {" billing": {"secret_key": "x"}}}, "[serve.accounts. billing]: an access"),
         ({"accounts": {"a": {"secret_key": "x", "secret": "y"}}}, "unknown setting(s) secret"),
+        ({"accounts": {"a": {"secret_key": "x", "dashboard": "yes"}}}, "dashboard needs to be"),
         ({"accounts": {"a": {"topics": ["A"]}}}, "needs one of secret_key or secret_key_env"),
         (
             {"accounts": {"a": {"secret_key": "x", "secret_key_env": "A_KEY"}}},

@@ -8,20 +8,30 @@ is the summary), and ``/api/lag`` with the lag of each consumer group sampled ev
 pages draw their charts with uPlot, served from the package (no CDN: clusters are often
 offline), and refresh themselves.
 
-It binds loopback only: the pages show every topic, group and message count of the store with
-no access control of their own. Reach it from elsewhere through an SSH tunnel
-(``ssh -L 8088:127.0.0.1:8088 host``).
+On loopback it asks for nothing, as ``rmqtx serve`` there without accounts. Bound wider
+(``--host 0.0.0.0``), it takes the accounts of ``rmqtx serve`` (``[serve.accounts.<key>]``) that
+have ``dashboard = true`` and nobody else: HTTP Basic with the access key and secret key, over
+TLS only (``--tls-cert``/``--tls-key``, else a self-signed certificate made at start, its
+fingerprint logged, as ``serve`` does). Every page shows the whole store, so the right is
+given per account, never implied by a topic.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import hmac
 import ipaddress
 import json
 import logging
+import os
+import ssl
+import sys
+import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -32,6 +42,7 @@ from rmq_spark.model.config import RetentionSettings
 from rmq_spark.model.errors import InvalidOptionError
 from rmq_spark.ops.status import store_status
 from rmq_spark.ops.views import VIEWS, groups_view
+from rmq_spark.serve.accounts import Account
 from rmq_spark.store.facade import Store
 
 log = logging.getLogger(__name__)
@@ -39,6 +50,10 @@ log = logging.getLogger(__name__)
 STATIC = Path(__file__).parent / "static"
 #: Files the pages load, by path, with their content types.
 _TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript", ".css": "text/css"}
+#: What a secret is compared with when the access key is unknown (never equal to one).
+_UNKNOWN_SECRET = "\0" * 32
+#: A connection silent this long is closed (its TLS handshake included).
+CONNECTION_TIMEOUT = 30.0
 #: Lag samples kept per consumer group and topic (a day at one a minute).
 SAMPLES_KEPT = 1440
 
@@ -89,24 +104,64 @@ class Dashboard:
         self._stop.set()
 
 
-def make_server(dashboard: Dashboard, host: str, port: int) -> ThreadingHTTPServer:
-    """The HTTP server of ``dashboard`` on ``host:port`` (port 0: any free port)."""
-    if not _loopback(host):
+def make_server(
+    dashboard: Dashboard,
+    host: str,
+    port: int,
+    accounts: Mapping[str, Account] | None = None,
+    tls: ssl.SSLContext | None = None,
+) -> _Server:
+    """The HTTP server of ``dashboard`` on ``host:port`` (port 0: any free port). Beyond
+    loopback it needs ``tls`` and the ``accounts`` that may sign in (those with
+    ``dashboard = true``); on loopback it takes them when given."""
+    signing_in = {k: a for k, a in (accounts or {}).items() if a.dashboard}
+    if not is_loopback(host) and not signing_in:
         raise InvalidOptionError(
-            f"rmqtx ui binds loopback only (not {host}): its pages have no access control of "
-            "their own. Reach it from another host through an SSH tunnel, e.g. "
-            "ssh -L 8088:127.0.0.1:8088 <this host>."
+            f"rmqtx ui bound to {host} needs an account that may sign in: its pages show the "
+            "whole store. Give one dashboard = true in the settings file's "
+            "[serve.accounts.<access key>] (with its secret_key_env), or stay on loopback and "
+            "reach it through an SSH tunnel (ssh -L 8088:127.0.0.1:8088 <this host>)."
         )
+    if not is_loopback(host) and tls is None:
+        raise InvalidOptionError(f"rmqtx ui bound to {host} serves HTTPS only: give it TLS.")
 
     class Handler(BaseHTTPRequestHandler):
         server_version = "rmqtx-ui"
 
+        def setup(self) -> None:
+            if isinstance(self.request, ssl.SSLSocket):
+                self.request.do_handshake()  # here, in the connection's thread
+            super().setup()
+
         def do_GET(self) -> None:  # noqa: N802 (the standard library's name)
+            if signing_in and not self._signed_in():
+                self.send_response(HTTPStatus.UNAUTHORIZED)
+                self.send_header("WWW-Authenticate", 'Basic realm="rmqtx ui", charset="UTF-8"')
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
             path = self.path.split("?", 1)[0]
             if path.startswith("/api/"):
                 self._api(path.removeprefix("/api/"))
             else:
                 self._static("index.html" if path == "/" else path.lstrip("/"))
+
+        def _signed_in(self) -> bool:
+            """HTTP Basic: an account with ``dashboard = true`` and its secret key."""
+            scheme, _, encoded = (self.headers.get("Authorization") or "").partition(" ")
+            if scheme.lower() != "basic":
+                return False
+            try:
+                access_key, _, secret = (
+                    base64.b64decode(encoded, validate=True).decode().partition(":")
+                )
+            except (binascii.Error, UnicodeDecodeError):
+                return False
+            account = signing_in.get(access_key)
+            given = secret.encode()
+            # Compared whether the account exists or not, so timing does not tell.
+            expected = (account.secret_key if account else _UNKNOWN_SECRET).encode()
+            return hmac.compare_digest(given, expected) and account is not None
 
         def _api(self, name: str) -> None:
             if name not in (*VIEWS, "status", "lag"):
@@ -141,10 +196,64 @@ def make_server(dashboard: Dashboard, host: str, port: int) -> ThreadingHTTPServ
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (stdlib's name)
             log.debug("ui: " + format, *args)
 
-    return ThreadingHTTPServer((host, port), Handler)
+    return _Server((host, port), Handler, tls)
 
 
-def _loopback(host: str) -> bool:
+class _Server(ThreadingHTTPServer):
+    """A thread a connection; with TLS, each connection's handshake runs in its own thread
+    (not in the accepting one, which a client that never finishes it would hold up)."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: type, tls: ssl.SSLContext | None):
+        self.tls = tls
+        super().__init__(address, handler)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that is not one (plain HTTP on the TLS port, a handshake left half-way, a
+        connection dropped) is logged at DEBUG, not printed as a traceback."""
+        if isinstance(sys.exc_info()[1], OSError):  # ssl.SSLError and timeouts are OSErrors
+            log.debug("ui: connection from %s ended: %s", client_address, sys.exc_info()[1])
+            return
+        super().handle_error(request, client_address)
+
+    def get_request(self) -> tuple[Any, Any]:
+        connection, address = super().get_request()
+        connection.settimeout(CONNECTION_TIMEOUT)
+        if self.tls is not None:
+            connection = self.tls.wrap_socket(
+                connection, server_side=True, do_handshake_on_connect=False
+            )
+        return connection, address
+
+
+def tls_context(host: str, cert: str | None, key: str | None) -> ssl.SSLContext:
+    """A server TLS context of ``cert`` and ``key`` (PEM files), or of a self-signed
+    certificate made now (its fingerprint logged)."""
+    from rmq_spark.serve.tls import self_signed
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    if cert or key:
+        if not (cert and key):
+            raise InvalidOptionError("--tls-cert and --tls-key go together.")
+        context.load_cert_chain(cert, key)
+        return context
+    key_pem, cert_pem, fingerprint = self_signed(host)
+    with tempfile.TemporaryDirectory(prefix="rmqtx-ui-tls-") as folder:
+        paths = (Path(folder) / "cert.pem", Path(folder) / "key.pem")
+        for path, pem in zip(paths, (cert_pem, key_pem), strict=True):
+            path.write_bytes(pem)
+            os.chmod(path, 0o600)
+        context.load_cert_chain(*paths)
+    log.warning(
+        "rmqtx ui: a self-signed certificate made at start, SHA-256 fingerprint %s", fingerprint
+    )
+    return context
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address (or ``localhost``)."""
     if host == "localhost":
         return True
     try:
@@ -159,15 +268,20 @@ def serve(
     host: str,
     port: int,
     sample_seconds: float,
+    accounts: Mapping[str, Account] | None = None,
+    tls: ssl.SSLContext | None = None,
     ready: Callable[[str], None] = print,
 ) -> None:
     """Serve the dashboard until interrupted (Ctrl-C, SIGTERM as KeyboardInterrupt)."""
     dashboard = Dashboard(store, retention, sample_seconds)
-    server = make_server(dashboard, host, port)
+    server = make_server(dashboard, host, port, accounts, tls)
     sampler = threading.Thread(target=dashboard.run_sampler, name="rmqtx-ui-lag", daemon=True)
     sampler.start()
     bound_host, bound_port = server.server_address[:2]
-    ready(f"rmqtx ui: http://{bound_host}:{bound_port}/ on the store {store.root} (Ctrl-C stops)")
+    scheme = "https" if tls else "http"
+    ready(
+        f"rmqtx ui: {scheme}://{bound_host}:{bound_port}/ on the store {store.root} (Ctrl-C stops)"
+    )
     try:
         server.serve_forever()
     except KeyboardInterrupt:
