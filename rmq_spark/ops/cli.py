@@ -1,5 +1,7 @@
 """The ``rmqtx`` command line: run the check-back job, re-drive discarded messages, maintain,
 show and grow a store; each over every shard of the store (:mod:`rmq_spark.store.shards`).
+The commands that show a store (``status``, ``tail``, ``ui``) are in
+:mod:`rmq_spark.ops.view_cli`, ``serve`` in :mod:`rmq_spark.ops.serve_cli`.
 
 Every subcommand's ``--help`` shows its examples (:data:`EXAMPLES`); ``--conf`` and ``--path``
 go before the subcommand or after it.
@@ -8,13 +10,11 @@ go before the subcommand or after it.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import signal
 import sys
 import threading
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from rmq_spark.checkback.checkers import (
     CallableChecker,
@@ -25,8 +25,7 @@ from rmq_spark.checkback.checkers import (
 from rmq_spark.model.config import Settings, configure_logging, load_settings, parse_duration
 from rmq_spark.model.errors import InvalidOptionError, RmqSparkError
 from rmq_spark.model.messages import MAX_SHARDS
-from rmq_spark.ops import serve_cli
-from rmq_spark.ops.views import VIEWS
+from rmq_spark.ops import serve_cli, view_cli
 from rmq_spark.store.facade import Store
 
 log = logging.getLogger("rmq_spark.ops.cli")
@@ -36,10 +35,6 @@ log = logging.getLogger("rmq_spark.ops.cli")
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_UNROUTED = 0, 1, 2, 3
 #: Shortest pause between check-back rounds (seconds) that ``rmqtx check`` accepts.
 MIN_CHECK_INTERVAL = 5.0
-#: ``status --watch``'s shortest interval, and how often ``tail --follow`` looks.
-MIN_WATCH_INTERVAL = FOLLOW_INTERVAL = 1.0
-#: ANSI: clear the terminal and go to its top left (``status --watch``).
-CLEAR_SCREEN = "\x1b[2J\x1b[H"
 #: ``maintain`` asks before expiring messages younger than this (seconds).
 _DAY = 86400.0
 
@@ -171,25 +166,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="expire without asking even messages younger than a day or a whole topic",
     )
 
-    status = command(
-        "status",
-        "topics, pending transactions per producer group, consumer lag, discards, last run",
-    )
-    status.add_argument(
-        "view",
-        nargs="?",
-        choices=sorted(VIEWS),
-        help="one view in detail: groups (lag per queue), transactions (pending by age, "
-        "check-back runs), topics (rates, oldest stored), store (shards, tables); default: "
-        "a summary of each",
-    )
-    status.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    status.add_argument(
-        "--watch",
-        nargs="?",
-        const="2s",
-        metavar="INTERVAL",
-        help="print it again every INTERVAL (default 2s) until Ctrl-C",
+    view_cli.add_status_arguments(
+        command(
+            "status",
+            "topics, pending transactions per producer group, consumer lag, discards, last run",
+        )
     )
 
     shards = command(
@@ -207,37 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--yes", action="store_true", help="grow the store without asking (cannot be undone)"
     )
 
-    tail = command("tail", "print the newest committed messages of a topic")
-    tail.add_argument("topic", help="the topic (names are case-sensitive; status lists them)")
-    tail.add_argument("-n", "--count", type=int, default=10, help="how many (default 10)")
-    tail.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    tail.add_argument(
-        "-f",
-        "--follow",
-        action="store_true",
-        help="then print each new message as it is committed, until Ctrl-C",
-    )
-
-    ui = command("ui", "a web dashboard of the store's views, on loopback, refreshing itself")
-    ui.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="address to bind (default 127.0.0.1); beyond loopback it serves HTTPS to the "
-        "accounts with dashboard = true only",
-    )
-    ui.add_argument("--port", type=int, default=8088, help="port (default 8088; 0: any free)")
-    ui.add_argument(
-        "--sample-interval",
-        default="30s",
-        metavar="INTERVAL",
-        help="how often the lag charts sample the consumer groups (default 30s)",
-    )
-    ui.add_argument(
-        "--tls-cert",
-        help="PEM certificate chain beyond loopback (default: a self-signed one made at start)",
-    )
-    ui.add_argument("--tls-key", help="PEM private key of --tls-cert")
-
+    view_cli.add_tail_arguments(command("tail", "print the newest committed messages of a topic"))
+    view_cli.add_ui_arguments(command("ui", view_cli.UI_SUMMARY))
     serve_cli.add_arguments(command("serve", serve_cli.SUMMARY))
     return parser
 
@@ -372,49 +324,6 @@ def _confirm(args: argparse.Namespace, what: str) -> None:
     raise InvalidOptionError(f"{what} Nothing was changed; to go on, run it again with --yes.")
 
 
-def _status(args: argparse.Namespace, settings: Settings) -> int:
-    from rmq_spark.ops.status import format_status, store_status, to_json
-    from rmq_spark.ops.view_text import FORMATS
-
-    interval = parse_duration(args.watch, "--watch") if args.watch else None
-    if interval is not None and interval < MIN_WATCH_INTERVAL:
-        raise InvalidOptionError(
-            f"--watch needs at least {MIN_WATCH_INTERVAL:g}s, not {args.watch}."
-        )
-    store = Store.open(args.path, settings=settings, create=False)
-
-    def show() -> None:
-        if args.view is None:
-            status = store_status(store)
-            text = format_status(status)
-        else:
-            status = VIEWS[args.view](store, settings.retention)
-            text = FORMATS[args.view](status)
-        if args.json:
-            print(to_json(status) if interval is None else json.dumps(status, default=str))
-        elif interval is not None:
-            print(CLEAR_SCREEN + text + f"\n\nevery {args.watch}; Ctrl-C stops")
-        else:
-            print(text)
-        sys.stdout.flush()
-
-    return _repeat(show, interval)
-
-
-def _repeat(show: Callable[[], None], interval: float | None) -> int:
-    """``show()`` once, or every ``interval`` seconds until Ctrl-C (exit code 0)."""
-    if interval is None:
-        show()
-        return EXIT_OK
-    try:
-        while True:
-            started = time.monotonic()
-            show()
-            time.sleep(max(0.0, interval - (time.monotonic() - started)))
-    except KeyboardInterrupt:
-        return EXIT_OK
-
-
 def _shards(args: argparse.Namespace, settings: Settings) -> int:
     if args.set is not None and not 1 <= args.set <= MAX_SHARDS:
         raise InvalidOptionError(
@@ -443,59 +352,6 @@ def _shards(args: argparse.Namespace, settings: Settings) -> int:
     return EXIT_OK
 
 
-def _tail(args: argparse.Namespace, settings: Settings) -> int:
-    from rmq_spark.ops.status import to_json
-    from rmq_spark.ops.tail import Follower, format_tail, tail
-
-    if args.count < 1:
-        raise RmqSparkError(f"-n/--count needs to be at least 1, not {args.count}.")
-    store = Store.open(args.path, settings=settings, create=False)
-    messages = tail(store, args.topic, args.count)
-    if not args.follow:
-        print(to_json(messages) if args.json else format_tail(messages))
-        return EXIT_OK
-    # Following: oldest first, then each new one; with --json, one JSON object a line.
-    print(
-        "\n".join(json.dumps(m) for m in reversed(messages))
-        if args.json
-        else format_tail(messages[::-1]),
-        flush=True,
-    )
-    follow = Follower(store, args.topic)
-
-    def show() -> None:
-        for message in follow.new_messages():
-            print(json.dumps(message) if args.json else format_tail([message], header=False))
-        sys.stdout.flush()
-
-    return _repeat(show, FOLLOW_INTERVAL)
-
-
-def _ui(args: argparse.Namespace, settings: Settings) -> int:
-    from rmq_spark.ops.ui.server import is_loopback, serve, tls_context
-    from rmq_spark.serve.accounts import accounts_from_settings
-
-    interval = parse_duration(args.sample_interval, "--sample-interval")
-    if interval < MIN_WATCH_INTERVAL:
-        raise InvalidOptionError(f"--sample-interval needs at least {MIN_WATCH_INTERVAL:g}s.")
-    accounts = accounts_from_settings(settings.serve)
-    # Beyond loopback, TLS (made after the accounts are known to allow it at all).
-    wider = not is_loopback(args.host) and any(a.dashboard for a in accounts.values())
-    tls = tls_context(args.host, args.tls_cert, args.tls_key) if wider else None
-    store = Store.open(args.path, settings=settings, create=False)
-    serve(
-        store,
-        settings.retention,
-        args.host,
-        args.port,
-        interval,
-        accounts,
-        tls,
-        lambda s: print(s, flush=True),
-    )
-    return EXIT_OK
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``rmqtx``; returns the exit code."""
     args = build_parser().parse_args(argv)
@@ -506,10 +362,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             "check": _check,
             "resume": _resume,
             "maintain": _maintain,
-            "status": _status,
+            "status": view_cli.run_status,
             "shards": _shards,
-            "tail": _tail,
-            "ui": _ui,
+            "tail": view_cli.run_tail,
+            "ui": view_cli.run_ui,
             "serve": serve_cli.run,
         }[args.command]
         return handler(args, settings)
