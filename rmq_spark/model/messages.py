@@ -214,7 +214,7 @@ def check_topic(topic: object) -> str:
             f"topic {topic[:40]!r}... is {len(topic)} characters long; RocketMQ allows at most "
             f"{TOPIC_MAX_LENGTH}. Use a shorter name."
         )
-    if not TOPIC_PATTERN.match(topic):
+    if not TOPIC_PATTERN.fullmatch(topic):
         raise InvalidMessageError(
             f"topic {topic!r} has characters RocketMQ does not allow; a topic must match "
             f"{TOPIC_PATTERN.pattern} (letters, digits, '%', '|', '_', '-')."
@@ -250,7 +250,7 @@ def check_group(group: object, what: str = "producer_group") -> str:
     """Validate a producer or consumer group name (same character rule as topics)."""
     if not isinstance(group, str) or not group:
         raise InvalidMessageError(f"{what} needs to be a non-empty string but got {group!r}.")
-    if len(group) > 255 or not TOPIC_PATTERN.match(group):
+    if len(group) > 255 or not TOPIC_PATTERN.fullmatch(group):
         raise InvalidMessageError(
             f"{what} {group!r} is not valid; use at most 255 characters matching "
             f"{TOPIC_PATTERN.pattern}."

@@ -112,7 +112,7 @@ def accounts_from_settings(
     accounts = {}
     for access_key, given in dict(serve.get("accounts", {})).items():
         where = f"[serve.accounts.{access_key}]"
-        if not _ACCESS_KEY.match(access_key):
+        if not _ACCESS_KEY.fullmatch(access_key):
             raise InvalidOptionError(
                 f"{where}: an access key is 1 to 128 letters, digits or _ . @ -."
             )
@@ -125,7 +125,7 @@ def accounts_from_settings(
             )
         topics = given.get("topics", [])
         if not isinstance(topics, list) or not all(
-            isinstance(t, str) and _PATTERN.match(t) for t in topics
+            isinstance(t, str) and _PATTERN.fullmatch(t) for t in topics
         ):
             raise InvalidOptionError(
                 f"{where} topics needs to be a list of topic names, prefixes ending in '*' "

@@ -154,3 +154,15 @@ def test_tags_a_subscription_can_name_pass(tag: str) -> None:
 
     validate_message(Message("Orders", b"x", tags=tag))
     assert tag in parse_tags(f"Other || {tag}")
+
+
+@pytest.mark.parametrize("name", ["Orders\n", "Orders\r\n"])
+def test_a_name_with_a_line_break_is_refused(name: str) -> None:
+    """``^...$`` with ``re.match`` took ``'Orders\\n'``: a topic or group could then forge a
+    line of ``rmqtx status`` (review of #49)."""
+    from rmq_spark.model.messages import check_group, check_topic
+
+    with pytest.raises(InvalidMessageError, match="has characters RocketMQ does not allow"):
+        check_topic(name)
+    with pytest.raises(InvalidMessageError, match="is not valid"):
+        check_group(name, "producer_group")
