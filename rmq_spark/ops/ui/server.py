@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import hmac
 import ipaddress
 import json
 import logging
 import os
+import socket
 import ssl
 import sys
 import tempfile
@@ -32,6 +34,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -41,7 +44,7 @@ from typing import Any
 from rmq_spark.model.config import RetentionSettings
 from rmq_spark.model.errors import InvalidOptionError
 from rmq_spark.ops.status import store_status
-from rmq_spark.ops.views import VIEWS, groups_view
+from rmq_spark.ops.views import VIEWS
 from rmq_spark.serve.accounts import Account
 from rmq_spark.store.facade import Store
 
@@ -54,6 +57,10 @@ _TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript", ".css":
 _UNKNOWN_SECRET = "\0" * 32
 #: A connection silent this long is closed (its TLS handshake included).
 CONNECTION_TIMEOUT = 30.0
+#: A request's TLS handshake and headers must arrive within this, however slowly they drip.
+HEADERS_DEADLINE = 10.0
+#: Connections served at once; more are closed at once (no thread each for a flood).
+MAX_CONNECTIONS = 64
 #: Lag samples kept per consumer group and topic (a day at one a minute).
 SAMPLES_KEPT = 1440
 
@@ -66,9 +73,16 @@ class Dashboard:
         self.lag: dict[str, deque[tuple[str, int]]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        # One thread reads the store for every request: the store keeps its table snapshots
+        # per thread, so a thread a request would reopen every table every time.
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rmqtx-ui-read")
 
     def view(self, name: str) -> dict[str, Any]:
-        """``status <name>``'s JSON (``status``: the summary; ``lag``: the samples)."""
+        """``status <name>``'s JSON (``status``: the summary; ``lag``: the samples), read on
+        the dashboard's one reading thread."""
+        return self._reader.submit(self._view, name).result()
+
+    def _view(self, name: str) -> dict[str, Any]:
         if name == "status":
             return store_status(self.store)
         if name == "lag":
@@ -83,7 +97,7 @@ class Dashboard:
 
     def sample(self) -> None:
         """Record each consumer group's lag on each topic now."""
-        view = groups_view(self.store, self.retention)
+        view = self.view("groups")
         with self._lock:
             for group in view["groups"]:
                 key = f"{group['consumer_group']} on {group['topic']}"
@@ -102,6 +116,7 @@ class Dashboard:
 
     def stop(self) -> None:
         self._stop.set()
+        self._reader.shutdown(wait=False)
 
 
 def make_server(
@@ -129,11 +144,32 @@ def make_server(
         server_version = "rmqtx-ui"
 
         def setup(self) -> None:
+            # A client that drips its handshake or headers is cut off at the deadline.
+            self._deadline = threading.Timer(HEADERS_DEADLINE, self._cut_off)
+            self._deadline.start()
             if isinstance(self.request, ssl.SSLSocket):
                 self.request.do_handshake()  # here, in the connection's thread
             super().setup()
 
+        def _cut_off(self) -> None:
+            with contextlib.suppress(OSError):
+                self.request.shutdown(socket.SHUT_RDWR)
+
+        def parse_request(self) -> bool:
+            parsed = super().parse_request()
+            self._deadline.cancel()
+            return parsed
+
+        def finish(self) -> None:
+            self._deadline.cancel()
+            super().finish()
+
         def do_GET(self) -> None:  # noqa: N802 (the standard library's name)
+            if not signing_in and not self._from_loopback_name():
+                # A web page the operator visits could make its own name resolve to
+                # 127.0.0.1 (DNS rebinding) and read the pages: only loopback names serve.
+                self._send(HTTPStatus.MISDIRECTED_REQUEST, "text/plain", b"use a loopback name")
+                return
             if signing_in and not self._signed_in():
                 self.send_response(HTTPStatus.UNAUTHORIZED)
                 self.send_header("WWW-Authenticate", 'Basic realm="rmqtx ui", charset="UTF-8"')
@@ -145,6 +181,10 @@ def make_server(
                 self._api(path.removeprefix("/api/"))
             else:
                 self._static("index.html" if path == "/" else path.lstrip("/"))
+
+        def _from_loopback_name(self) -> bool:
+            host = (self.headers.get("Host") or "").rsplit(":", 1)[0].strip("[]").lower()
+            return host == "localhost" or is_loopback(host)
 
         def _signed_in(self) -> bool:
             """HTTP Basic: an account with ``dashboard = true`` and its secret key."""
@@ -177,8 +217,12 @@ def make_server(
             self._send(HTTPStatus.OK, "application/json", body)
 
         def _static(self, name: str) -> None:
-            file = (STATIC / name).resolve()
-            if not file.is_relative_to(STATIC.resolve()) or not file.is_file():
+            try:
+                file = (STATIC / name).resolve()
+                found = file.is_relative_to(STATIC.resolve()) and file.is_file()
+            except (ValueError, OSError):  # a NUL in the path, a name too long
+                found = False
+            if not found:
                 self._send(HTTPStatus.NOT_FOUND, "text/plain", b"not found")
                 return
             content_type = _TYPES.get(file.suffix, "application/octet-stream")
@@ -207,7 +251,25 @@ class _Server(ThreadingHTTPServer):
 
     def __init__(self, address: tuple[str, int], handler: type, tls: ssl.SSLContext | None):
         self.tls = tls
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        if ":" in address[0]:
+            self.address_family = socket.AF_INET6
         super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            log.debug(
+                "ui: %d connections open; closing one from %s", MAX_CONNECTIONS, client_address
+            )
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A client that is not one (plain HTTP on the TLS port, a handshake left half-way, a
