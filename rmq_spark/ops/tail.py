@@ -11,6 +11,7 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
+from deltalake import DeltaTable
 
 from rmq_spark.delta.reads import read_files
 from rmq_spark.model.errors import InvalidOptionError
@@ -22,12 +23,15 @@ from rmq_spark.store.facade import Store
 BODY_PREVIEW = 60
 
 
-def tail(store: Store, topic: str, count: int = 10) -> list[dict[str, Any]]:
-    """The newest ``count`` committed messages of ``topic`` (of every shard), newest first.
+def tail(
+    store: Store, topic: str, count: int = 10, commitlog: DeltaTable | None = None
+) -> list[dict[str, Any]]:
+    """The newest ``count`` committed messages of ``topic`` (of every shard), newest first, in
+    the ``commitlog`` snapshot (default: the latest).
 
     Raises InvalidOptionError (listing the topics) when the topic has no messages.
     """
-    files = store.data_files("commitlog").to_pylist()
+    files = store.data_files("commitlog", commitlog).to_pylist()
     mine = [f for f in files if f["partition.topic"] == topic]
     if not mine:
         topics = sorted({f["partition.topic"] for f in files})
@@ -35,18 +39,23 @@ def tail(store: Store, topic: str, count: int = 10) -> list[dict[str, Any]]:
             f"topic {topic!r} has no committed messages in {store.root}; topics with messages: "
             f"{', '.join(topics) or '(none)'}."
         )
-    # Newest files first, until they hold enough rows.
-    mine.sort(
-        key=lambda f: f["max.store_timestamp"] or datetime.min.replace(tzinfo=UTC), reverse=True
-    )
-    chosen, rows = [], 0
+    # Newest files first, until no file left can hold a message newer than the count-th
+    # newest read (a compacted file's newest message can be new while most of it is old).
+    latest = datetime.max.replace(tzinfo=UTC)  # a file without statistics: read it
+    mine.sort(key=lambda f: f["max.store_timestamp"] or latest, reverse=True)
+    read: list[pa.Table] = []
+    newest = pa.Table.from_batches([], FILE_SCHEMA)
     for f in mine:
-        chosen.append(f["uri"])
-        rows += f["num_records"]
-        if rows >= count:
+        if (
+            newest.num_rows >= count
+            and (f["max.store_timestamp"] or latest)
+            < newest.column("store_timestamp")[count - 1].as_py()
+        ):
             break
-    table = read_files(chosen, FILE_SCHEMA, store.settings.storage_options)
-    newest = table.sort_by([("store_timestamp", "descending"), ("queue_offset", "descending")])
+        read.append(read_files([f["uri"]], FILE_SCHEMA, store.settings.storage_options))
+        newest = pa.concat_tables(read).sort_by(
+            [("store_timestamp", "descending"), ("queue_offset", "descending")]
+        )
     return [_message_row(topic, r) for r in newest.slice(0, count).to_pylist()]
 
 
@@ -70,12 +79,15 @@ class Follower:
     last look ended (``rmqtx tail --follow``): each look costs a read of the CommitLog's
     offsets, and of the new files when there are new messages."""
 
-    def __init__(self, store: Store, topic: str) -> None:
+    def __init__(self, store: Store, topic: str, commitlog: DeltaTable | None = None) -> None:
+        """Follow ``topic`` from the end of the ``commitlog`` snapshot (default: the latest):
+        the one ``tail`` read, so that nothing committed in between is missed."""
         self.store, self.topic = store, topic
-        self.next = self._ends()
+        self.next = self._ends(commitlog)
 
-    def _ends(self) -> dict[int, int]:
-        return {q: o for (t, q), o in self.store.next_offsets().items() if t == self.topic}
+    def _ends(self, commitlog: DeltaTable | None = None) -> dict[int, int]:
+        ends = self.store.next_offsets(commitlog)
+        return {q: o for (t, q), o in ends.items() if t == self.topic}
 
     def new_messages(self) -> list[dict[str, Any]]:
         """The messages committed since the last call, oldest first."""

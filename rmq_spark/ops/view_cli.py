@@ -5,14 +5,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 from collections.abc import Callable
+
+import pyarrow as pa
+from deltalake.exceptions import DeltaError
 
 from rmq_spark.model.config import Settings, parse_duration
 from rmq_spark.model.errors import InvalidOptionError, RmqSparkError
 from rmq_spark.ops.views import VIEWS
 from rmq_spark.store.facade import Store
+
+log = logging.getLogger(__name__)
 
 #: ``status --watch``'s shortest interval, and how often ``tail --follow`` looks.
 MIN_WATCH_INTERVAL = FOLLOW_INTERVAL = 1.0
@@ -106,14 +112,18 @@ def run_status(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def repeat(show: Callable[[], None], interval: float | None) -> int:
-    """``show()`` once, or every ``interval`` seconds until Ctrl-C; the exit code (0)."""
+    """``show()`` once, or every ``interval`` seconds until Ctrl-C; the exit code (0). While
+    repeating, a look that fails (a store that did not answer) is logged and tried again."""
     if interval is None:
         show()
         return 0
     try:
         while True:
             started = time.monotonic()
-            show()
+            try:
+                show()
+            except (OSError, DeltaError, pa.ArrowException) as exc:
+                log.warning("could not read the store (%s); trying again", exc)
             time.sleep(max(0.0, interval - (time.monotonic() - started)))
     except KeyboardInterrupt:
         return 0
@@ -126,18 +136,26 @@ def run_tail(args: argparse.Namespace, settings: Settings) -> int:
     if args.count < 1:
         raise RmqSparkError(f"-n/--count needs to be at least 1, not {args.count}.")
     store = Store.open(args.path, settings=settings, create=False)
-    messages = tail(store, args.topic, args.count)
     if not args.follow:
+        messages = tail(store, args.topic, args.count)
         print(to_json(messages) if args.json else format_tail(messages))
         return 0
-    # Following: oldest first, then each new one; with --json, one JSON object a line.
-    print(
-        "\n".join(json.dumps(m) for m in reversed(messages))
-        if args.json
-        else format_tail(messages[::-1]),
-        flush=True,
-    )
-    follow = Follower(store, args.topic)
+    # Following: the newest from one snapshot, oldest first, then each message committed
+    # after that snapshot; with --json, one JSON object a line.
+    commitlog = store.table("commitlog")
+    try:
+        messages = tail(store, args.topic, args.count, commitlog)
+    except InvalidOptionError as exc:  # no messages yet (or all expired): wait for some
+        print(f"rmqtx tail: {exc} Waiting for its first.", file=sys.stderr, flush=True)
+        messages = []
+    if messages:
+        print(
+            "\n".join(json.dumps(m) for m in reversed(messages))
+            if args.json
+            else format_tail(messages[::-1]),
+            flush=True,
+        )
+    follow = Follower(store, args.topic, commitlog)
 
     def show() -> None:
         for message in follow.new_messages():

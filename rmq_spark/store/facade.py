@@ -354,10 +354,10 @@ class Store:
         actions of the latest ``half`` snapshot (:meth:`data_files`) if read already."""
         return reads.half_messages(self._tables, transaction_ids, files)
 
-    def data_files(self, name: str) -> pa.Table:
-        """The data files of a table's latest snapshot: Delta's add actions (path, size,
-        partition values, per-column min/max) plus each file's ``uri``."""
-        return self._tables.data_files(name)
+    def data_files(self, name: str, snapshot: DeltaTable | None = None) -> pa.Table:
+        """The data files of a table's ``snapshot`` (default: the latest): Delta's add actions
+        (path, size, partition values, per-column min/max) plus each file's ``uri``."""
+        return self._tables.data_files(name, snapshot)
 
     def query(self, name: str, where: str) -> pa.Table:
         """Rows of one of the store's tables matching a SQL condition (DataFusion), in plain

@@ -154,18 +154,22 @@ def test_status_watch_and_tail_follow_until_ctrl_c(store: Store) -> None:
     store.send([Message("Orders", "first")], "shop")
     watch = _start(store.root, "status", "topics", "--watch", "1s")
     follow = _start(store.root, "tail", "Orders", "--follow", "--json")
+    waiting = _start(store.root, "tail", "Later", "--follow", "--json")  # no messages yet
     try:
         assert "first" in follow.stdout.readline()  # the tail before following
         store.send([Message("Orders", f"new{i}") for i in range(3)], "shop")
         seen = [json.loads(follow.stdout.readline())["body"] for _ in range(3)]
         assert sorted(seen) == ["new0", "new1", "new2"]
+        assert "Waiting for its first" in waiting.stderr.readline()
+        store.send([Message("Later", "at last")], "shop")
+        assert json.loads(waiting.stdout.readline())["body"] == "at last"
         screens = 0
         while screens < 2:
             screens += watch.stdout.readline().count("\x1b[2J")
     finally:
-        for child in (watch, follow):
+        for child in (watch, follow, waiting):
             child.send_signal(signal.SIGINT)
-    assert watch.wait(30) == 0 and follow.wait(30) == 0
+    assert watch.wait(30) == 0 and follow.wait(30) == 0 and waiting.wait(30) == 0
     assert "Traceback" not in watch.stderr.read() + follow.stderr.read()
     refused = rmqtx(store.root, "status", "--watch", "5")
     assert refused.returncode == 2 and "'5s'" in refused.stderr
