@@ -189,10 +189,17 @@ def printable(text: str) -> str:
 
 def _sink_epochs(group: Mapping[str, Any]) -> str:
     """What a group's pending transactions staged by sinks wait for: their writer (running),
-    or the next check-back round, which rolls back an aborted epoch's (aborted)."""
-    running, aborted = group["in_running_sink_epochs"], group["in_aborted_sink_epochs"]
-    parts = [f"{running} running"] if running else []
-    parts += [f"{aborted} aborted (rolled back next round)"] if aborted else []
+    or the next check-back round, which commits those their closed epoch lists and rolls
+    back an aborted epoch's."""
+    parts = [
+        f"{group[key]} {label}"
+        for key, label in (
+            ("in_running_sink_epochs", "running"),
+            ("in_committed_sink_epochs", "committed next round"),
+            ("in_aborted_sink_epochs", "aborted (rolled back next round)"),
+        )
+        if group[key]
+    ]
     return ", ".join(parts) or "-"
 
 

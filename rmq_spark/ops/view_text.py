@@ -44,7 +44,11 @@ def format_transactions(view: Mapping[str, Any]) -> str:
             _count(g["pending_messages"]),
             format_duration(g["oldest_pending_age_seconds"]),
             *[_count(g["pending_by_age"][label]) for label, _ in AGE_BUCKETS],
-            _count(g["in_running_sink_epochs"] + g["in_aborted_sink_epochs"]),
+            _count(
+                g["in_running_sink_epochs"]
+                + g["in_committed_sink_epochs"]
+                + g["in_aborted_sink_epochs"]
+            ),
             _count(g["committed_last_hour"]),
             _count(g["rolled_back_last_hour"]),
         ]

@@ -22,13 +22,20 @@ from rmq_spark.checkback.pending import pending_now
 from rmq_spark.delta.reads import read_files
 from rmq_spark.model.config import RetentionSettings
 from rmq_spark.model.schema import TABLES
-from rmq_spark.spark.epoch_records import staged_in
+from rmq_spark.spark.epoch_records import DROPPED, LISTED, RUNNING, staged_in
 from rmq_spark.store.facade import Store
 
 #: Pending transactions by age: (label, upper bound in seconds).
 AGE_BUCKETS = (("< 1 min", 60.0), ("1-10 min", 600.0), ("10-60 min", 3600.0), ("> 1 h", None))
 #: Check-back runs ``status transactions`` lists, newest first.
 RUNS_SHOWN = 10
+#: The count a sink-staged pending transaction adds to, by what it waits for: its writer, or
+#: the next check-back round, which commits it (listed in its closed epoch) or rolls it back.
+_SINK_EPOCH_KEYS = {
+    RUNNING: "in_running_sink_epochs",
+    LISTED: "in_committed_sink_epochs",
+    DROPPED: "in_aborted_sink_epochs",
+}
 _HOUR = timedelta(hours=1)
 _MINUTE = timedelta(minutes=1)
 
@@ -111,6 +118,7 @@ def producer_groups(
                 "oldest_pending_age_seconds": None,
                 "pending_by_age": {label: 0 for label, _ in AGE_BUCKETS},
                 "in_running_sink_epochs": 0,
+                "in_committed_sink_epochs": 0,
                 "in_aborted_sink_epochs": 0,
                 "committed_last_hour": 0,
                 "rolled_back_last_hour": 0,
@@ -140,14 +148,13 @@ def producer_groups(
             g["oldest_pending_age_seconds"] = max(g["oldest_pending_age_seconds"] or 0.0, age)
             g["pending_by_age"][_bucket(age)] += 1
         staged = pending.filter(pc.is_valid(pending.column("sink_id")))
-        running = staged_in(s, staged.to_pylist()) if staged.num_rows else {}
+        waits = staged_in(s, staged.to_pylist()) if staged.num_rows else {}
         for name, transaction in zip(
             staged.column("producer_group").to_pylist(),
             staged.column("transaction_id").to_pylist(),
             strict=True,
         ):
-            key = "in_running_sink_epochs" if running[transaction] else "in_aborted_sink_epochs"
-            group(name)[key] += 1
+            group(name)[_SINK_EPOCH_KEYS[waits[transaction]]] += 1
         for name, decision in _recent(s, "op", "decided_timestamp", now - _HOUR, "decision"):
             key = "committed_last_hour" if decision == "COMMIT" else "rolled_back_last_hour"
             group(name)[key] += 1

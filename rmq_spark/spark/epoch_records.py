@@ -80,21 +80,29 @@ def read_epochs(store: Store, keys: Iterable[tuple[str, int]]) -> dict[tuple[str
     return found
 
 
-def staged_in(store: Store, staged: Iterable[Mapping[str, Any]]) -> dict[str, bool]:
+#: What a pending transaction a transactional writer staged waits for (:func:`staged_in`).
+RUNNING, LISTED, DROPPED = "running", "listed", "dropped"
+
+
+def staged_in(store: Store, staged: Iterable[Mapping[str, Any]]) -> dict[str, str]:
     """For transactions a transactional writer staged (rows with ``transaction_id``,
-    ``sink_id``, ``epoch`` and ``generation``), whether their writer is still at work: True
-    while their epoch is OPEN in their generation, False once it was closed without them,
-    abandoned or reopened (the next check-back round rolls them back)."""
+    ``sink_id``, ``epoch`` and ``generation``), what they wait for: ``RUNNING``, their writer
+    (their epoch is OPEN in their generation, or not opened yet); ``LISTED``, the next
+    check-back round, which commits them (their epoch was CLOSED with them, and the writer
+    stopped before its decisions); ``DROPPED``, the next check-back round, which rolls them
+    back (closed without them, abandoned or reopened)."""
     rows = list(staged)
     epochs = read_epochs(store, {(r["sink_id"], r["epoch"]) for r in rows})
-    running = {}
+    waits = {}
     for r in rows:
         e = epochs.get((r["sink_id"], r["epoch"]))
-        # No row yet: the writer's first task is opening it.
-        running[r["transaction_id"]] = e is None or (
-            e.state == OPEN and e.generation == (r["generation"] or 0)
-        )
-    return running
+        if e is None or (e.state == OPEN and e.generation == (r["generation"] or 0)):
+            waits[r["transaction_id"]] = RUNNING
+        elif e.state == CLOSED and r["transaction_id"] in e.transaction_ids:
+            waits[r["transaction_id"]] = LISTED
+        else:
+            waits[r["transaction_id"]] = DROPPED
+    return waits
 
 
 def read_epoch(store: Store, sink_id: str, epoch: int) -> Epoch | None:

@@ -410,3 +410,21 @@ def test_ctrl_c_and_stop_print_one_line_and_no_traceback(tmp_path: Path) -> None
     assert len(ours) == 1 and "'ticks'" in ours[0] and "was the last committed" in ours[0], output
     for noise in ("Traceback", "KeyboardInterrupt", "EOFError", "Py4J", "Exception"):
         assert noise not in output, f"{noise!r} printed:\n{output}"
+
+
+def test_status_says_a_closed_epochs_listed_halves_are_committed_next_round(
+    spark, store: Store
+) -> None:
+    """A writer that died between closing its epoch and recording its decisions leaves the
+    listed halves pending: the epoch checker commits them next round, but status called them
+    "aborted (rolled back next round)" (review of #49)."""
+    held = hold(store, "w", 5, "w", lease_seconds=600)
+    listed = _stage(store, spark, "w", 5, held.generation, "kept")
+    dropped = _stage(store, spark, "w", 5, held.generation, "extra")  # a failed attempt's
+    close(store, "w", 5, held.generation, [listed.transaction_id], "w")
+    (group,) = [g for g in store_status(store)["producer_groups"] if g["pending_transactions"]]
+    assert group["in_committed_sink_epochs"] == 1 and group["in_aborted_sink_epochs"] == 1
+    assert "1 committed next round, 1 aborted" in format_status(store_status(store))
+    check_back(spark, store)
+    assert pending(store) == set() and bodies(store) == ["kept"]
+    assert dropped.transaction_id is not None

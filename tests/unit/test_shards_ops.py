@@ -203,6 +203,7 @@ def test_check_and_status_write_an_age_the_same_way() -> None:
         "pending_messages": 1,
         "oldest_pending_age_seconds": 1371.0,
         "in_running_sink_epochs": 0,
+        "in_committed_sink_epochs": 0,
         "in_aborted_sink_epochs": 0,
         "committed_last_hour": 0,
         "rolled_back_last_hour": 0,

@@ -129,7 +129,7 @@ const PAGES = {
     page.append(el("h2", {}, "Pending transactions by producer group"), groups.length
       ? table([["producer group"], ["pending", 1], ["messages", 1], ["oldest", 1], ...AGE_BUCKETS.map((b) => [b, 1]), ["by sinks", 1], ["committed 1 h", 1], ["rolled back 1 h", 1]],
         groups.map((g) => [g.producer_group, count(g.pending_transactions), count(g.pending_messages), duration(g.oldest_pending_age_seconds),
-          ...AGE_BUCKETS.map((b) => count(g.pending_by_age[b])), count(g.in_running_sink_epochs + g.in_aborted_sink_epochs),
+          ...AGE_BUCKETS.map((b) => count(g.pending_by_age[b])), count(g.in_running_sink_epochs + g.in_committed_sink_epochs + g.in_aborted_sink_epochs),
           count(g.committed_last_hour), count(g.rolled_back_last_hour)]),
         (r) => (r[1] !== "0" ? "lagging" : ""))
       : el("p", { class: "muted" }, "No producer group yet."));
