@@ -9,7 +9,7 @@ from datetime import datetime
 from typing import Any
 
 from rmq_spark.model.config import format_duration
-from rmq_spark.ops.status import section
+from rmq_spark.ops.status import printable, section
 from rmq_spark.ops.views import AGE_BUCKETS
 
 
@@ -29,7 +29,13 @@ def format_groups(view: Mapping[str, Any]) -> str:
         for q in g["queues"]
     ]
     totals = [
-        f"{g['consumer_group']} on {g['topic']}: lag {_count(g['lag'])}" for g in view["groups"]
+        printable(f"{g['consumer_group']} on {g['topic']}: lag {_count(g['lag'])}")
+        + (
+            f", {_count(g['expired_unread'])} expired before it read them (DATA_LOSS)"
+            if g["expired_unread"]
+            else ""
+        )
+        for g in view["groups"]
     ]
     header = ["consumer group", "topic", "queue", "committed", "end", "lag", "last progress"]
     return _page(view, [*section("consumer groups", header, rows), *totals])

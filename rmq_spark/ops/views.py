@@ -45,7 +45,8 @@ def groups_view(
 ) -> dict[str, Any]:
     """Per consumer group, topic and queue: the committed (next) offset, the end offset, the
     lag and when the group last moved, like ``kafka-consumer-groups --describe``. A queue the
-    group has not read yet counts from the queue's earliest stored offset."""
+    group has not read yet counts from the queue's earliest stored offset; messages retention
+    removed before the group read them are counted apart (``expired_unread``), not as lag."""
     now = now or datetime.now(UTC)
     ends, earliest = store.next_offsets(), store.earliest_stored()
     rows = store.shard_store(0).read("consumer_offsets").to_pylist()
@@ -59,7 +60,8 @@ def groups_view(
         for q in queue_ids:
             end, row = ends.get((topic, q), 0), done.get(q)
             committed = row["next_offset"] if row else None
-            start = committed if committed is not None else earliest.get((topic, q), 0)
+            first = earliest.get((topic, q), 0)
+            start = max(committed, first) if committed is not None else first
             moved = row["updated_timestamp"] if row else None
             queues.append(
                 {
@@ -67,6 +69,9 @@ def groups_view(
                     "committed_offset": committed,
                     "end_offset": end,
                     "lag": max(0, end - start),
+                    # Messages retention removed before the group read them (its next read
+                    # fails with DATA_LOSS, or skips them with failOnDataLoss=false).
+                    "expired_unread": max(0, first - committed) if committed is not None else 0,
                     "last_progress": moved.isoformat() if moved else None,
                     "last_progress_age_seconds": _age(now, moved),
                 }
@@ -76,6 +81,7 @@ def groups_view(
                 "consumer_group": group,
                 "topic": topic,
                 "lag": sum(q["lag"] for q in queues),
+                "expired_unread": sum(q["expired_unread"] for q in queues),
                 "queues": queues,
             }
         )

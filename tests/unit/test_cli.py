@@ -277,3 +277,29 @@ def test_follow_starts_where_the_tail_it_printed_ended(store: Store) -> None:
     follow = Follower(store, "Orders", commitlog)
     assert [m["body"] for m in follow.new_messages()] == ["in-the-gap"]
     assert follow.new_messages() == []
+
+
+def test_lag_does_not_count_what_retention_removed_before_the_group_read_it(tmp_path) -> None:
+    """A group whose next offset is below the earliest stored had every expired message
+    counted as lag, with no word of data loss (review of #49)."""
+    from deltalake import write_deltalake
+
+    from rmq_spark.model.config import RetentionSettings
+    from rmq_spark.model.schema import CONSUMER_OFFSETS_SCHEMA
+    from rmq_spark.ops.views import groups_view
+
+    old, conf = old_and_new(tmp_path, 100, "72h")  # Orders: one message 100 h old, one new
+    rows = [
+        {"consumer_group": "billing", "topic": "Orders", "queue_id": q, "next_offset": 0,
+         "updated_timestamp": datetime.now(UTC)}
+        for t, q in old.next_offsets() if t == "Orders"
+    ]  # fmt: skip
+    write_deltalake(
+        old.table_uri("consumer_offsets"),
+        pa.Table.from_pylist(rows, CONSUMER_OFFSETS_SCHEMA),
+        mode="append",
+    )
+    assert main(["--conf", str(conf), "--path", old.root, "maintain", "--yes"]) == EXIT_OK
+    (billing,) = groups_view(old, RetentionSettings())["groups"]
+    # The new message is the lag; the old one expired before billing read it.
+    assert (billing["lag"], billing["expired_unread"]) == (1, 1)

@@ -107,9 +107,10 @@ const PAGES = {
     const [view, lag] = await Promise.all([api("groups"), api("lag")]);
     const rows = view.groups.flatMap((g) => g.queues.map((q) => [
       g.consumer_group, g.topic, q.queue_id, count(q.committed_offset), count(q.end_offset), count(q.lag),
-      ago(view, q.last_progress)]));
+      ago(view, q.last_progress), count(q.expired_unread)]));
     page.append(el("h2", {}, "Consumer groups"), rows.length
-      ? table([["consumer group"], ["topic"], ["queue", 1], ["committed", 1], ["end", 1], ["lag", 1], ["last progress"]], rows, (r) => (r[5] !== "0" ? "lagging" : ""))
+      ? table([["consumer group"], ["topic"], ["queue", 1], ["committed", 1], ["end", 1], ["lag", 1], ["last progress"], ["expired unread", 1]],
+        rows, (r) => (r[5] !== "0" || r[7] !== "0" ? "lagging" : ""))
       : el("p", { class: "muted" }, "No consumer group has recorded progress (the source's consumerGroup option)."));
     const names = Object.keys(lag.series);
     const times = [...new Set(names.flatMap((n) => lag.series[n].map(([t]) => t)))].sort();
