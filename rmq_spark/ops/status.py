@@ -13,7 +13,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from rmq_spark.model.config import RetentionSettings, format_duration
-from rmq_spark.ops.views import discards, groups_view, producer_groups, topics_view
+from rmq_spark.ops.views import (
+    discards,
+    groups_view,
+    newest_runs,
+    producer_groups,
+    topics_view,
+)
 from rmq_spark.store.facade import Store
 
 #: The ``check_runs`` columns ``status`` reports for the last check-back run.
@@ -76,11 +82,7 @@ def store_status(store: Store, now: datetime | None = None) -> dict[str, Any]:
             for c in consumers
         ],
         "discards": discards(shards),
-        "last_check_back": _last_run(
-            pa.concat_tables(
-                [s.read("check_runs", ["run_id", "finished", *RUN_COLUMNS]) for s in shards]
-            )
-        ),
+        "last_check_back": _last_run(newest_runs(shards, 1, ["run_id", "finished", *RUN_COLUMNS])),
     }
 
 

@@ -102,7 +102,7 @@ def transactions_view(
         "generated": now.isoformat(),
         "producer_groups": groups,
         "discards": discards(shards),
-        "check_back_runs": _runs(_union(shards, lambda s: s.read("check_runs"))),
+        "check_back_runs": _runs(newest_runs(shards, RUNS_SHOWN)),
     }
 
 
@@ -296,6 +296,26 @@ def _recent(
         keys = [topic] * rows.num_rows if partitioned else rows.column(key).to_pylist()
         out += zip(keys, rows.column(value).to_pylist(), strict=True)
     return out
+
+
+def newest_runs(shards: list[Store], count: int, columns: list[str] | None = None) -> pa.Table:
+    """The ``check_runs`` rows of each shard's ``count`` newest check-back runs at least,
+    reading the newest files only (the table grows by a row a round and is never trimmed)."""
+    schema = TABLES["check_runs"][0]
+    fields = pa.schema([schema.field(c) for c in columns]) if columns else schema
+    tables = []
+    for s in shards:
+        files = s.data_files("check_runs").sort_by([("max.started", "descending")])
+        chosen, rows = [], 0
+        for uri, records in zip(
+            files.column("uri").to_pylist(), files.column("num_records").to_pylist(), strict=True
+        ):
+            if rows >= count:
+                break
+            chosen.append(uri)
+            rows += records if records is not None else count  # no statistics: read on
+        tables.append(read_files(chosen, fields, s.settings.storage_options))
+    return pa.concat_tables(tables)
 
 
 def _runs(runs: pa.Table) -> list[dict[str, Any]]:

@@ -18,11 +18,12 @@ task's connection is closed mid-way.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import FrameType
 from typing import Any
 
@@ -58,7 +59,6 @@ class _StopQueriesOnInterrupt:
         self.spark = spark
         self.fallback = fallback
         self.stopping = False
-        self.stopped: int | None = None  # queries the last Ctrl-C stopped
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
         if self.stopping:  # a second Ctrl-C while the queries stop: the user insists
@@ -66,39 +66,47 @@ class _StopQueriesOnInterrupt:
             return
         self.stopping = True
         try:
-            # Calls to the JVM from another thread: the main thread may be inside one.
-            worker = threading.Thread(target=self._stop_all, name="rmqtx-interrupt", daemon=True)
-            self.stopped = None
-            worker.start()
-            while worker.is_alive():
-                worker.join(_POLL_SECONDS)
-            if not self.stopped:
+            queries = self._off_thread(lambda: self.spark.streams.active)
+            if not queries:  # none, or the session is going away: PySpark's handler
                 self.fallback(signum, frame)
+                return
+            # Logged here, on the main thread: a thread of ours that logs could wait forever
+            # for a logging lock the interrupted main thread holds.
+            for query in queries:
+                log.warning(
+                    "rmqtx: Ctrl-C: stopping streaming query %s (%s); a batch in flight is "
+                    "rolled back and replayed once when the query restarts from its "
+                    "checkpoint. Ctrl-C again interrupts at once.",
+                    f"'{query.name}'" if query.name else query.id,
+                    self._off_thread(lambda q=query: _last_batch(q.lastProgress)),
+                )
+                self._off_thread(query.stop)
         finally:
             self.stopping = False
 
-    def _stop_all(self) -> None:
-        try:
-            queries = self.spark.streams.active
-        except Exception:  # the session is going away: PySpark's handler takes over
-            log.debug("could not list the streaming queries", exc_info=True)
-            return
-        for query in queries:
-            progress = query.lastProgress
-            done = (
-                f"batch {progress['batchId']} was the last committed"
-                if progress
-                else ("no batch committed yet")
-            )
-            log.warning(
-                "rmqtx: Ctrl-C: stopping streaming query %s (%s); a batch in flight is rolled "
-                "back and replayed once when the query restarts from its checkpoint. Ctrl-C "
-                "again interrupts at once.",
-                f"'{query.name}'" if query.name else query.id,
-                done,
-            )
-            query.stop()
-        self.stopped = len(queries)
+    @staticmethod
+    def _off_thread(call: Callable[[], Any]) -> Any:
+        """``call()`` on a thread of its own (it calls the JVM, and the main thread may be in
+        such a call already), waited for here; None if it raised."""
+        result: list[Any] = [None]
+
+        def run() -> None:
+            with contextlib.suppress(Exception):
+                result[0] = call()
+
+        worker = threading.Thread(target=run, name="rmqtx-interrupt", daemon=True)
+        worker.start()
+        while worker.is_alive():
+            worker.join(_POLL_SECONDS)  # a second Ctrl-C is taken between the waits
+        return result[0]
+
+
+def _last_batch(progress: Mapping[str, Any] | None) -> str:
+    return (
+        f"batch {progress['batchId']} was the last committed"
+        if progress
+        else ("no batch committed yet")
+    )
 
 
 def _quiet_accumulator_server(spark: SparkSession) -> None:

@@ -219,3 +219,25 @@ def test_check_and_status_write_an_age_the_same_way() -> None:
         "last_check_back": None,
     }
     assert "  g               1             1             23 min" in format_status(status)
+
+
+def test_status_reads_the_newest_check_back_runs_only(store: Store) -> None:
+    """check_runs grows by a row a round and was read whole by every status and page refresh
+    (review of #49): the newest files are enough."""
+    from dataclasses import asdict
+
+    import pyarrow as pa
+
+    from rmq_spark.model.schema import CHECK_RUNS_SCHEMA
+    from rmq_spark.ops.status import store_status
+    from rmq_spark.ops.views import newest_runs
+
+    for i in range(30):
+        row = asdict(summary(f"run{i:02d}", started=T0 + timedelta(minutes=i)))
+        store.append("check_runs", pa.Table.from_pylist([row], CHECK_RUNS_SCHEMA))
+    newest = newest_runs([store], 5)
+    assert sorted(newest.column("run_id").to_pylist()) == [f"run{i}" for i in range(25, 30)]
+    assert (
+        store_status(store)["last_check_back"]["started"]
+        == (T0 + timedelta(minutes=29)).isoformat()
+    )

@@ -173,7 +173,7 @@ const PAGES = {
 
 // Messages stored per minute over the last hour, per topic (the busiest six) or in total.
 function throughputChart(view, total) {
-  const end = Math.floor(Date.parse(view.generated) / 60000) * 60;
+  const end = Date.parse(view.generated) / 1000;  // bucket i ends (59 - i) minutes before
   const x = Array.from({ length: 60 }, (_, i) => end - (59 - i) * 60);
   const topics = [...view.topics].sort((a, b) => b.last_hour - a.last_hour).slice(0, 6);
   const series = total
