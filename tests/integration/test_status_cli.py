@@ -123,7 +123,11 @@ def _check_views(store: Store, now: datetime) -> None:
 
     view = transactions_view(store, retention, now)
     shop = next(g for g in view["producer_groups"] if g["producer_group"] == "shop")
-    assert shop["pending_by_age"] == {"< 1 min": 1, "1-10 min": 0, "10-60 min": 0, "> 1 h": 0}
+    # One pending transaction, in the bucket of its age (build takes a minute on a busy host).
+    bucket = "< 1 min" if shop["oldest_pending_age_seconds"] < 60 else "1-10 min"
+    assert shop["pending_by_age"] == {"< 1 min": 0, "1-10 min": 0, "10-60 min": 0, "> 1 h": 0} | {
+        bucket: 1
+    }
     (run,) = view["check_back_runs"]
     assert (run["unrouted"], run["discarded"], run["status"]) == (1, 1, "finished")
 
