@@ -23,11 +23,12 @@ import logging
 import signal
 import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
 from pyspark.sql import SparkSession
+from pyspark.sql.streaming import StreamingQuery
 
 log = logging.getLogger(__name__)
 
@@ -70,15 +71,17 @@ class _StopQueriesOnInterrupt:
             if not queries:  # none, or the session is going away: PySpark's handler
                 self.fallback(signum, frame)
                 return
-            # Logged here, on the main thread: a thread of ours that logs could wait forever
-            # for a logging lock the interrupted main thread holds.
             for query in queries:
+                # Every attribute of a query calls the JVM: read off the main thread too.
+                label, batch = self._off_thread(lambda q=query: _describe(q)) or ("?", "?")
+                # Logged here, on the main thread: a thread of ours that logs could wait
+                # forever for a logging lock the interrupted main thread holds.
                 log.warning(
                     "rmqtx: Ctrl-C: stopping streaming query %s (%s); a batch in flight is "
                     "rolled back and replayed once when the query restarts from its "
                     "checkpoint. Ctrl-C again interrupts at once.",
-                    f"'{query.name}'" if query.name else query.id,
-                    self._off_thread(lambda q=query: _last_batch(q.lastProgress)),
+                    label,
+                    batch,
                 )
                 self._off_thread(query.stop)
         finally:
@@ -101,12 +104,15 @@ class _StopQueriesOnInterrupt:
         return result[0]
 
 
-def _last_batch(progress: Mapping[str, Any] | None) -> str:
-    return (
+def _describe(query: StreamingQuery) -> tuple[str, str]:
+    """(its name, or id; its last committed batch), read from the JVM."""
+    progress = query.lastProgress
+    batch = (
         f"batch {progress['batchId']} was the last committed"
         if progress
         else ("no batch committed yet")
     )
+    return (f"'{query.name}'" if query.name else str(query.id)), batch
 
 
 def _quiet_accumulator_server(spark: SparkSession) -> None:
