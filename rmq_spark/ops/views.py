@@ -318,6 +318,13 @@ def newest_runs(shards: list[Store], count: int, columns: list[str] | None = Non
     return pa.concat_tables(tables)
 
 
+#: The counts of a ``check_runs`` row, summed over the shards of a run.
+_RUN_COUNTS = (
+    "pending_found", "checked", "committed", "rolled_back", "unknown", "already_decided",
+    "discarded", "unrouted", "errors",
+)  # fmt: skip
+
+
 def _runs(runs: pa.Table) -> list[dict[str, Any]]:
     """The newest check-back runs, one row a run (a run of several shards summed)."""
     by_run: dict[str, dict[str, Any]] = {}
@@ -326,9 +333,7 @@ def _runs(runs: pa.Table) -> list[dict[str, Any]]:
         if run is None:
             by_run[r["run_id"]] = dict(r)
             continue
-        for key in ("pending_found", "checked", "committed", "rolled_back", "unknown"):
-            run[key] += r[key]
-        for key in ("already_decided", "discarded", "unrouted", "errors"):
+        for key in _RUN_COUNTS:
             run[key] += r[key]
         run["started"] = min(run["started"], r["started"])
         run["finished"] = max(run["finished"], r["finished"])
