@@ -823,3 +823,20 @@ def test_a_decision_another_writer_made_since_this_writers_last_look_wins(store:
     assert sorted(store.read("commitlog").column("transaction_id").to_pylist()) == sorted(
         [q.transaction_id, r.transaction_id]
     )
+
+
+def test_a_thread_s_own_decisions_are_counted_as_commits_come_and_go() -> None:
+    """What a thread's own ``op`` commits recorded is counted, not rebuilt for each decision:
+    an arbiter two kept commits recorded stays recorded when the snapshot takes the first."""
+    own = decisions_module._OwnDecisions()
+    a, b = "tx-a", "tx-b"
+    own.add(11, 10, [a])
+    own.add(12, 10, [a, b])  # the same arbiters, recorded again at the same version
+    arbiters = {(decision_app_id(a), 10), (decision_app_id(b), 10)}
+    assert own.recorded(arbiters) and own.decided([a]) and own.decided([b])
+    own.since(11)
+    assert own.recorded(arbiters) and own.decided([a])
+    assert [c[0] for c in own.commits] == [12]
+    own.since(12)
+    assert not own.recorded({(decision_app_id(a), 10)}) and not own.decided([a, b])
+    assert own.recorded(set()) and own.commits == []
