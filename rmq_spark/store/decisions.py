@@ -369,11 +369,7 @@ class Decisions(StoreConcept):
             moved = {
                 (a, head.txns[a]) for a in arbiters if head.txns.get(a) != head.snapshot_txns.get(a)
             }
-            if (
-                len(own.commits) >= _OWN_COMMITS_KEPT
-                or not own.recorded(moved)
-                or own.decided(ids)
-            ):
+            if len(own.commits) >= _OWN_COMMITS_KEPT or not own.recorded(moved) or own.decided(ids):
                 head = self.tables.head("op", reload=True)
                 own.since(head.snapshot.version())
             unknown = self._made.after(ids, head.loaded)  # to the snapshot: made since
