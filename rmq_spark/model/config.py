@@ -267,11 +267,12 @@ class RetentionSettings:
     #: Half and op rows of transactions decided (and, for COMMIT, published) longer ago than
     #: this are removed. Undecided ones never are, nor discards and re-driven transactions.
     transaction_reserved_time: float = 72 * 3600.0
-    #: Delta's ``deletedFileRetentionDuration`` for the CommitLog: files it no longer uses are
-    #: deleted from storage (VACUUM) only this long after (a reader may still be reading them).
-    #: The internal tables keep their own table property (1 h).
+    #: Files the CommitLog no longer uses are deleted from storage (VACUUM) this long after
+    #: their removal (a reader may still be reading them). The internal tables keep theirs for
+    #: their ``deletedFileRetentionDuration`` (2 h). See :mod:`rmq_spark.delta.vacuum`.
     deleted_file_retention: float = 7 * 86400.0
-    #: How often ``rmqtx check`` runs maintenance between rounds; 0 turns that off.
+    #: How often ``rmqtx check`` runs maintenance between rounds; 0 turns that off. Keep it
+    #: under the tables' 2 h of tombstones, or some removed files stay in storage.
     maintenance_interval: float = 3600.0
 
 

@@ -180,15 +180,16 @@ LOCKS_SCHEMA = pa.schema(
 #: whatever the operation (append, MERGE, delete, OPTIMIZE).
 _CHECKPOINTS = {"delta.checkpointInterval": "100"}
 
-#: Table properties of the internal tables. Nobody streams from them, and removed-file
-#: tombstones kept for a week would make every commit slower (deltalake's commit cost grows
-#: with the tombstones in the snapshot), so they are kept for an hour. Do not VACUUM them with
-#: a shorter retention than your longest-running reader.
-_INTERNAL = {
-    **_CHECKPOINTS,
-    "delta.enableChangeDataFeed": "true",
-    "delta.deletedFileRetentionDuration": "interval 1 hours",
-}
+#: How long a table's checkpoints keep the tombstones of removed files: two hours. VACUUM
+#: (:mod:`rmq_spark.delta.vacuum`) writes each removal down when it sees it, every hour, and
+#: keeps the file as long as the retention asked (for the CommitLog ``deleted_file_retention``,
+#: a week by default); tombstones kept for the week would put a week of compactions in every
+#: checkpoint, and in every snapshot a reader loads. Delta's own VACUUM takes this property as
+#: its default retention: give it your longest reader's (``RETAIN 168 HOURS``).
+TOMBSTONES = {"delta.deletedFileRetentionDuration": "interval 2 hours"}
+
+#: Table properties of the internal tables (nobody streams from them).
+_INTERNAL = {**_CHECKPOINTS, **TOMBSTONES, "delta.enableChangeDataFeed": "true"}
 
 #: Columns added to existing tables of layout 1 after its first stores were made: opening an
 #: older store adds them (null in old rows).
@@ -205,7 +206,7 @@ TABLES: dict[str, tuple[pa.Schema, list[str], dict[str, str]]] = {
     "pending": (
         PENDING_SCHEMA,
         [],
-        {**_CHECKPOINTS, "delta.deletedFileRetentionDuration": "interval 1 hours"},
+        {**_CHECKPOINTS, **TOMBSTONES},
     ),
     "check_state": (CHECK_STATE_SCHEMA, [], _INTERNAL),
     "discard": (DISCARD_SCHEMA, [], _INTERNAL),
@@ -216,6 +217,6 @@ TABLES: dict[str, tuple[pa.Schema, list[str], dict[str, str]]] = {
     "commitlog": (
         COMMITLOG_SCHEMA,
         ["topic"],
-        {**_CHECKPOINTS, "delta.enableChangeDataFeed": "true"},
+        {**_CHECKPOINTS, **TOMBSTONES, "delta.enableChangeDataFeed": "true"},
     ),
 }

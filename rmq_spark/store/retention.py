@@ -26,8 +26,10 @@ does, in this order:
    the torture test). Discards are exceptions (transactions that exhausted their check
    budget), so what this keeps stays small.
 3. **Files.** VACUUM: files a table stopped using more than its retention ago are deleted
-   (``deleted_file_retention`` for the CommitLog, the tables' own 1 h for the internal ones),
-   so a reader that planned its files before the delete still finds them.
+   (``deleted_file_retention`` for the CommitLog, the tables' own 2 h for the internal ones),
+   so a reader that planned its files before the delete still finds them; each table's
+   removals are written down as they are seen (:mod:`rmq_spark.delta.vacuum`), and an older
+   store's tables are brought to 2 h of tombstones.
 
 A store of several shards (:mod:`rmq_spark.store.shards`) is maintained shard by shard, each
 with its own tables, as a store of one; one summary tells of them all. Runs take turns through
@@ -39,7 +41,6 @@ nothing twice), and so is ``check_runs``.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable
 from datetime import datetime, timedelta
@@ -49,9 +50,11 @@ from deltalake import CommitProperties, DeltaTable, Transaction
 
 from rmq_spark.delta.reads import sql_string, sql_time
 from rmq_spark.delta.retry import retry_commits
+from rmq_spark.delta.vacuum import interval_seconds, tombstone_retention, vacuum
 from rmq_spark.model.config import RetentionSettings
 from rmq_spark.model.failpoints import failpoint
 from rmq_spark.model.messages import new_id
+from rmq_spark.model.schema import TABLES
 from rmq_spark.store.facade import Store
 from rmq_spark.store.fanout import on_every_shard
 from rmq_spark.store.queues import earliest_app_id
@@ -65,7 +68,6 @@ _CHECK_MAX = "check-back:check-max"
 _LOCK_SECONDS = 3600.0
 #: Transactions removed per MERGE (bounds the memory of one commit).
 _CHUNK = 200_000
-_INTERNAL_TABLES = ("half", "op", "discard", "check_state", "epochs", "consumer_offsets")
 
 
 def maintain(
@@ -258,15 +260,36 @@ def _delete_matching(store: Store, name: str, ids: pa.Table) -> int:
 
 # --------------------------------------------------------------------------- files
 def _vacuum(store: Store, settings: RetentionSettings, summary: MaintenanceSummary) -> None:
-    for name in _INTERNAL_TABLES if store.shard else ("commitlog", *_INTERNAL_TABLES):
+    names = [n for n in TABLES if n != "commitlog" or not store.shard]
+    for name in names:
+        _keep_tombstones_as_specified(store, name)
         table = store.table(name)
+        retention = tombstone_retention(table)
         if name == "commitlog":
-            # deltalake takes whole hours: round up, never below what was asked for.
-            hours = max(0, math.ceil(settings.deleted_file_retention / 3600))
-            removed = table.vacuum(
-                retention_hours=hours, dry_run=False, enforce_retention_duration=False
-            )
-        else:
-            removed = table.vacuum(dry_run=False)  # the table's own retention
+            retention = settings.deleted_file_retention
+        removed = vacuum(store.table_uri(name), store.settings.storage_options, table, retention)
         summary.files_vacuumed[name] = len(removed)
         summary.live_bytes[name] = int(sum(store.data_files(name).column("size_bytes").to_pylist()))
+
+
+def _keep_tombstones_as_specified(store: Store, name: str) -> None:
+    """Shorten a table's tombstone retention to the one the store's tables have now
+    (:data:`rmq_spark.model.schema.TOMBSTONES`) when it is longer: an older store's CommitLog
+    kept them Delta's week. A shorter one, an operator's choice, stays."""
+    key = "delta.deletedFileRetentionDuration"
+    wanted = TABLES[name][2].get(key)
+    if wanted is None:
+        return
+    seconds = interval_seconds(wanted)
+
+    def attempt(_: int) -> bool:
+        latest = store.table(name)
+        if tombstone_retention(latest) <= seconds:
+            return False
+        latest.alter.set_table_properties({key: wanted})
+        return True
+
+    if tombstone_retention(store.table(name)) > seconds and retry_commits(
+        f"set {key} of {name}", name, attempt
+    ):
+        log.info("%s now keeps the tombstones of removed files for %s", name, wanted)

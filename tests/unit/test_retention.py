@@ -7,8 +7,10 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from urllib.parse import unquote
 
 import pytest
 
@@ -256,3 +258,61 @@ def test_a_sub_hour_file_retention_is_rounded_up_not_down(store: Store, clock: C
     assert summary.messages_expired == 120
     assert summary.files_vacuumed["commitlog"] == 0
     assert all(Path(uri).exists() for uri in before)
+
+
+def _on_disk(store: Store, name: str) -> set[str]:
+    table = Path(store.table_uri(name))
+    return {
+        str(f.relative_to(table))
+        for f in table.rglob("*.parquet")
+        if not {"_delta_log", "_change_data", "_rmqtx_vacuum"} & set(f.relative_to(table).parts)
+    }
+
+
+def test_files_removed_long_ago_are_vacuumed_after_a_checkpoint_dropped_their_tombstones(
+    store: Store,
+) -> None:
+    """A checkpoint keeps a removed file's tombstone only for the table's retention, and the
+    tables checkpoint every 100 commits: by the time a removal was old enough to vacuum, its
+    tombstone was gone from the snapshot, and deltalake's VACUUM (which finds what to delete in
+    the tombstones) deleted nothing. Every file compaction replaced stayed in storage for good.
+    Here the table's retention is a second (an hour, passed) and a checkpoint comes between."""
+    for i in range(6):
+        store.prepare([Message("Orders", f"o-{i}".encode())], "pg")
+    store.table("half").alter.set_table_properties(
+        {"delta.deletedFileRetentionDuration": "interval 1 seconds"}
+    )
+    store.compact("half")
+    live = {unquote(p) for p in store.data_files("half").column("path").to_pylist()}
+    removed = _on_disk(store, "half") - live
+    assert len(removed) >= 6
+    maintain(store, RetentionSettings())  # seen while the tombstones are young: kept
+    assert removed <= _on_disk(store, "half")
+    time.sleep(1.5)
+    store.table("half").create_checkpoint()  # drops the expired tombstones
+    summary = maintain(store, RetentionSettings())
+    assert _on_disk(store, "half") == live
+    assert summary.files_vacuumed["half"] == len(removed)
+    assert sorted(store.read("half").column("body").to_pylist()) == [
+        f"o-{i}".encode() for i in range(6)
+    ]
+
+
+def test_an_older_commitlog_keeps_tombstones_for_two_hours_after_maintenance(
+    store: Store, clock: Clock
+) -> None:
+    """The CommitLog kept tombstones for Delta's week, and every checkpoint carried a week of
+    compactions; a maintenance run brings an older store's tables to two hours, and files are
+    still kept for ``deleted_file_retention`` (written down by VACUUM, not by the tombstone)."""
+    key = "delta.deletedFileRetentionDuration"
+    store.table("commitlog").alter.set_table_properties({key: "interval 7 days"})
+    for _ in range(3):
+        send(store, "Orders", 2)
+    store.compact("commitlog")
+    before = _on_disk(store, "commitlog")
+    summary = maintain(store, RetentionSettings())
+    assert store.table("commitlog").metadata().configuration[key] == "interval 2 hours"
+    assert summary.files_vacuumed["commitlog"] == 0
+    assert _on_disk(store, "commitlog") == before  # removed a moment ago: kept a week
+    written = list(Path(store.table_uri("commitlog"), "_rmqtx_vacuum").glob("*.parquet"))
+    assert len(written) == 1
