@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from functools import cached_property
 from urllib.parse import quote
 
@@ -37,8 +37,9 @@ from deltalake import CommitProperties, DeltaTable
 from deltalake.transaction import AddAction
 
 from rmq_spark.delta.storage import arrow_filesystem
-from rmq_spark.model.schema import HALF_SCHEMA, TIMESTAMP
+from rmq_spark.model.schema import HALF_SCHEMA
 
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 #: Rows per batch read from ``half`` by a publish (also the row groups it writes).
 BATCH_ROWS = 32_768
 #: A CommitLog file is closed at about this many bytes (deltalake's default target).
@@ -397,5 +398,5 @@ def _stat(value: object, rounding: object) -> object:
     if not isinstance(value, datetime):
         return value
     millis = rounding(value.timestamp() * 1000)  # type: ignore[operator]
-    moment = pa.scalar(int(millis) * 1000, TIMESTAMP).as_py()
+    moment = _EPOCH + timedelta(milliseconds=int(millis))
     return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"

@@ -11,23 +11,25 @@ checkpoints as long as the files are kept costs more: a week of the CommitLog's 
 at 15 publishes a second 9 million rows in every checkpoint (6.5 s to load, every 7 s) and in
 every snapshot a reader loads.
 
-So the tables keep tombstones for an hour (:data:`rmq_spark.model.schema.TOMBSTONES`), and each
-maintenance run, which comes every hour, writes down the tombstones it finds with their removal
-times in the table's ``_rmqtx_vacuum/`` folder (Delta readers skip folders that start with an
-underscore) and deletes the files written down there that were removed more than the
-retention ago and that the table does not use again (a RESTORE can bring one back). A file
-removed while no maintenance ran for longer than the table keeps tombstones is not written
-down, and stays.
+So the tables keep tombstones for two hours (:data:`rmq_spark.model.schema.TOMBSTONES`), and
+each maintenance run, which comes every hour, writes down the tombstones it finds with when
+they are due in the table's ``_rmqtx_vacuum/`` folder (Delta readers and VACUUMs skip folders
+that start with an underscore), and deletes the files written down there that are due and that
+the table does not use again (a RESTORE can bring one back). A file removed while no
+maintenance ran for longer than the table keeps tombstones is not written down, and stays;
+so does one that an object store refused to delete (s3fs does not report those).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import math
 import re
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import unquote
 
@@ -38,8 +40,10 @@ from deltalake import DeltaTable
 
 from rmq_spark.delta.commit import checkpoint_interval
 from rmq_spark.delta.reads import read_arrow
-from rmq_spark.delta.storage import filesystem
+from rmq_spark.delta.storage import filesystem, scheme
 from rmq_spark.delta.txnlog import _checkpoint_at_or_before, _commits
+
+log = logging.getLogger(__name__)
 
 #: The folder, under a table's root, of the removals written down for a later VACUUM.
 REMOVALS_DIR = "_rmqtx_vacuum"
@@ -47,6 +51,8 @@ REMOVALS_DIR = "_rmqtx_vacuum"
 _DEFAULT_RETENTION = 7 * 86400.0
 _INTERVAL = re.compile(r"^\s*interval\s+(\d+)\s+(second|minute|hour|day|week)s?\s*$", re.I)
 _UNIT_SECONDS = {"second": 1, "minute": 60, "hour": 3600, "day": 86400, "week": 7 * 86400}
+#: A file of removals written down: when they are due (seconds since the epoch), a unique id.
+_RECORDS = re.compile(r"^(\d{12})-[0-9a-f]{32}\.parquet$")
 _REMOVALS_SCHEMA = pa.schema([("path", pa.string()), ("removed_ms", pa.int64())])
 
 
@@ -54,10 +60,10 @@ def tombstone_retention(table: DeltaTable) -> float:
     """How long ``table``'s checkpoints keep a tombstone, in seconds: its
     ``delta.deletedFileRetentionDuration`` (Delta's default, a week, when unset)."""
     value = table.metadata().configuration.get("delta.deletedFileRetentionDuration")
-    return _DEFAULT_RETENTION if value is None else interval_seconds(value)
+    return _DEFAULT_RETENTION if value is None else _interval_seconds(value)
 
 
-def interval_seconds(value: str) -> float:
+def _interval_seconds(value: str) -> float:
     """A Delta interval property (``interval 2 hours``) in seconds; Delta's default retention,
     a week, for one that is not ``interval N unit``."""
     match = _INTERVAL.match(value)
@@ -67,36 +73,78 @@ def interval_seconds(value: str) -> float:
 
 
 def vacuum(
-    uri: str, storage_options: Mapping[str, str], table: DeltaTable, retention: float
+    uri: str,
+    storage_options: Mapping[str, str],
+    snapshot: Callable[[], DeltaTable],
+    retention: float,
 ) -> list[str]:
-    """Delete the files of the table at ``uri`` (``table``: its latest snapshot) removed more
-    than ``retention`` seconds ago, and write down the removals not yet due; return the paths
-    deleted (relative to the table's root)."""
+    """Delete the files of the table at ``uri`` removed more than ``retention`` seconds ago,
+    and write down the removals not yet due; return the paths deleted (relative to the table's
+    root). ``snapshot`` loads the table's latest snapshot.
+
+    Removals are written down in files named by when they become due (in steps of a 24th of
+    the retention, an hour at most), so a run reads only the ones due, not the whole retention
+    (a week of the CommitLog's compactions). The snapshot is loaded after the due ones are
+    read: a file live in it was brought back (a RESTORE) and stays; one removed since is in its
+    tombstones."""
     fs, path = filesystem(uri, storage_options)
     base = path.rstrip("/")
     folder = f"{base}/{REMOVALS_DIR}"
+    now = time.time()
     fs.invalidate_cache(folder)  # another process's runs write there too
     try:
-        written = [p for p in fs.ls(folder, detail=False) if p.endswith(".parquet")]
+        listed = fs.ls(folder, detail=False)
     except FileNotFoundError:
-        written = []
-    removed = _tombstones(fs, f"{base}/_delta_log", table)
-    for file in written:
-        rows = pq.read_table(file, filesystem=fs)
-        for p, ms in zip(rows["path"].to_pylist(), rows["removed_ms"].to_pylist(), strict=True):
-            removed[p] = max(ms, removed.get(p, ms))  # removed again later: the later counts
+        listed = []
+    names = {p: _RECORDS.match(p.rsplit("/", 1)[-1]) for p in listed}
+    ripe = [p for p, m in names.items() if m is not None and int(m.group(1)) <= now]
+    due = set(_read_records(fs, ripe))
+    table = snapshot()
+    step = int(min(max(retention // 24, 1), 3600))
+    waiting: dict[int, dict[str, int]] = {}
+    for p, ms in _tombstones(fs, f"{base}/_delta_log", table).items():
+        due_at = ms / 1000 + retention
+        if due_at <= now:
+            due.add(p)
+        else:  # in the file of the step it falls due in
+            waiting.setdefault(math.ceil(due_at / step) * step, {})[p] = ms
+    for at, removals in waiting.items():  # before anything is deleted: a killed run loses none
+        _write_records(fs, folder, at, removals, local=scheme(uri) == "file")
     live = {unquote(p) for p in read_arrow(table.get_add_actions()).column("path").to_pylist()}
-    cutoff = (time.time() - retention) * 1000
-    due = sorted(p for p, ms in removed.items() if ms < cutoff and p not in live)
-    waiting = {p: ms for p, ms in removed.items() if ms >= cutoff and p not in live}
-    if waiting:  # written before anything is deleted: a run killed midway loses nothing
-        rows = pa.table([list(waiting), list(waiting.values())], schema=_REMOVALS_SCHEMA)
-        fs.makedirs(folder, exist_ok=True)
-        with fs.open(f"{folder}/{uuid.uuid4().hex}.parquet", "wb") as out:
+    deleted = sorted(due - live)
+    _delete(fs, [f"{base}/{p}" for p in deleted])
+    _delete(fs, ripe)  # another run may have taken them in too, and deleted them
+    return deleted
+
+
+def _read_records(fs: Any, files: list[str]) -> list[str]:
+    """The paths written down in ``files``; one that cannot be read (a copy cut short on a
+    filesystem without atomic renames) is logged and deleted: its files stay in storage."""
+    paths: list[str] = []
+    for file in files:
+        try:
+            paths += pq.read_table(file, filesystem=fs).column("path").to_pylist()
+        except (OSError, pa.ArrowInvalid) as exc:
+            log.warning("removals file %s is unreadable (%s); its files stay", file, exc)
+    return paths
+
+
+def _write_records(
+    fs: Any, folder: str, due: int, removals: Mapping[str, int], *, local: bool
+) -> None:
+    """Write ``removals`` down, due at ``due`` (seconds since the epoch), whole or not at all:
+    a hidden copy renamed into place (an object store's PUT is whole by itself)."""
+    rows = pa.table([list(removals), list(removals.values())], schema=_REMOVALS_SCHEMA)
+    name = f"{due:012d}-{uuid.uuid4().hex}.parquet"
+    fs.makedirs(folder, exist_ok=True)
+    if local:
+        temp = f"{folder}/.{name}.tmp"
+        with fs.open(temp, "wb") as out:
             pq.write_table(rows, out)
-    _delete(fs, [f"{base}/{p}" for p in due])
-    _delete(fs, written)  # another run may have taken them in too, and deleted them
-    return due
+        fs.mv(temp, f"{folder}/{name}")
+    else:
+        with fs.open(f"{folder}/{name}", "wb") as out:
+            pq.write_table(rows, out)
 
 
 def _delete(fs: Any, paths: list[str]) -> None:

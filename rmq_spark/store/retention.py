@@ -50,7 +50,7 @@ from deltalake import CommitProperties, DeltaTable, Transaction
 
 from rmq_spark.delta.reads import sql_string, sql_time
 from rmq_spark.delta.retry import retry_commits
-from rmq_spark.delta.vacuum import interval_seconds, tombstone_retention, vacuum
+from rmq_spark.delta.vacuum import tombstone_retention, vacuum
 from rmq_spark.model.config import RetentionSettings
 from rmq_spark.model.failpoints import failpoint
 from rmq_spark.model.messages import new_id
@@ -262,34 +262,38 @@ def _delete_matching(store: Store, name: str, ids: pa.Table) -> int:
 def _vacuum(store: Store, settings: RetentionSettings, summary: MaintenanceSummary) -> None:
     names = [n for n in TABLES if n != "commitlog" or not store.shard]
     for name in names:
-        _keep_tombstones_as_specified(store, name)
-        table = store.table(name)
-        retention = tombstone_retention(table)
+        retention = tombstone_retention(store.table(name))
         if name == "commitlog":
             retention = settings.deleted_file_retention
-        removed = vacuum(store.table_uri(name), store.settings.storage_options, table, retention)
+        uri = store.table_uri(name)
+        try:
+            removed = vacuum(
+                uri, store.settings.storage_options, lambda n=name: store.table(n), retention
+            )
+        except Exception:  # the other tables are vacuumed still; the next run tries again
+            log.exception("VACUUM of %s failed; the next maintenance run tries again", name)
+            continue
+        # After the removals it holds are written down: none is lost with the tombstones.
+        _keep_tombstones_as_specified(store, name)
         summary.files_vacuumed[name] = len(removed)
         summary.live_bytes[name] = int(sum(store.data_files(name).column("size_bytes").to_pylist()))
 
 
 def _keep_tombstones_as_specified(store: Store, name: str) -> None:
-    """Shorten a table's tombstone retention to the one the store's tables have now
-    (:data:`rmq_spark.model.schema.TOMBSTONES`) when it is longer: an older store's CommitLog
-    kept them Delta's week. A shorter one, an operator's choice, stays."""
+    """Give a table of an older store that keeps tombstones for Delta's default week (the
+    CommitLog did: the property was unset) the retention the store's tables have now
+    (:data:`rmq_spark.model.schema.TOMBSTONES`). A retention an operator set stays."""
     key = "delta.deletedFileRetentionDuration"
     wanted = TABLES[name][2].get(key)
-    if wanted is None:
+    if wanted is None or key in store.table(name).metadata().configuration:
         return
-    seconds = interval_seconds(wanted)
 
     def attempt(_: int) -> bool:
         latest = store.table(name)
-        if tombstone_retention(latest) <= seconds:
+        if key in latest.metadata().configuration:
             return False
         latest.alter.set_table_properties({key: wanted})
         return True
 
-    if tombstone_retention(store.table(name)) > seconds and retry_commits(
-        f"set {key} of {name}", name, attempt
-    ):
+    if retry_commits(f"set {key} of {name}", name, attempt):
         log.info("%s now keeps the tombstones of removed files for %s", name, wanted)
