@@ -349,3 +349,25 @@ def test_a_removals_file_cut_short_is_skipped_and_vacuum_goes_on(store: Store) -
     summary = maintain(store, RetentionSettings())
     assert not cut.exists() and written.exists()
     assert summary.files_vacuumed["half"] == 0
+
+
+def test_a_file_a_restore_brought_back_is_not_vacuumed(store: Store) -> None:
+    """A RESTORE to before a compaction makes the files it replaced live again: written down
+    as removed and due, they stay, and every row is still read."""
+    for i in range(4):
+        store.prepare([Message("Orders", f"o-{i}".encode())], "pg")
+    store.table("half").alter.set_table_properties(
+        {"delta.deletedFileRetentionDuration": "interval 1 seconds"}
+    )
+    before = store.table("half").version()
+    store.compact("half")
+    maintain(store, RetentionSettings())  # writes the removals down
+    store.table("half").restore(before)
+    time.sleep(2.5)
+    summary = maintain(store, RetentionSettings())
+    live = {unquote(p) for p in store.data_files("half").column("path").to_pylist()}
+    assert live <= _on_disk(store, "half")
+    assert summary.files_vacuumed["half"] == 1  # the compacted file, removed by the RESTORE
+    assert sorted(store.read("half").column("body").to_pylist()) == [
+        f"o-{i}".encode() for i in range(4)
+    ]
