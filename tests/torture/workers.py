@@ -581,9 +581,11 @@ def compactor(run: dict, name: str, incarnation: int) -> None:
             started = time.monotonic()
             removed = shard.compact()
             log("compacted shard", shard.shard, removed, f"{time.monotonic() - started:.1f} s")
+        # CommitLog files removed are deleted within the run, racing kills, stalls, RESTOREs.
         retention = RetentionSettings(
             file_reserved_time=10 * 365 * 86400.0,
             transaction_reserved_time=rng.uniform(5, 30),
+            deleted_file_retention=rng.uniform(20, 90),
         )
         summary = maintain(store, retention)
         log("maintained", summary.format().replace("\n", ";"))
