@@ -51,8 +51,9 @@ REMOVALS_DIR = "_rmqtx_vacuum"
 _DEFAULT_RETENTION = 7 * 86400.0
 _INTERVAL = re.compile(r"^\s*interval\s+(\d+)\s+(second|minute|hour|day|week)s?\s*$", re.I)
 _UNIT_SECONDS = {"second": 1, "minute": 60, "hour": 3600, "day": 86400, "week": 7 * 86400}
-#: A file of removals written down: when they are due (seconds since the epoch), a unique id.
-_RECORDS = re.compile(r"^(\d{12})-[0-9a-f]{32}\.parquet$")
+#: A file of removals written down: when they are due (seconds since the epoch), a unique id;
+#: with a leading dot and ``.tmp``, its copy being written (left by a run killed meanwhile).
+_RECORDS = re.compile(r"^(\.?)(\d{12})-[0-9a-f]{32}\.parquet(\.tmp)?$")
 _REMOVALS_SCHEMA = pa.schema([("path", pa.string()), ("removed_ms", pa.int64())])
 
 
@@ -97,8 +98,9 @@ def vacuum(
     except FileNotFoundError:
         listed = []
     names = {p: _RECORDS.match(p.rsplit("/", 1)[-1]) for p in listed}
-    ripe = [p for p, m in names.items() if m is not None and int(m.group(1)) <= now]
-    due = set(_read_records(fs, ripe))
+    ripe = [p for p, m in names.items() if m is not None and int(m.group(2)) <= now]
+    # A copy is written only of removals not due yet: one due is a killed run's, abandoned.
+    due = set(_read_records(fs, [p for p in ripe if not p.endswith(".tmp")]))
     table = snapshot()
     step = int(min(max(retention // 24, 1), 3600))
     waiting: dict[int, dict[str, int]] = {}

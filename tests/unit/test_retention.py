@@ -346,8 +346,10 @@ def test_a_removals_file_cut_short_is_skipped_and_vacuum_goes_on(store: Store) -
     (written,) = folder.glob("*.parquet")
     cut = folder / f"{0:012d}-{'0' * 32}.parquet"
     cut.write_bytes(written.read_bytes()[:20])
+    abandoned = folder / f".{0:012d}-{'1' * 32}.parquet.tmp"  # a killed run's copy
+    abandoned.write_bytes(written.read_bytes()[:20])
     summary = maintain(store, RetentionSettings())
-    assert not cut.exists() and written.exists()
+    assert not cut.exists() and not abandoned.exists() and written.exists()
     assert summary.files_vacuumed["half"] == 0
 
 
