@@ -75,7 +75,7 @@ def main() -> None:
         # Files are vacuumed at once here; in production they wait deleted_file_retention.
         summary = maintain(store, RetentionSettings(deleted_file_retention=0))
         took = time.perf_counter() - started
-        for t in ("half", "op"):  # what the next run does once their 1 h file retention passed
+        for t in ("half", "op"):  # what the next run does once their 2 h file retention passed
             store.table(t).vacuum(
                 retention_hours=0, enforce_retention_duration=False, dry_run=False
             )
