@@ -39,6 +39,7 @@ from deltalake.transaction import AddAction
 from rmq_spark.delta.storage import arrow_filesystem
 from rmq_spark.model.schema import HALF_SCHEMA
 
+#: Where file statistics' timestamps count their milliseconds from.
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 #: Rows per batch read from ``half`` by a publish (also the row groups it writes).
 BATCH_ROWS = 32_768

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
+from typing import TypeVar
 
 import pyarrow as pa
 from deltalake import DeltaTable
@@ -49,6 +50,8 @@ from rmq_spark.store.reads import decisions_of
 log = logging.getLogger(__name__)
 
 _DECISION_APP_ID = "rmqtx.decision.{bucket}"
+
+T = TypeVar("T")
 
 #: Buckets of transaction ids for the decision arbiter: ``op``'s snapshot keeps one
 #: application id per bucket, however many transactions were ever decided.
@@ -185,17 +188,11 @@ class _OwnDecisions:
 
     def since(self, snapshot_version: int) -> None:
         """Forget the commits the snapshot holds."""
-        kept = []
-        for commit in self.commits:
-            if commit[0] > snapshot_version:
-                kept.append(commit)
-            else:
-                self._arbiters.subtract(commit[1])
-                self._decided.subtract(commit[2])
-        if len(kept) < len(self.commits):
-            self._arbiters = +self._arbiters  # drops the zero counts
-            self._decided = +self._decided
-            self.commits = kept
+        # A thread's commits land one after another, at growing versions.
+        while self.commits and self.commits[0][0] <= snapshot_version:
+            _, arbiters, decided = self.commits.pop(0)
+            _forget(self._arbiters, arbiters)
+            _forget(self._decided, decided)
 
     def recorded(self, arbiters: set[tuple[str, int]]) -> bool:
         """Whether these commits recorded every one of ``arbiters`` (with its version)."""
@@ -213,6 +210,14 @@ class _OwnDecisions:
     def decided(self, ids: Sequence[str]) -> bool:
         """Whether these commits decided one of ``ids``."""
         return any(t in self._decided for t in ids)
+
+
+def _forget(counts: Counter[T], keys: frozenset[T]) -> None:
+    """Count ``keys`` once less, dropping the ones no longer counted."""
+    for key in keys:
+        counts[key] -= 1
+        if not counts[key]:
+            del counts[key]
 
 
 class Decisions(StoreConcept):

@@ -262,13 +262,17 @@ def _delete_matching(store: Store, name: str, ids: pa.Table) -> int:
 def _vacuum(store: Store, settings: RetentionSettings, summary: MaintenanceSummary) -> None:
     names = [n for n in TABLES if n != "commitlog" or not store.shard]
     for name in names:
-        retention = tombstone_retention(store.table(name))
-        if name == "commitlog":
-            retention = settings.deleted_file_retention
-        uri = store.table_uri(name)
+        retention = (
+            settings.deleted_file_retention
+            if name == "commitlog"
+            else tombstone_retention(store.table(name))
+        )
         try:
             removed = vacuum(
-                uri, store.settings.storage_options, lambda n=name: store.table(n), retention
+                store.table_uri(name),
+                store.settings.storage_options,
+                lambda n=name: store.table(n),
+                retention,
             )
         except Exception:  # the other tables are vacuumed still; the next run tries again
             log.exception("VACUUM of %s failed; the next maintenance run tries again", name)
