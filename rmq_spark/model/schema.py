@@ -148,6 +148,27 @@ EPOCH_STATE_COLUMNS = [
     pa.field("owner", pa.string()),
 ]
 
+#: Consumer groups served by ``rmqtx serve`` (RocketMQ 5's ``SimpleConsumer`` and
+#: ``PushConsumer``, :mod:`rmq_spark.store.deliveries`): what each group was handed out, one row
+#: per change. ``kind`` is ``start`` (the group's first look at a topic, queue_id -1),
+#: ``frontier`` (the next offset of a queue never handed out), ``deliver`` (a message handed out,
+#: invisible to the group until ``invisible_until``; ``change`` counts its extensions) or
+#: ``done`` (acknowledged, or sent to the group's dead-letter topic).
+DELIVERIES_SCHEMA = pa.schema(
+    [
+        pa.field("consumer_group", pa.string(), nullable=False),
+        pa.field("topic", pa.string(), nullable=False),
+        pa.field("queue_id", pa.int32(), nullable=False),
+        pa.field("queue_offset", pa.int64(), nullable=False),
+        pa.field("kind", pa.string(), nullable=False),
+        pa.field("attempt", pa.int32()),
+        pa.field("change", pa.int32()),
+        pa.field("invisible_until", TIMESTAMP),
+        pa.field("handle", pa.string()),
+        pa.field("recorded_timestamp", TIMESTAMP, nullable=False),
+    ]
+)
+
 #: Epochs of transactional writers (the ``rmqtx`` sink, ``publish_with_delta_write``): one row
 #: per (sink, epoch), a small state machine OPEN -> CLOSED or OPEN -> ABANDONED -> OPEN (next
 #: generation) whose every transition is a conditional MERGE (see rmq_spark/spark/epochs.py).
@@ -214,6 +235,7 @@ TABLES: dict[str, tuple[pa.Schema, list[str], dict[str, str]]] = {
     "consumer_offsets": (CONSUMER_OFFSETS_SCHEMA, [], _INTERNAL),
     "epochs": (EPOCHS_SCHEMA, [], _INTERNAL),
     "locks": (LOCKS_SCHEMA, [], _INTERNAL),
+    "deliveries": (DELIVERIES_SCHEMA, [], _INTERNAL),
     "commitlog": (
         COMMITLOG_SCHEMA,
         ["topic"],

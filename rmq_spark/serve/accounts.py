@@ -5,14 +5,19 @@ An account is an access key (RocketMQ's user), its secret key, and the topics it
 to (RocketMQ's ``Pub`` on ``Topic:<name>``; a name ending in ``*`` is a prefix, ``*`` alone is
 every topic). Every call is checked: a route, a send, an end-transaction (against the topic of
 the transaction's half messages, not the topic the request names) and the topics a client
-declares in its settings. A client is asked about (sent check-back for) the transactions of a
-topic only if its account may publish to it and ``check_back`` is on. Accounts live in the
-settings file, never on the command line (a process list shows it to every user of the host)::
+declares in its settings. A consumer receives (and acknowledges) messages of a topic only if
+its account may subscribe to the topic (RocketMQ's ``Sub`` on ``Topic:<name>``) and consume as
+the group (``Sub`` on ``Group:<name>``). A client is asked about (sent check-back for) the
+transactions of a topic only if its account may publish to it and ``check_back`` is on.
+Accounts live in the settings file, never on the command line (a process list shows it to every
+user of the host)::
 
     [serve.accounts.orders]               # the access key clients sign with
     secret_key_env = "ORDERS_SECRET_KEY"  # or secret_key = "..."
     topics = ["Orders", "OrderEvents*"]
     check_back = true                     # the default
+    subscribe = ["Orders"]                # topics its consumers may receive from (default none)
+    groups = ["inventory*"]               # as the consumer groups named here (default none)
     dashboard = false                     # the default: may it sign in to rmqtx ui from
                                           # another host (which shows the whole store)
 """
@@ -29,7 +34,15 @@ from rmq_spark.model.errors import InvalidOptionError
 from rmq_spark.serve.protocol import Code, RequestError
 
 #: The settings an account section may have.
-_KEYS = ("secret_key", "secret_key_env", "topics", "check_back", "dashboard")
+_KEYS = (
+    "secret_key",
+    "secret_key_env",
+    "topics",
+    "check_back",
+    "dashboard",
+    "subscribe",
+    "groups",
+)
 #: An access key: what RocketMQ's clients put in a signature's ``Credential``.
 _ACCESS_KEY = re.compile(r"^[A-Za-z0-9_.@-]{1,128}$")
 #: A topic pattern: a topic name, the same ending in ``*`` (a prefix), or ``*``.
@@ -53,6 +66,10 @@ class Account:
     dashboard : bool, default False
         Whether it may sign in to ``rmqtx ui`` bound beyond loopback (every page shows the
         whole store: give it to operators).
+    subscribe : tuple of str, default ()
+        The topics its consumers may receive from (patterns as ``topics``).
+    groups : tuple of str, default ()
+        The consumer groups it may consume as (patterns as ``topics``).
     """
 
     access_key: str
@@ -60,13 +77,16 @@ class Account:
     topics: tuple[str, ...]
     check_back: bool = True
     dashboard: bool = False
+    subscribe: tuple[str, ...] = ()
+    groups: tuple[str, ...] = ()
 
     def may_publish(self, topic: str) -> bool:
         """Whether this account may send to ``topic`` and end its transactions."""
-        return any(
-            p == "*" or p == topic or (p.endswith("*") and topic.startswith(p[:-1]))
-            for p in self.topics
-        )
+        return _matches(self.topics, topic)
+
+    def may_subscribe(self, topic: str, group: str) -> bool:
+        """Whether this account's consumers may receive from ``topic`` as ``group``."""
+        return _matches(self.subscribe, topic) and _matches(self.groups, group)
 
     def may_be_asked(self, topic: str) -> bool:
         """Whether this account's clients are sent check-back for ``topic``."""
@@ -83,6 +103,26 @@ def check_publish(account: Account | None, topic: str) -> None:
             f"to {', '.join(account.topics) or 'no topic'}); grant it in the settings file's "
             f"[serve.accounts.{account.access_key}] topics.",
         )
+
+
+def check_subscribe(account: Account | None, topic: str, group: str) -> None:
+    """Refuse (``FORBIDDEN``) an account that may not receive from ``topic`` as ``group``; a
+    server without accounts (``account`` None) refuses nobody."""
+    if account is not None and not account.may_subscribe(topic, group):
+        raise RequestError(
+            Code.FORBIDDEN,
+            f"account {account.access_key!r} may not consume topic {topic!r} as group {group!r} "
+            f"(it may subscribe to {', '.join(account.subscribe) or 'no topic'} as "
+            f"{', '.join(account.groups) or 'no group'}); grant it in the settings file's "
+            f"[serve.accounts.{account.access_key}] subscribe and groups.",
+        )
+
+
+def _matches(patterns: tuple[str, ...], name: str) -> bool:
+    """Whether ``name`` is one of ``patterns`` (names, prefixes ending in ``*``, or ``*``)."""
+    return any(
+        p == "*" or p == name or (p.endswith("*") and name.startswith(p[:-1])) for p in patterns
+    )
 
 
 def accounts_from_settings(
@@ -123,21 +163,31 @@ def accounts_from_settings(
             raise InvalidOptionError(
                 f"unknown setting(s) {', '.join(unknown)} in {where}; valid: {', '.join(_KEYS)}."
             )
-        topics = given.get("topics", [])
-        if not isinstance(topics, list) or not all(
-            isinstance(t, str) and _PATTERN.fullmatch(t) for t in topics
-        ):
-            raise InvalidOptionError(
-                f"{where} topics needs to be a list of topic names, prefixes ending in '*' "
-                f'or \'*\', e.g. ["Orders", "OrderEvents*"], not {topics!r}.'
-            )
+        topics, subscribe, groups = (
+            _patterns(given, key, where) for key in ("topics", "subscribe", "groups")
+        )
         check_back, dashboard = given.get("check_back", True), given.get("dashboard", False)
         for name, value in (("check_back", check_back), ("dashboard", dashboard)):
             if not isinstance(value, bool):
                 raise InvalidOptionError(f"{where} {name} needs to be true or false.")
         secret = _secret(given, where, environ)
-        accounts[access_key] = Account(access_key, secret, tuple(topics), check_back, dashboard)
+        accounts[access_key] = Account(
+            access_key, secret, topics, check_back, dashboard, subscribe, groups
+        )
     return accounts
+
+
+def _patterns(given: Mapping[str, Any], key: str, where: str) -> tuple[str, ...]:
+    patterns = given.get(key, [])
+    if not isinstance(patterns, list) or not all(
+        isinstance(t, str) and _PATTERN.fullmatch(t) for t in patterns
+    ):
+        names = "consumer group" if key == "groups" else "topic"
+        raise InvalidOptionError(
+            f"{where} {key} needs to be a list of {names} names, prefixes ending in '*' "
+            f'or \'*\', e.g. ["Orders", "OrderEvents*"], not {patterns!r}.'
+        )
+    return tuple(patterns)
 
 
 def _secret(given: Mapping[str, Any], where: str, environ: Mapping[str, str]) -> str:

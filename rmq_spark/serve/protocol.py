@@ -192,21 +192,31 @@ def _decoded_body(proto: pb.Message, max_body_bytes: int) -> bytes:
 
 
 def check_command(row: Mapping[str, Any], transaction_id: str) -> service_pb.TelemetryCommand:
-    """The ``RecoverOrphanedTransactionCommand`` for a pending half message (a ``half`` row).
+    """The ``RecoverOrphanedTransactionCommand`` for a pending half message (a ``half`` row)."""
+    return service_pb.TelemetryCommand(
+        recover_orphaned_transaction_command=service_pb.RecoverOrphanedTransactionCommand(
+            message=stored_message(row, row["topic"], pb.TRANSACTION),
+            transaction_id=transaction_id,
+        )
+    )
+
+
+def stored_message(row: Mapping[str, Any], topic: str, message_type: int) -> pb.Message:
+    """A stored message (a ``half`` or CommitLog row) as a client gets it.
 
     It carries what the client sent (its message id, tag, keys and properties), an IDENTITY
     encoding and an MD5 digest: MD5 in upper-case hex is what every official client computes
-    alike (their CRC32 texts differ), and a client drops a command without a known encoding.
+    alike (their CRC32 texts differ), and a client drops a message without a known encoding.
     """
     properties = dict(row["properties"] or {})
     message = pb.Message(body=row["body"])
-    message.topic.name = row["topic"]
+    message.topic.name = topic
     message.user_properties.update(
         {k: v for k, v in properties.items() if k not in RESERVED_PROPERTIES}
     )
     system = message.system_properties
     system.message_id = properties.get(UNIQ_KEY, row["msg_id"])
-    system.message_type = pb.TRANSACTION
+    system.message_type = message_type
     system.body_encoding = pb.IDENTITY
     system.body_digest.type = pb.MD5
     system.body_digest.checksum = hashlib.md5(row["body"]).hexdigest().upper()
@@ -217,11 +227,7 @@ def check_command(row: Mapping[str, Any], transaction_id: str) -> service_pb.Tel
         system.keys.extend(row["keys"].split(" "))
     system.born_timestamp.FromDatetime(row["born_timestamp"])
     system.store_timestamp.FromDatetime(row["store_timestamp"])
-    return service_pb.TelemetryCommand(
-        recover_orphaned_transaction_command=service_pb.RecoverOrphanedTransactionCommand(
-            message=message, transaction_id=transaction_id
-        )
-    )
+    return message
 
 
 def settings_reply(client: pb.Settings, max_body_bytes: int) -> service_pb.TelemetryCommand:

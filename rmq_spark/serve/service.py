@@ -31,23 +31,23 @@ another ``rmqtx serve`` process are not recognised.
 from __future__ import annotations
 
 import asyncio
-import functools
 import hashlib
 import logging
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 from rocketmq.grpc_protocol import definition_pb2 as pb
 from rocketmq.grpc_protocol import service_pb2 as service_pb
 from rocketmq.grpc_protocol import service_pb2_grpc as service_grpc
 
-from rmq_spark.group_commit import GroupCommitter, Slot
+from rmq_spark.group_commit import GroupCommitter
 from rmq_spark.model.errors import RmqSparkError
 from rmq_spark.model.messages import LocalTransactionState, Message, is_topic, shard_of
+from rmq_spark.serve import calls
 from rmq_spark.serve.accounts import Account, check_publish
 from rmq_spark.serve.auth import authenticate
 from rmq_spark.serve.protocol import (
@@ -86,9 +86,6 @@ _RESOLUTIONS = {
     pb.ROLLBACK: LocalTransactionState.ROLLBACK,
 }
 
-R = TypeVar("R")
-_Handler = Callable[..., Awaitable[Any]]
-
 
 @dataclass
 class Counters:
@@ -99,54 +96,11 @@ class Counters:
     rolled_back: int = 0
 
 
-def _signed(response: Callable[..., Any]) -> Callable[[_Handler], _Handler]:
-    """A handler of signed requests, called with the account that signed it (None on a server
-    without accounts): one whose signature is refused (see
-    :func:`rmq_spark.serve.auth.authenticate`), or whose handling raises
-    :class:`RequestError`, is answered ``response(status=...)`` with the reason."""
-
-    def wrap(handler: _Handler) -> _Handler:
-        @functools.wraps(handler)
-        async def answer(self: MessagingService, request: Any, context: Any) -> Any:
-            try:
-                account = authenticate(_metadata(context), self.accounts)
-            except RequestError as exc:
-                log.warning("refused a request from %s: %s", context.peer(), exc.message)
-                return response(status=status(exc.code, exc.message))
-            try:
-                return await handler(self, request, context, account)
-            except RequestError as exc:
-                log.info("%s refused: %s", handler.__name__, exc.message)
-                return response(status=status(exc.code, exc.message))
-
-        return answer
-
-    return wrap
-
-
-#: What a consumer's call is answered.
-_NO_CONSUMERS = (
-    "consumers are not served by rmqtx serve: read the store's committed messages with Spark, "
-    'spark.readStream.format("rmqtx").'
+#: What a pull consumer's call is answered.
+_NO_PULL = (
+    "pull consumption (PullMessage and consumer offsets) is not served by rmqtx serve: use a "
+    'SimpleConsumer or a PushConsumer, or read with Spark, spark.readStream.format("rmqtx").'
 )
-
-
-def _unsupported(response: Callable[..., Any], why: str, *, stream: bool = False) -> _Handler:
-    """A handler that answers a signed call ``UNSUPPORTED`` with ``why`` (once, on a stream),
-    as RocketMQ's proxy answers what it does not serve: no gRPC error, no traceback."""
-
-    async def unary(self: MessagingService, request: Any, context: Any, account: Any) -> Any:
-        raise RequestError(Code.UNSUPPORTED, why)
-
-    unary.__name__ = response.__name__.removesuffix("Response")  # named in the log
-    signed = _signed(response)(unary)
-    if not stream:
-        return signed
-
-    async def streamed(self: MessagingService, request: Any, context: Any) -> AsyncIterator[Any]:
-        yield await signed(self, request, context)
-
-    return streamed
 
 
 class MessagingService(service_grpc.MessagingServiceServicer):
@@ -237,7 +191,7 @@ class MessagingService(service_grpc.MessagingServiceServicer):
 
     # -------------------------------------------------------------- helpers
     # -------------------------------------------------------------- routes, liveness
-    @_signed(service_pb.QueryRouteResponse)
+    @calls.signed(service_pb.QueryRouteResponse)
     async def QueryRoute(
         self,
         request: service_pb.QueryRouteRequest,
@@ -263,7 +217,7 @@ class MessagingService(service_grpc.MessagingServiceServicer):
         ]
         return service_pb.QueryRouteResponse(status=status(Code.OK), message_queues=queues)
 
-    @_signed(service_pb.HeartbeatResponse)
+    @calls.signed(service_pb.HeartbeatResponse)
     async def Heartbeat(
         self,
         request: service_pb.HeartbeatRequest,
@@ -272,14 +226,14 @@ class MessagingService(service_grpc.MessagingServiceServicer):
     ) -> service_pb.HeartbeatResponse:
         return service_pb.HeartbeatResponse(status=status(Code.OK))
 
-    @_signed(service_pb.NotifyClientTerminationResponse)
+    @calls.signed(service_pb.NotifyClientTerminationResponse)
     async def NotifyClientTermination(
         self,
         request: service_pb.NotifyClientTerminationRequest,
         context: grpc.aio.ServicerContext,
         account: Account | None,
     ) -> service_pb.NotifyClientTerminationResponse:
-        log.info("client %s terminated", _metadata(context).get("x-mq-client-id"))
+        log.info("client %s terminated", calls.metadata(context).get("x-mq-client-id"))
         return service_pb.NotifyClientTerminationResponse(status=status(Code.OK))
 
     # -------------------------------------------------------------- telemetry
@@ -288,7 +242,7 @@ class MessagingService(service_grpc.MessagingServiceServicer):
         request_iterator: AsyncIterator[service_pb.TelemetryCommand],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[service_pb.TelemetryCommand]:
-        metadata = _metadata(context)
+        metadata = calls.metadata(context)
         try:
             account = authenticate(metadata, self.accounts)
         except RequestError as exc:
@@ -327,7 +281,7 @@ class MessagingService(service_grpc.MessagingServiceServicer):
             client.outbox.put_nowait(None)
 
     # -------------------------------------------------------------- sends
-    @_signed(service_pb.SendMessageResponse)
+    @calls.signed(service_pb.SendMessageResponse)
     async def SendMessage(
         self,
         request: service_pb.SendMessageRequest,
@@ -338,7 +292,7 @@ class MessagingService(service_grpc.MessagingServiceServicer):
             return service_pb.SendMessageResponse(
                 status=status(Code.MESSAGE_CORRUPTED, "the request has no message to send.")
             )
-        client_id = _metadata(context).get("x-mq-client-id", "")
+        client_id = calls.metadata(context).get("x-mq-client-id", "")
         entries = await asyncio.gather(
             *(self._send(m, client_id, account) for m in request.messages)
         )
@@ -386,14 +340,14 @@ class MessagingService(service_grpc.MessagingServiceServicer):
         try:
             if transactional:
                 assert self._prepare is not None
-                prepared = await _result(self._prepare.submit((message, group)))
+                prepared = await calls.result(self._prepare.submit((message, group)))
                 self._remember_transaction(prepared.transaction_id, group, message.topic)
                 entry = service_pb.SendResultEntry(
                     message_id=message_id, transaction_id=prepared.transaction_id
                 )
             else:
                 assert self._end is not None
-                sent = await _result(self._end.submit((message, group)))
+                sent = await calls.result(self._end.submit((message, group)))
                 if isinstance(sent, Exception):
                     raise sent  # the publish of this batch's normal messages failed
                 _, _, offset = sent
@@ -436,7 +390,7 @@ class MessagingService(service_grpc.MessagingServiceServicer):
             self._transactions.popitem(last=False)
 
     # -------------------------------------------------------------- transactions
-    @_signed(service_pb.EndTransactionResponse)
+    @calls.signed(service_pb.EndTransactionResponse)
     async def EndTransaction(
         self,
         request: service_pb.EndTransactionRequest,
@@ -475,7 +429,7 @@ class MessagingService(service_grpc.MessagingServiceServicer):
         )
         decided_by = DECIDED_BY_CLIENT_CHECK if by_check else "producer"
         assert self._end is not None
-        result: EndTransactionResult = await _result(
+        result: EndTransactionResult = await calls.result(
             self._end.submit(Decision(transaction_id, group, state, decided_by))
         )
         if result.status is EndTransactionStatus.REFUSED:
@@ -507,25 +461,16 @@ class MessagingService(service_grpc.MessagingServiceServicer):
         return group, frozenset(halves.column("topic").to_pylist())
 
     # -------------------------------------------------------------- not served
-    RecallMessage = _unsupported(
+    RecallMessage = calls.unsupported(
         service_pb.RecallMessageResponse,
         "recalling a message is not supported: a transactional send is recalled by rolling "
         "its transaction back; a normal message is in the CommitLog once sent.",
     )
-    QueryAssignment = _unsupported(service_pb.QueryAssignmentResponse, _NO_CONSUMERS)
-    ReceiveMessage = _unsupported(service_pb.ReceiveMessageResponse, _NO_CONSUMERS, stream=True)
-    AckMessage = _unsupported(service_pb.AckMessageResponse, _NO_CONSUMERS)
-    ForwardMessageToDeadLetterQueue = _unsupported(
-        service_pb.ForwardMessageToDeadLetterQueueResponse, _NO_CONSUMERS
-    )
-    PullMessage = _unsupported(service_pb.PullMessageResponse, _NO_CONSUMERS, stream=True)
-    UpdateOffset = _unsupported(service_pb.UpdateOffsetResponse, _NO_CONSUMERS)
-    GetOffset = _unsupported(service_pb.GetOffsetResponse, _NO_CONSUMERS)
-    QueryOffset = _unsupported(service_pb.QueryOffsetResponse, _NO_CONSUMERS)
-    ChangeInvisibleDuration = _unsupported(
-        service_pb.ChangeInvisibleDurationResponse, _NO_CONSUMERS
-    )
-    SyncLiteSubscription = _unsupported(service_pb.SyncLiteSubscriptionResponse, _NO_CONSUMERS)
+    PullMessage = calls.unsupported(service_pb.PullMessageResponse, _NO_PULL, stream=True)
+    UpdateOffset = calls.unsupported(service_pb.UpdateOffsetResponse, _NO_PULL)
+    GetOffset = calls.unsupported(service_pb.GetOffsetResponse, _NO_PULL)
+    QueryOffset = calls.unsupported(service_pb.QueryOffsetResponse, _NO_PULL)
+    SyncLiteSubscription = calls.unsupported(service_pb.SyncLiteSubscriptionResponse, _NO_PULL)
 
     # -------------------------------------------------------------- batch handlers
     def _prepare_batch(self, items: list[tuple[Message, str]]) -> list[Any]:
@@ -567,28 +512,3 @@ def _retry_key(message: Message, transactional: bool, account: Account | None) -
     fields = (signer, message.topic, transactional, message.tags, message.keys_string)
     digest.update(repr((fields, sorted(message.properties.items()))).encode())
     return digest.digest()
-
-
-def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
-    return {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
-
-
-async def _result(slot: Slot[R]) -> R:
-    """Await a group committer's result without holding a thread."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[R] = loop.create_future()
-
-    def settle(done: Slot[R]) -> None:
-        if future.cancelled():
-            return
-        error = done.exception()
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(done.result())
-
-    def on_done(done: Slot[R]) -> None:
-        loop.call_soon_threadsafe(settle, done)
-
-    slot.add_done_callback(on_done)
-    return await future

@@ -44,6 +44,7 @@ from rmq_spark.store import queues, reads
 from rmq_spark.store.chunks import Chunks
 from rmq_spark.store.context import StoreContext
 from rmq_spark.store.decisions import Decision, Decisions, EndTransactionResult, PreparedMessage
+from rmq_spark.store.deliveries import Deliveries
 from rmq_spark.store.layout import (
     SHARDED_COMMITLOGS_LAYOUT,
     normalise_root,
@@ -99,6 +100,7 @@ class Store:
         context = StoreContext(self._tables, settings, self.clock, RecentHalves(), shard)
         self._recent = context.recent
         self._decisions = Decisions(context)
+        self._deliveries = None if shard else Deliveries(context, self._send_dead_letters)
         # The root publishes every shard's COMMITs with its own, in the same commits.
         lanes = None if shard else self._other_publishers
         self._publisher = Publisher(Chunks(context), lanes)
@@ -239,6 +241,17 @@ class Store:
         are equal, retrying lost races (see :meth:`DeltaTables.merge`)."""
         return self._tables.merge(name, source, on, clauses, commit_properties)
 
+    @property
+    def deliveries(self) -> Deliveries:
+        """The consumer groups of ``rmqtx serve``, kept on the store's root
+        (:mod:`rmq_spark.store.deliveries`)."""
+        if self._deliveries is None:
+            raise StoreError(
+                f"consumer groups are kept on the store's root, not in shard {self.shard}: use "
+                "the Store opened on the root."
+            )
+        return self._deliveries
+
     # ------------------------------------------------------------------ transactions
     def prepare(
         self,
@@ -330,6 +343,11 @@ class Store:
         for message in messages:
             validate_message(message, self.settings.max_body_bytes)
         return self.publish([(m, producer_group) for m in messages])
+
+    def _send_dead_letters(self, messages: Sequence[Message], consumer_group: str) -> None:
+        """Publish messages to a consumer group's dead-letter topic (a system topic, which
+        :meth:`send` refuses)."""
+        self.publish([(m, consumer_group) for m in messages], latest=False)
 
     def next_offsets(self, commitlog: DeltaTable | None = None) -> dict[tuple[str, int], int]:
         """The next offset of every queue that holds messages, ``{(topic, queue_id): offset}``,

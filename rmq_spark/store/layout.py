@@ -67,7 +67,7 @@ _MAKERS_FILES = re.compile(
 
 #: Tables added to layout 1 after its first stores were made: opening an older store creates
 #: them (empty) instead of refusing it. Any other missing table is damage.
-TABLES_ADDED_LATER = ("consumer_offsets", "epochs", "locks", "pending")
+TABLES_ADDED_LATER = ("consumer_offsets", "deliveries", "epochs", "locks", "pending")
 
 
 def open_or_create(tables: DeltaTables, create: bool, shard: int = 0) -> int:

@@ -1,0 +1,589 @@
+"""Consumer groups over the CommitLog, after RocketMQ 5's "pop" consumption: what its proxy
+serves to ``SimpleConsumer`` and ``PushConsumer``, and what ``rmqtx serve`` serves here.
+
+Per consumer group, every committed message of a subscribed topic is handed out at least
+once. A message handed out is invisible to the group's other consumers until it is
+acknowledged or its invisible duration ends; then it is handed out again, its delivery attempt
+counted. After the group's last attempt (``max_delivery_attempts``) it goes to the group's
+dead-letter topic ``%DLQ%<group>``, a topic of the store like any other. Groups are
+independent of each other and of Spark readers. A group that first looks at a topic starts at
+its end (RocketMQ's proxy does the same) or, with ``start="earliest"``, at its first message
+still stored; a queue that gets its first message later is read from its start.
+
+Every change is a row of the ``deliveries`` table (:data:`rmq_spark.model.schema.
+DELIVERIES_SCHEMA`), and the changes of many requests go in one commit
+(:meth:`Deliveries.handle` takes a batch). A commit records, for every (group, topic, queue)
+it changes, the application id :func:`queue_app_id`: two processes serving one group conflict
+on a queue they both changed, and the one that lost reads the group again from the table and
+decides again. So several ``rmqtx serve`` processes on one root serve one group together, and
+a restart loses nothing acknowledged and hands out again what was in flight.
+
+A receipt handle names one hand-out of one message (queue, offset, attempt, extension and a
+random nonce): acknowledging or extending needs the latest one, before it expires.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timedelta
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from deltalake.exceptions import CommitFailedError
+
+from rmq_spark.delta.reads import read_files
+from rmq_spark.delta.retry import retry_commits
+from rmq_spark.model.errors import InvalidOptionError, RmqSparkError
+from rmq_spark.model.messages import Message
+from rmq_spark.model.schema import COMMITLOG_SCHEMA, DELIVERIES_SCHEMA
+from rmq_spark.store.context import StoreConcept, StoreContext
+from rmq_spark.store.queues import earliest_stored, next_offsets
+
+log = logging.getLogger(__name__)
+
+#: RocketMQ's default: a message is handed out at most this many times, then dead-lettered.
+MAX_DELIVERY_ATTEMPTS = 16
+#: The dead-letter topic of a group is this prefix and the group's name (RocketMQ's).
+DLQ_PREFIX = "%DLQ%"
+#: Properties a dead-lettered message gets (RocketMQ's names): its topic, and its stored id.
+RETRY_TOPIC, ORIGIN_MESSAGE_ID = "RETRY_TOPIC", "ORIGIN_MESSAGE_ID"
+#: Where a group starts on a topic it never looked at.
+STARTS = ("latest", "earliest")
+#: How many offsets of one queue a receive reads at most beyond what it hands out.
+_READ_AHEAD = 1024
+#: Data files of the CommitLog kept read (each file once; they never change).
+_CACHED_FILES = 64
+#: Files up to this size are kept; bigger (compacted) ones are read for each range.
+_CACHED_FILE_BYTES = 8 << 20
+#: Handles acknowledged lately, remembered so that a retried acknowledgement succeeds.
+_REMEMBERED_DONE = 100_000
+_MESSAGE_COLUMNS = [f.name for f in COMMITLOG_SCHEMA if f.name != "topic"]
+
+
+class InvalidHandleError(RmqSparkError):
+    """A receipt handle that is not the latest of a message in flight, or has expired."""
+
+
+def queue_app_id(group: str, topic: str, queue_id: int) -> str:
+    """The application id each commit changing ``group``'s state of a queue records."""
+    return f"rmqtx.pop.{group}.{topic}.{queue_id}"
+
+
+def dead_letter_topic(group: str) -> str:
+    """The dead-letter topic of a consumer group."""
+    return f"{DLQ_PREFIX}{group}"
+
+
+@dataclass(frozen=True)
+class Receive:
+    """Hand out up to ``max_messages`` messages of ``topic`` with a tag in ``tags`` (None:
+    any), invisible to the group for ``invisible_seconds``."""
+
+    group: str
+    topic: str
+    tags: frozenset[str] | None
+    max_messages: int
+    invisible_seconds: float
+
+
+@dataclass(frozen=True)
+class Ack:
+    """Acknowledge the hand-out ``handle`` of a message of ``topic``."""
+
+    group: str
+    topic: str
+    handle: str
+
+
+@dataclass(frozen=True)
+class ChangeInvisible:
+    """Keep the hand-out ``handle`` invisible for ``invisible_seconds`` from now; the result
+    is the new handle."""
+
+    group: str
+    topic: str
+    handle: str
+    invisible_seconds: float
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """Send the message of the hand-out ``handle`` to the group's dead-letter topic now."""
+
+    group: str
+    topic: str
+    handle: str
+
+
+Request = Receive | Ack | ChangeInvisible | DeadLetter
+
+
+@dataclass(frozen=True)
+class Handout:
+    """One hand-out of a message: which, which attempt (from 1), how many times extended,
+    until when it is invisible, and its nonce."""
+
+    topic: str
+    queue_id: int
+    queue_offset: int
+    attempt: int
+    change: int
+    invisible_until: datetime
+    nonce: str
+
+    @property
+    def handle(self) -> str:
+        """The receipt handle a client acknowledges with."""
+        return f"{self.queue_id}.{self.queue_offset}.{self.attempt}.{self.change}.{self.nonce}"
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        return (self.topic, self.queue_id, self.queue_offset)
+
+
+@dataclass(frozen=True)
+class Received:
+    """A message handed out: the hand-out and the CommitLog row (without ``topic``)."""
+
+    handout: Handout
+    message: Mapping[str, Any]
+
+
+@dataclass
+class _Group:
+    """What the table says of one group: where each queue's fresh messages start, the topics
+    it started on, its messages in flight, and the application ids' versions it reflects."""
+
+    frontier: dict[tuple[str, int], int] = field(default_factory=dict)
+    started: set[str] = field(default_factory=set)
+    in_flight: dict[tuple[str, int, int], Handout] = field(default_factory=dict)
+    done: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    seen: dict[str, int] = field(default_factory=dict)
+
+
+class _Changes:
+    """The rows and application ids of one batch, and the CommitLog view it reads."""
+
+    def __init__(self, now: datetime) -> None:
+        self.now = now
+        self.rows: list[dict[str, Any]] = []
+        self.touched: dict[str, str] = {}  # application id -> group
+        self.dead: list[tuple[str, Message]] = []
+
+    def add(self, group: str, topic: str, queue_id: int, offset: int, kind: str, **more) -> None:
+        self.rows.append(
+            {
+                "consumer_group": group,
+                "topic": topic,
+                "queue_id": queue_id,
+                "queue_offset": offset,
+                "kind": kind,
+                "recorded_timestamp": self.now,
+                **more,
+            }
+        )
+        self.touched[queue_app_id(group, topic, queue_id)] = group
+
+    def handed(self, group: str, h: Handout) -> None:
+        self.add(
+            group,
+            h.topic,
+            h.queue_id,
+            h.queue_offset,
+            "deliver",
+            attempt=h.attempt,
+            change=h.change,
+            invisible_until=h.invisible_until,
+            handle=h.handle,
+        )
+
+
+class Deliveries(StoreConcept):
+    """The consumer groups of a store (its root), served in batches of requests.
+
+    Parameters
+    ----------
+    context : StoreContext
+        The root store's parts.
+    send : callable
+        ``send(messages, consumer_group)`` publishes dead letters into the CommitLog.
+    """
+
+    def __init__(
+        self, context: StoreContext, send: Callable[[Sequence[Message], str], object]
+    ) -> None:
+        super().__init__(context)
+        self._send = send
+        self.max_attempts = MAX_DELIVERY_ATTEMPTS
+        self.start = "latest"
+        self._groups: dict[str, _Group] = {}
+        #: The groups of the batch being served that were not read from the table for it.
+        self._unread: set[str] = set()
+        self._files: OrderedDict[str, pa.Table] = OrderedDict()
+        self._next_queue: dict[str, int] = {}
+
+    def configure(self, *, max_attempts: int, start: str) -> None:
+        """Set the delivery attempts before a message is dead-lettered, and where new groups
+        start (``latest`` or ``earliest``)."""
+        if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
+            raise InvalidOptionError(
+                f"max delivery attempts needs to be an int of at least 1 but got {max_attempts!r}."
+            )
+        if start not in STARTS:
+            raise InvalidOptionError(
+                f"a consumer group's start needs to be one of {', '.join(STARTS)}, not {start!r}."
+            )
+        self.max_attempts, self.start = max_attempts, start
+
+    # ------------------------------------------------------------------ batches
+    def handle(self, requests: Sequence[Request]) -> list[Any]:
+        """Serve ``requests`` in order with one commit; one result per request: a list of
+        :class:`Received` (receive), None (acknowledge, dead-letter), the new handle (change)
+        or the :class:`InvalidHandleError` of a request whose handle is not valid.
+
+        The groups are read again from the table, and the batch decided again, when a commit
+        finds that another process changed one of their queues since they were read."""
+        groups = {r.group for r in requests}
+
+        def attempt(n: int) -> list[Any]:
+            head = self.tables.head("deliveries", reload=n > 0)
+            if n:
+                for g in groups:
+                    self._groups.pop(g, None)
+            before = {g: self._groups.get(g) for g in groups}
+            states = {g: self._state(g, head) for g in groups}
+            self._unread = {g for g in groups if states[g] is before[g]}
+            head = self.tables.head("deliveries", reload=False)  # as a group's reading left it
+            changes = _Changes(self.clock())
+            view = _CommitLogView(self, changes.now)
+            try:
+                results = [self._serve(r, states[r.group], changes, view) for r in requests]
+                if changes.rows:
+                    self._commit(changes, states, head)
+            except BaseException:
+                for g in groups:  # what this attempt changed in memory is not in the table
+                    self._groups.pop(g, None)
+                raise
+            return results
+
+        return retry_commits(f"serve {len(requests)} consumer request(s)", "deliveries", attempt)
+
+    def _commit(self, changes: _Changes, states: Mapping[str, _Group], head: Any) -> None:
+        for group, message in changes.dead:  # before they are marked done: at least once
+            self._send([message], group)
+        rows = pa.Table.from_pylist(changes.rows, schema=DELIVERIES_SCHEMA)
+        files = self.tables.write("deliveries", [rows])
+        version = head.version + 1
+        app_ids = dict.fromkeys(changes.touched, version)
+        self.tables.commit("deliveries", files, head.snapshot, app_ids, after=head.version)
+        for app_id, group in changes.touched.items():
+            states[group].seen[app_id] = version
+
+    def _state(self, group: str, head: Any) -> _Group:
+        """The group as this process knows it, read again from the table when another process
+        changed one of its queues after that (the head shows it)."""
+        prefix = queue_app_id(group, "", 0)[: -len(".0")]
+        now_seen = {a: v for a, v in head.txns.items() if a.startswith(prefix + ".")}
+        state = self._groups.get(group)
+        if state is not None and state.seen == now_seen:
+            return state
+        head = self.tables.head("deliveries", reload=True)
+        now_seen = {a: v for a, v in head.txns.items() if a.startswith(prefix + ".")}
+        state = self._groups[group] = _replay(self._rows_of(group, head.snapshot))
+        state.seen = now_seen
+        return state
+
+    def _rows_of(self, group: str, snapshot: Any) -> pa.Table:
+        files = self.tables.data_files("deliveries", snapshot).to_pylist()
+        mine = [
+            f
+            for f in files
+            if f["min.consumer_group"] is None
+            or f["min.consumer_group"] <= group <= f["max.consumer_group"]
+        ]
+        return read_files(
+            [f["uri"] for f in mine],
+            DELIVERIES_SCHEMA,
+            self.settings.storage_options,
+            lambda rows: pc.equal(rows.column("consumer_group"), group),
+            sizes=[f["size_bytes"] for f in mine],
+        )
+
+    # ------------------------------------------------------------------ requests
+    def _serve(self, request: Request, state: _Group, changes: _Changes, view: _CommitLogView):
+        if isinstance(request, Receive):
+            return self._receive(request, state, changes, view)
+        try:
+            handout = self._valid(request, state, changes.now)
+        except InvalidHandleError as exc:
+            return exc
+        if handout is None:  # acknowledged before, with this handle: a retry
+            return None
+        if isinstance(request, ChangeInvisible):
+            later = replace(
+                handout,
+                change=handout.change + 1,
+                invisible_until=changes.now + timedelta(seconds=request.invisible_seconds),
+                nonce=secrets.token_hex(8),
+            )
+            state.in_flight[later.key] = later
+            changes.handed(request.group, later)
+            return later.handle
+        if isinstance(request, DeadLetter):
+            self._dead_letter(request.group, handout, state, changes, view)
+            return None
+        self._done(request.group, handout, state, changes)
+        return None
+
+    def _valid(self, request: Ack | ChangeInvisible | DeadLetter, state: _Group, now: datetime):
+        """The hand-out a handle names, if it is the latest of its message and unexpired;
+        None for one acknowledged already."""
+        if request.handle in state.done and isinstance(request, Ack):
+            return None
+        try:
+            queue_id, offset, attempt, change, _ = request.handle.split(".")
+            key = (request.topic, int(queue_id), int(offset))
+            int(attempt), int(change)
+        except ValueError:
+            raise InvalidHandleError(
+                f"receipt handle {request.handle[:80]!r} is not one this server gave out."
+            ) from None
+        handout = state.in_flight.get(key)
+        if (handout is None or handout.handle != request.handle) and request.group in self._unread:
+            # Another process may have handed it out, or acknowledged it: read the group again.
+            raise CommitFailedError(f"receipt handle {request.handle!r} is not known here")
+        if handout is None or handout.handle != request.handle:
+            raise InvalidHandleError(
+                f"receipt handle {request.handle!r} of topic {request.topic!r} is not the latest "
+                "of a message in flight: the message was acknowledged, or handed out again "
+                "after its invisible duration ended."
+            )
+        if handout.invisible_until <= now:
+            raise InvalidHandleError(
+                f"receipt handle {request.handle!r} expired at "
+                f"{handout.invisible_until.isoformat()}: the message is handed out again. "
+                "Ask for a longer invisible duration, or extend it (ChangeInvisibleDuration)."
+            )
+        return handout
+
+    def _done(self, group: str, handout: Handout, state: _Group, changes: _Changes) -> None:
+        del state.in_flight[handout.key]
+        state.done[handout.handle] = None
+        if len(state.done) > _REMEMBERED_DONE:
+            state.done.popitem(last=False)
+        changes.add(
+            group,
+            handout.topic,
+            handout.queue_id,
+            handout.queue_offset,
+            "done",
+            attempt=handout.attempt,
+            handle=handout.handle,
+        )
+
+    def _dead_letter(
+        self,
+        group: str,
+        handout: Handout,
+        state: _Group,
+        changes: _Changes,
+        view: _CommitLogView,
+    ) -> None:
+        rows = view.messages(handout.topic, handout.queue_id, handout.queue_offset, 1)
+        if rows:
+            row = rows[0]
+            properties = {
+                **dict(row["properties"] or []),
+                RETRY_TOPIC: handout.topic,
+                ORIGIN_MESSAGE_ID: row["msg_id"],
+            }
+            message = Message(
+                dead_letter_topic(group),
+                row["body"],
+                tags=row["tags"],
+                keys=row["keys"],
+                properties=properties,
+            )
+            changes.dead.append((group, message))
+        log.info(
+            "consumer group %s: message %s.%d.%d dead-lettered after %d attempt(s)",
+            group,
+            *handout.key,
+            handout.attempt,
+        )
+        self._done(group, handout, state, changes)
+
+    def _receive(
+        self, request: Receive, state: _Group, changes: _Changes, view: _CommitLogView
+    ) -> list[Received]:
+        group, topic, now = request.group, request.topic, changes.now
+        invisible = now + timedelta(seconds=request.invisible_seconds)
+        if topic not in state.started:
+            self._start(group, topic, state, changes, view)
+        out: list[Received] = []
+        for key, handout in sorted(state.in_flight.items()):
+            if len(out) >= request.max_messages:
+                return out
+            if key[0] != topic or handout.invisible_until > now:
+                continue
+            if handout.attempt >= self.max_attempts:
+                self._dead_letter(group, handout, state, changes, view)
+                continue
+            rows = view.messages(topic, key[1], key[2], 1)
+            if not rows:  # removed by retention (or by another Delta writer)
+                self._done(group, handout, state, changes)
+                continue
+            again = Handout(topic, key[1], key[2], handout.attempt + 1, 0, invisible, _nonce())
+            out.append(self._hand(group, again, rows[0], state, changes))
+        queues = sorted(q for t, q in view.next_offsets if t == topic)
+        first = self._next_queue.get(topic, 0)
+        self._next_queue[topic] = first + 1
+        for i in range(len(queues)):
+            queue_id = queues[(first + i) % len(queues)]
+            wanted = request.max_messages - len(out)
+            if wanted <= 0:
+                break
+            begin = max(state.frontier.get((topic, queue_id), 0), view.earliest(topic, queue_id))
+            end = min(view.next_offsets[(topic, queue_id)], begin + wanted + _READ_AHEAD)
+            if begin >= end:
+                continue
+            frontier = begin
+            for row in view.messages(topic, queue_id, begin, end - begin):
+                if len(out) >= request.max_messages:
+                    break
+                frontier = row["queue_offset"] + 1
+                if request.tags is None or row["tags"] in request.tags:
+                    handout = Handout(topic, queue_id, frontier - 1, 1, 0, invisible, _nonce())
+                    out.append(self._hand(group, handout, row, state, changes))
+            else:
+                frontier = end  # every offset read: those not stored are gone (retention)
+            if frontier != state.frontier.get((topic, queue_id)):
+                state.frontier[(topic, queue_id)] = frontier
+                changes.add(group, topic, queue_id, frontier, "frontier")
+        return out
+
+    def _start(
+        self, group: str, topic: str, state: _Group, changes: _Changes, view: _CommitLogView
+    ) -> None:
+        """A group's first look at a topic: each queue's fresh messages start at its end
+        (``latest``) or at its first stored message; queues without messages yet start at 0."""
+        for (t, queue_id), end in view.next_offsets.items():
+            if t == topic:
+                begin = end if self.start == "latest" else view.earliest(t, queue_id)
+                state.frontier[(topic, queue_id)] = begin
+                changes.add(group, topic, queue_id, begin, "frontier")
+        state.started.add(topic)
+        changes.add(group, topic, -1, 0, "start")
+
+    def _hand(
+        self,
+        group: str,
+        handout: Handout,
+        row: Mapping[str, Any],
+        state: _Group,
+        changes: _Changes,
+    ) -> Received:
+        state.in_flight[handout.key] = handout
+        changes.handed(group, handout)
+        return Received(handout, row)
+
+    # ------------------------------------------------------------------ the CommitLog
+    def read_range(self, files: Sequence[Mapping[str, Any]], queue_id: int, first: int, end: int):
+        """The CommitLog rows of one queue's offsets ``[first, end)`` in ``files`` (its data
+        files whose statistics admit them), in offset order; small files are kept read."""
+        parts = []
+        for f in files:
+            table = self._files.get(f["uri"])
+            if table is None:
+                table = read_files(
+                    [f["uri"]],
+                    pa.schema([COMMITLOG_SCHEMA.field(c) for c in _MESSAGE_COLUMNS]),
+                    self.settings.storage_options,
+                    sizes=[f["size_bytes"]],
+                )
+                if f["size_bytes"] <= _CACHED_FILE_BYTES:
+                    self._files[f["uri"]] = table
+                    if len(self._files) > _CACHED_FILES:
+                        self._files.popitem(last=False)
+            else:
+                self._files.move_to_end(f["uri"])
+            queue, offset = table.column("queue_id"), table.column("queue_offset")
+            mask = pc.and_(
+                pc.equal(queue, queue_id),
+                pc.and_(pc.greater_equal(offset, first), pc.less(offset, end)),
+            )
+            parts.append(table.filter(mask))
+        if not parts:
+            return []
+        rows = pa.concat_tables(parts).sort_by("queue_offset").to_pylist()
+        once = {r["queue_offset"]: r for r in rows}  # another writer's copy of a row: once
+        return list(once.values())
+
+
+class _CommitLogView:
+    """The CommitLog as one batch sees it: the latest snapshot's queues and data files."""
+
+    def __init__(self, deliveries: Deliveries, now: datetime) -> None:
+        self._deliveries = deliveries
+        tables = deliveries.tables
+        snapshot = tables.snapshot("commitlog")
+        self.next_offsets = next_offsets(tables, snapshot)
+        self._earliest = earliest_stored(tables, snapshot)
+        self._snapshot = snapshot
+        self._files: list[dict[str, Any]] | None = None
+
+    def earliest(self, topic: str, queue_id: int) -> int:
+        return self._earliest.get((topic, queue_id), 0)
+
+    def messages(self, topic: str, queue_id: int, first: int, count: int) -> list[dict[str, Any]]:
+        if self._files is None:
+            tables = self._deliveries.tables
+            self._files = tables.data_files("commitlog", self._snapshot).to_pylist()
+        end = first + count
+        files = [
+            f
+            for f in self._files
+            if f["partition.topic"] == topic
+            and (f["min.queue_id"] is None or f["min.queue_id"] <= queue_id <= f["max.queue_id"])
+            and (
+                f["min.queue_offset"] is None
+                or (f["max.queue_offset"] >= first and f["min.queue_offset"] < end)
+            )
+        ]
+        return self._deliveries.read_range(files, queue_id, first, end)
+
+
+def _nonce() -> str:
+    return secrets.token_hex(8)
+
+
+def _replay(rows: pa.Table) -> _Group:
+    """A group's state from its rows (any order)."""
+    state = _Group()
+    latest: dict[tuple[str, int, int], Handout] = {}
+    done: set[tuple[str, int, int]] = set()
+    for r in rows.to_pylist():
+        key = (r["topic"], r["queue_id"], r["queue_offset"])
+        kind = r["kind"]
+        if kind == "start":
+            state.started.add(r["topic"])
+        elif kind == "frontier":
+            queue = (r["topic"], r["queue_id"])
+            state.frontier[queue] = max(state.frontier.get(queue, 0), r["queue_offset"])
+        elif kind == "done":
+            done.add(key)
+            state.done[r["handle"]] = None
+        elif kind == "deliver":
+            handout = Handout(
+                *key, r["attempt"], r["change"], r["invisible_until"], r["handle"].rsplit(".")[-1]
+            )
+            known = latest.get(key)
+            if known is None or (known.attempt, known.change) < (handout.attempt, handout.change):
+                latest[key] = handout
+    state.in_flight = {k: h for k, h in latest.items() if k not in done}
+    return state

@@ -1,0 +1,224 @@
+"""Consumer groups over the CommitLog (rmq_spark/store/deliveries.py): hand-outs, invisibility,
+redelivery with attempts counted, dead letters, tag filters, groups apart, and two processes
+serving one group (two stores opened on one root), on real Delta tables."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from rmq_spark import LocalTransactionState, Message, Store
+from rmq_spark.model.config import Settings, StoreSettings
+from rmq_spark.store.decisions import Decision
+from rmq_spark.store.deliveries import (
+    Ack,
+    ChangeInvisible,
+    DeadLetter,
+    InvalidHandleError,
+    Receive,
+    dead_letter_topic,
+)
+
+
+class Clock:
+    """A clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = datetime(2026, 11, 27, 12, 0, tzinfo=UTC)
+
+    def __call__(self) -> datetime:
+        return self.now
+
+    def passes(self, seconds: float) -> None:
+        self.now += timedelta(seconds=seconds)
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+def open_store(root: Path, clock: Clock) -> Store:
+    settings = Settings(store=StoreSettings(queue_nums=2))
+    return Store.open(root, settings=settings, clock=clock)
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    return tmp_path / "store"
+
+
+@pytest.fixture
+def store(root: Path, clock: Clock) -> Store:
+    return open_store(root, clock)
+
+
+def receive(store: Store, group: str = "g", topic: str = "T", n: int = 32, **kw) -> list:
+    request = Receive(group, topic, kw.get("tags"), n, kw.get("invisible", 30.0))
+    return store.deliveries.handle([request])[0]
+
+
+def ack(store: Store, handle: str, group: str = "g", topic: str = "T"):
+    return store.deliveries.handle([Ack(group, topic, handle)])[0]
+
+
+def bodies(received: list) -> list[bytes]:
+    return sorted(r.message["body"] for r in received)
+
+
+def send(store: Store, *bodies_: str, topic: str = "T", tags: str | None = None) -> None:
+    store.send([Message(topic, b, tags=tags, keys=b) for b in bodies_], "p")
+
+
+def test_a_group_starts_at_the_end_and_gets_each_message_once_until_acknowledged(store, clock):
+    send(store, "old")
+    assert receive(store) == []  # the group's start: the end of the topic
+    send(store, "a", "b", "c")
+    got = receive(store)
+    assert bodies(got) == [b"a", b"b", b"c"]
+    assert {r.handout.attempt for r in got} == {1}
+    assert receive(store) == []  # in flight: invisible to the group
+    for r in got:
+        assert ack(store, r.handout.handle) is None
+    clock.passes(60)
+    assert receive(store) == []  # acknowledged: never again
+
+
+def test_earliest_start_and_each_group_gets_everything(store):
+    send(store, "a", "b")
+    store.deliveries.configure(max_attempts=16, start="earliest")
+    assert bodies(receive(store, "g1")) == [b"a", b"b"]
+    assert bodies(receive(store, "g2")) == [b"a", b"b"]
+
+
+def test_not_acknowledged_comes_back_with_its_attempt_counted(store, clock):
+    receive(store)
+    send(store, "a")
+    first = receive(store, invisible=10)[0]
+    clock.passes(9)
+    assert receive(store) == []
+    clock.passes(2)
+    again = receive(store)[0]
+    assert again.message["body"] == b"a" and again.handout.attempt == 2
+    # The first hand-out's handle is no longer valid; the latest one is.
+    assert isinstance(ack(store, first.handout.handle), InvalidHandleError)
+    assert ack(store, again.handout.handle) is None
+    assert ack(store, again.handout.handle) is None  # a retried acknowledgement
+
+
+def test_an_expired_handle_is_refused(store, clock):
+    receive(store)
+    send(store, "a")
+    got = receive(store, invisible=10)[0]
+    clock.passes(11)
+    error = ack(store, got.handout.handle)
+    assert isinstance(error, InvalidHandleError) and "expired" in str(error)
+
+
+def test_change_invisible_duration_gives_a_new_handle_and_keeps_it_invisible(store, clock):
+    receive(store)
+    send(store, "a")
+    got = receive(store, invisible=10)[0]
+    new = store.deliveries.handle([ChangeInvisible("g", "T", got.handout.handle, 100)])[0]
+    assert isinstance(new, str) and new != got.handout.handle
+    clock.passes(50)
+    assert receive(store) == []
+    assert isinstance(ack(store, got.handout.handle), InvalidHandleError)
+    assert ack(store, new) is None
+
+
+def test_after_the_last_attempt_a_message_goes_to_the_dead_letter_topic(store, clock):
+    store.deliveries.configure(max_attempts=2, start="latest")
+    receive(store)
+    send(store, "poison", tags="TagA")
+    for attempt in (1, 2):
+        got = receive(store, invisible=5)
+        assert [r.handout.attempt for r in got] == [attempt]
+        clock.passes(6)
+    assert receive(store) == []
+    dlq = dead_letter_topic("g")
+    rows = store.query("commitlog", f"topic = '{dlq}'").to_pylist()
+    assert [(r["body"], r["tags"]) for r in rows] == [(b"poison", "TagA")]
+    assert dict(rows[0]["properties"])["RETRY_TOPIC"] == "T"
+    # A dead-letter topic is read like any other.
+    store.deliveries.configure(max_attempts=2, start="earliest")
+    assert bodies(receive(store, "ops", dlq)) == [b"poison"]
+
+
+def test_forward_to_the_dead_letter_topic_on_request(store):
+    receive(store)
+    send(store, "a")
+    got = receive(store)[0]
+    assert store.deliveries.handle([DeadLetter("g", "T", got.handout.handle)]) == [None]
+    assert store.query("commitlog", "topic = '%DLQ%g'").num_rows == 1
+
+
+def test_tag_filters(store, clock):
+    receive(store)
+    send(store, "a", tags="TagA")
+    send(store, "b", tags="TagB")
+    send(store, "c")
+    assert bodies(receive(store, tags=frozenset({"TagA", "TagB"}))) == [b"a", b"b"]
+    clock.passes(60)  # the filtered ones are passed over, not handed out later
+    assert bodies(receive(store, tags=frozenset({"TagA", "TagB"}))) == [b"a", b"b"]
+    assert receive(store, tags=None) == []
+
+
+def test_two_consumers_of_a_group_share_the_messages(store):
+    receive(store)
+    send(store, *(f"m{i}" for i in range(10)))
+    one, two = receive(store, n=4), receive(store, n=100)
+    assert len(one) == 4 and len(two) == 6
+    assert sorted(bodies(one) + bodies(two)) == sorted(f"m{i}".encode() for i in range(10))
+
+
+def test_only_committed_messages_are_handed_out(store):
+    receive(store)
+    prepared = store.prepare([Message("T", b"kept"), Message("T", b"dropped")], "p")
+    assert receive(store) == []  # half messages: not yet
+    store.end_transactions(
+        [
+            Decision(prepared[0].transaction_id, "p", LocalTransactionState.COMMIT, "test"),
+            Decision(prepared[1].transaction_id, "p", LocalTransactionState.ROLLBACK, "test"),
+        ]
+    )
+    assert bodies(receive(store)) == [b"kept"]
+
+
+def test_two_processes_serve_one_group_together(root, store, clock):
+    other = open_store(root, clock)  # another process: its own tables, heads and memory
+    receive(store)
+    send(store, *(f"m{i}" for i in range(6)))
+    mine = receive(store, n=3)
+    theirs = receive(other, n=100)
+    assert len(mine) == 3 and len(theirs) == 3
+    assert not set(bodies(mine)) & set(bodies(theirs))
+    # Either process acknowledges the other's hand-outs.
+    for r in mine:
+        assert ack(other, r.handout.handle) is None
+    for r in theirs:
+        assert ack(store, r.handout.handle) is None
+    clock.passes(60)
+    assert receive(store) == [] and receive(other) == []
+
+
+def test_a_restart_keeps_what_was_acknowledged_and_hands_out_again_what_was_in_flight(
+    root, store, clock
+):
+    receive(store)
+    send(store, "acked", "in flight")
+    got = {r.message["body"]: r for r in receive(store, invisible=10)}
+    ack(store, got[b"acked"].handout.handle)
+    restarted = open_store(root, clock)
+    assert receive(restarted) == []  # still invisible
+    clock.passes(11)
+    again = receive(restarted)
+    assert bodies(again) == [b"in flight"] and again[0].handout.attempt == 2
+
+
+def test_a_handle_that_is_not_one_is_refused(store):
+    receive(store)
+    for handle in ("", "x", "1.2.3", "a.b.c.d.e"):
+        assert isinstance(ack(store, handle), InvalidHandleError)
