@@ -64,6 +64,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
     parser.add_argument(
+        "--max-delivery-attempts",
+        type=int,
+        default=16,
+        help="deliveries of a message a consumer group does not acknowledge before it goes to "
+        "the group's dead-letter topic %%DLQ%%<group> (default 16, as RocketMQ)",
+    )
+    parser.add_argument(
+        "--auto-offset-reset",
+        choices=("latest", "earliest"),
+        default="latest",
+        help="where a consumer group starts on a topic it never read: its end (latest, the "
+        "default, as RocketMQ's proxy) or its first stored message (earliest)",
+    )
+    parser.add_argument(
         "--grace",
         default="10s",
         help="how long the calls under way get to finish at SIGTERM (default 10s)",
@@ -105,6 +119,8 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         grace=parse_duration(args.grace, "--grace"),
+        max_delivery_attempts=args.max_delivery_attempts,
+        auto_offset_reset=args.auto_offset_reset,
     )
     store = Store.open(getattr(args, "path", None), settings=settings)
     serve(store, options, settings.transaction)

@@ -105,6 +105,19 @@ def check_publish(account: Account | None, topic: str) -> None:
         )
 
 
+def check_route(account: Account | None, topic: str) -> None:
+    """Refuse (``FORBIDDEN``) an account that may neither publish to ``topic`` nor subscribe to
+    it: a route is what producers and consumers ask first."""
+    if account is None or account.may_publish(topic) or _matches(account.subscribe, topic):
+        return
+    raise RequestError(
+        Code.FORBIDDEN,
+        f"account {account.access_key!r} may neither publish to nor subscribe to topic "
+        f"{topic!r}; grant it in the settings file's [serve.accounts.{account.access_key}] "
+        "topics or subscribe.",
+    )
+
+
 def check_subscribe(account: Account | None, topic: str, group: str) -> None:
     """Refuse (``FORBIDDEN``) an account that may not receive from ``topic`` as ``group``; a
     server without accounts (``account`` None) refuses nobody."""

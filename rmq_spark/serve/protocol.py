@@ -25,10 +25,12 @@ from rmq_spark.model.errors import InvalidMessageError
 from rmq_spark.model.messages import (
     PROPERTY_CHECK_IMMUNITY,
     Message,
+    check_group,
     check_topic,
     is_tag,
     validate_message,
 )
+from rmq_spark.store.deliveries import DLQ_PREFIX
 
 #: The property holding the client's message id (RocketMQ ``MessageConst.PROPERTY_UNIQ_CLIENT_
 #: MESSAGE_ID_KEYIDX``).
@@ -89,6 +91,19 @@ def check_topic_name(topic: str, topics: frozenset[str] | None) -> None:
             Code.TOPIC_NOT_FOUND,
             f"topic {topic!r} not found: this server does not serve it (rmqtx serve --topic).",
         )
+
+
+def check_consumed_topic(topic: str, topics: frozenset[str] | None) -> None:
+    """Refuse a topic consumers may not read: as :func:`check_topic_name`, except that a
+    consumer group's dead-letter topic (``%DLQ%<group>``, a system topic) is read like any."""
+    group = topic.removeprefix(DLQ_PREFIX)
+    if group != topic:
+        try:
+            check_group(group)
+            return
+        except InvalidMessageError as exc:
+            raise RequestError(Code.ILLEGAL_TOPIC, exc.message) from exc
+    check_topic_name(topic, topics)
 
 
 def to_message(proto: pb.Message, topics: frozenset[str] | None, max_body_bytes: int) -> Message:
@@ -230,16 +245,21 @@ def stored_message(row: Mapping[str, Any], topic: str, message_type: int) -> pb.
     return message
 
 
-def settings_reply(client: pb.Settings, max_body_bytes: int) -> service_pb.TelemetryCommand:
+def settings_reply(
+    client: pb.Settings, max_body_bytes: int, max_delivery_attempts: int
+) -> service_pb.TelemetryCommand:
     """The server's answer to a client's settings: its topics echoed, the store's body limit
     (0 would make the Python client refuse every send), an exponential backoff (the Java, Go,
     C# and Node clients require one) and metrics off (on, clients would export them to the
-    endpoints named here)."""
+    endpoints named here). A consumer gets its subscription back, not ordered, and as many
+    attempts as its group's messages are delivered (a push consumer forwards a message to the
+    dead-letter topic after its last)."""
     reply = pb.Settings()
     reply.client_type = client.client_type or pb.PRODUCER
     if client.HasField("access_point"):
         reply.access_point.CopyFrom(client.access_point)
-    reply.backoff_policy.max_attempts = 3
+    consumer = client.client_type in (pb.PUSH_CONSUMER, pb.SIMPLE_CONSUMER)
+    reply.backoff_policy.max_attempts = max_delivery_attempts if consumer else 3
     backoff = reply.backoff_policy.exponential_backoff
     backoff.initial.CopyFrom(duration_pb2.Duration(nanos=10_000_000))
     backoff.max.CopyFrom(duration_pb2.Duration(seconds=1))
@@ -248,9 +268,14 @@ def settings_reply(client: pb.Settings, max_body_bytes: int) -> service_pb.Telem
         reply.request_timeout.CopyFrom(client.request_timeout)
     else:
         reply.request_timeout.CopyFrom(duration_pb2.Duration(seconds=3))
-    reply.publishing.topics.extend(client.publishing.topics)
-    reply.publishing.max_body_size = max_body_bytes
-    reply.publishing.validate_message_type = True
+    if consumer:
+        reply.subscription.CopyFrom(client.subscription)
+        reply.subscription.fifo = False
+        reply.subscription.receive_batch_size = client.subscription.receive_batch_size or 32
+    else:
+        reply.publishing.topics.extend(client.publishing.topics)
+        reply.publishing.max_body_size = max_body_bytes
+        reply.publishing.validate_message_type = True
     reply.user_agent.CopyFrom(client.user_agent)
     reply.metric.on = False
     return service_pb.TelemetryCommand(status=status(Code.OK), settings=reply)

@@ -56,6 +56,12 @@ class ServeOptions:
         a self-signed certificate made at start).
     grace : float, default 10.0
         Seconds the calls under way get to finish at a stop.
+    max_delivery_attempts : int, default 16
+        How many times a consumer group gets a message it does not acknowledge before the
+        message goes to the group's dead-letter topic ``%DLQ%<group>``.
+    auto_offset_reset : str, default "latest"
+        Where a consumer group starts on a topic it never read: ``latest`` (its end, as
+        RocketMQ's proxy) or ``earliest`` (its first message still stored).
     """
 
     host: str = "127.0.0.1"
@@ -66,6 +72,8 @@ class ServeOptions:
     tls_cert: str | None = None
     tls_key: str | None = None
     grace: float = 10.0
+    max_delivery_attempts: int = 16
+    auto_offset_reset: str = "latest"
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -162,6 +170,9 @@ async def _serve(
     credentials: grpc.ServerCredentials | None,
 ) -> ServeSummary:
     loop = asyncio.get_running_loop()
+    store.deliveries.configure(
+        max_attempts=options.max_delivery_attempts, start=options.auto_offset_reset
+    )
     # Room for a body over the limit, so that it is refused with RocketMQ's code: up to the
     # proxy's own transport limit, beyond which gRPC refuses it (RESOURCE_EXHAUSTED) for both.
     receivable = max(2 * store.settings.max_body_bytes + (1 << 20), MAX_RECEIVE_BYTES)
@@ -184,6 +195,7 @@ async def _serve(
     await server.start()
     _announce(options, port, store.root)
     checking = asyncio.create_task(checkback.run(stop))
+    sweeping = asyncio.create_task(service.sweep(stop))
     await stop.wait()
     log.info("stopping: no new calls; the calls under way get %.0f s", options.grace)
     clients.close_all()
@@ -195,6 +207,7 @@ async def _serve(
     clients.close_all()
     await service.finish_sends()
     await checking
+    await sweeping
     await loop.run_in_executor(None, service.close)
     summary = _summary(service.counters, checkback.checks_sent)
     log.info(

@@ -48,13 +48,14 @@ from rmq_spark.group_commit import GroupCommitter
 from rmq_spark.model.errors import RmqSparkError
 from rmq_spark.model.messages import LocalTransactionState, Message, is_topic, shard_of
 from rmq_spark.serve import calls
-from rmq_spark.serve.accounts import Account, check_publish
+from rmq_spark.serve.accounts import Account, check_publish, check_route
 from rmq_spark.serve.auth import authenticate
+from rmq_spark.serve.consuming import ConsumerCalls
 from rmq_spark.serve.protocol import (
     UNIQ_KEY,
     Code,
     RequestError,
-    check_topic_name,
+    check_consumed_topic,
     settings_reply,
     status,
     to_message,
@@ -103,7 +104,7 @@ _NO_PULL = (
 )
 
 
-class MessagingService(service_grpc.MessagingServiceServicer):
+class MessagingService(ConsumerCalls, service_grpc.MessagingServiceServicer):
     """The ``MessagingService`` servicer (for ``grpc.aio``) over one store.
 
     Parameters
@@ -171,6 +172,7 @@ class MessagingService(service_grpc.MessagingServiceServicer):
         self._end = GroupCommitter(
             "rmqtx-serve-end", self._end_batch, self._max_batch, _LINGER_SECONDS, wave=False
         )
+        self.start_consumers(self._max_batch, _LINGER_SECONDS)
 
     async def finish_sends(self) -> None:
         """Wait for the sends under way (their clients may have gone)."""
@@ -181,6 +183,7 @@ class MessagingService(service_grpc.MessagingServiceServicer):
     def close(self) -> None:
         """Finish what the committers hold, publish this process's COMMITs, stop the
         publisher and wait for the maintenance asked for (blocking)."""
+        self.close_consumers()
         for committer in (self._prepare, self._end):
             if committer is not None:
                 committer.close()
@@ -198,8 +201,8 @@ class MessagingService(service_grpc.MessagingServiceServicer):
         context: grpc.aio.ServicerContext,
         account: Account | None,
     ) -> service_pb.QueryRouteResponse:
-        check_topic_name(request.topic.name, self.topics)
-        check_publish(account, request.topic.name)
+        check_consumed_topic(request.topic.name, self.topics)  # a dead-letter topic too
+        check_route(account, request.topic.name)
         endpoints = request.endpoints
         if not endpoints.addresses:
             host, port = self.endpoint
@@ -272,7 +275,13 @@ class MessagingService(service_grpc.MessagingServiceServicer):
                     topics = [t.name for t in command.settings.publishing.topics]
                     self._note_topics(client.client_id, account, topics)
                     if client.outbox.qsize() < _MAX_OUTBOX:  # else it does not read them
-                        client.outbox.put_nowait(settings_reply(command.settings, self._max_body))
+                        client.outbox.put_nowait(
+                            settings_reply(
+                                command.settings,
+                                self._max_body,
+                                self.store.deliveries.max_attempts,
+                            )
+                        )
                 else:
                     log.debug("client %s sent %s", client.client_id, command.WhichOneof("command"))
         except (grpc.aio.AioRpcError, asyncio.CancelledError):

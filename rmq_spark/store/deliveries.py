@@ -68,10 +68,17 @@ _MESSAGE_COLUMNS = [f.name for f in COMMITLOG_SCHEMA if f.name != "topic"]
 class InvalidHandleError(RmqSparkError):
     """A receipt handle that is not the latest of a message in flight, or has expired."""
 
+    error_class = "INVALID_RECEIPT_HANDLE"
+
 
 def queue_app_id(group: str, topic: str, queue_id: int) -> str:
-    """The application id each commit changing ``group``'s state of a queue records."""
-    return f"rmqtx.pop.{group}.{topic}.{queue_id}"
+    """The application id each commit changing ``group``'s state of a queue records (names
+    of groups and topics have no ``/``)."""
+    return f"{_group_prefix(group)}{topic}/{queue_id}"
+
+
+def _group_prefix(group: str) -> str:
+    return f"rmqtx.pop/{group}/"
 
 
 def dead_letter_topic(group: str) -> str:
@@ -120,7 +127,13 @@ class DeadLetter:
     handle: str
 
 
-Request = Receive | Ack | ChangeInvisible | DeadLetter
+@dataclass(frozen=True)
+class Sweep:
+    """Dead-letter the messages of the groups this process knows whose last hand-out's
+    invisible duration ended, as RocketMQ's broker does without waiting for a receive."""
+
+
+Request = Receive | Ack | ChangeInvisible | DeadLetter | Sweep
 
 
 @dataclass(frozen=True)
@@ -248,21 +261,26 @@ class Deliveries(StoreConcept):
 
         The groups are read again from the table, and the batch decided again, when a commit
         finds that another process changed one of their queues since they were read."""
-        groups = {r.group for r in requests}
+        sweeping = any(isinstance(r, Sweep) for r in requests)
+        overdue = self._overdue(self.clock()) if sweeping else set()
+        groups = {r.group for r in requests if not isinstance(r, Sweep)} | overdue
+        if not groups:
+            return [None] * len(requests)
 
         def attempt(n: int) -> list[Any]:
-            head = self.tables.head("deliveries", reload=n > 0)
             if n:
                 for g in groups:
                     self._groups.pop(g, None)
-            before = {g: self._groups.get(g) for g in groups}
-            states = {g: self._state(g, head) for g in groups}
-            self._unread = {g for g in groups if states[g] is before[g]}
-            head = self.tables.head("deliveries", reload=False)  # as a group's reading left it
+            states, head = self._states(groups, self.tables.head("deliveries", reload=n > 0))
             changes = _Changes(self.clock())
-            view = _CommitLogView(self, changes.now)
+            view = _CommitLogView(self)
             try:
-                results = [self._serve(r, states[r.group], changes, view) for r in requests]
+                results = [
+                    None if isinstance(r, Sweep) else self._serve(r, states[r.group], changes, view)
+                    for r in requests
+                ]
+                for g in overdue:
+                    self._dead_letter_overdue(g, states[g], changes, view)
                 if changes.rows:
                     self._commit(changes, states, head)
             except BaseException:
@@ -272,6 +290,31 @@ class Deliveries(StoreConcept):
             return results
 
         return retry_commits(f"serve {len(requests)} consumer request(s)", "deliveries", attempt)
+
+    def _overdue(self, now: datetime) -> set[str]:
+        """The groups in memory with a message whose last hand-out ended unacknowledged."""
+        return {
+            group
+            for group, state in self._groups.items()
+            if any(self._last(h, now) for h in state.in_flight.values())
+        }
+
+    def _last(self, handout: Handout, now: datetime) -> bool:
+        """Whether ``handout`` was a message's last and its invisible duration ended."""
+        return handout.attempt >= self.max_attempts and handout.invisible_until <= now
+
+    def _dead_letter_overdue(
+        self,
+        group: str,
+        state: _Group,
+        changes: _Changes,
+        view: _CommitLogView,
+        topic: str | None = None,
+    ) -> None:
+        """Dead-letter the group's messages (of ``topic``, or all) whose last hand-out ended."""
+        for key, handout in sorted(state.in_flight.items()):
+            if (topic is None or key[0] == topic) and self._last(handout, changes.now):
+                self._dead_letter(group, handout, state, changes, view)
 
     def _commit(self, changes: _Changes, states: Mapping[str, _Group], head: Any) -> None:
         for group, message in changes.dead:  # before they are marked done: at least once
@@ -284,19 +327,20 @@ class Deliveries(StoreConcept):
         for app_id, group in changes.touched.items():
             states[group].seen[app_id] = version
 
-    def _state(self, group: str, head: Any) -> _Group:
-        """The group as this process knows it, read again from the table when another process
-        changed one of its queues after that (the head shows it)."""
-        prefix = queue_app_id(group, "", 0)[: -len(".0")]
-        now_seen = {a: v for a, v in head.txns.items() if a.startswith(prefix + ".")}
-        state = self._groups.get(group)
-        if state is not None and state.seen == now_seen:
-            return state
-        head = self.tables.head("deliveries", reload=True)
-        now_seen = {a: v for a, v in head.txns.items() if a.startswith(prefix + ".")}
-        state = self._groups[group] = _replay(self._rows_of(group, head.snapshot))
-        state.seen = now_seen
-        return state
+    def _states(self, groups: set[str], head: Any) -> tuple[dict[str, _Group], Any]:
+        """The groups as this process knows them, each read again from the table when
+        another process changed one of its queues (the head shows it); and the head they
+        all agree with, after which the batch's commit checks for conflicts."""
+        states = {g: self._groups[g] for g in groups if g in self._groups}
+        loaded: set[str] = set()
+        while stale := {g for g in groups if g not in states or states[g].seen != _seen(g, head)}:
+            head = self.tables.head("deliveries", reload=True)
+            for g in stale:
+                state = self._groups[g] = states[g] = _replay(self._rows_of(g, head.snapshot))
+                state.seen = _seen(g, head)
+            loaded |= stale
+        self._unread = groups - loaded
+        return states, head
 
     def _rows_of(self, group: str, snapshot: Any) -> pa.Table:
         files = self.tables.data_files("deliveries", snapshot).to_pylist()
@@ -425,14 +469,12 @@ class Deliveries(StoreConcept):
         invisible = now + timedelta(seconds=request.invisible_seconds)
         if topic not in state.started:
             self._start(group, topic, state, changes, view)
+        self._dead_letter_overdue(group, state, changes, view, topic)
         out: list[Received] = []
         for key, handout in sorted(state.in_flight.items()):
             if len(out) >= request.max_messages:
                 return out
             if key[0] != topic or handout.invisible_until > now:
-                continue
-            if handout.attempt >= self.max_attempts:
-                self._dead_letter(group, handout, state, changes, view)
                 continue
             rows = view.messages(topic, key[1], key[2], 1)
             if not rows:  # removed by retention (or by another Delta writer)
@@ -526,21 +568,37 @@ class Deliveries(StoreConcept):
 
 
 class _CommitLogView:
-    """The CommitLog as one batch sees it: the latest snapshot's queues and data files."""
+    """The CommitLog as one batch sees it: the latest snapshot's queues and data files, read
+    when first asked for."""
 
-    def __init__(self, deliveries: Deliveries, now: datetime) -> None:
+    def __init__(self, deliveries: Deliveries) -> None:
         self._deliveries = deliveries
-        tables = deliveries.tables
-        snapshot = tables.snapshot("commitlog")
-        self.next_offsets = next_offsets(tables, snapshot)
-        self._earliest = earliest_stored(tables, snapshot)
-        self._snapshot = snapshot
+        self._snapshot: Any = None
+        self._next: dict[tuple[str, int], int] = {}
+        self._earliest: dict[tuple[str, int], int] = {}
         self._files: list[dict[str, Any]] | None = None
 
+    def _load(self) -> None:
+        if self._snapshot is None:
+            tables = self._deliveries.tables
+            self._snapshot = tables.snapshot("commitlog")
+            self._next = next_offsets(tables, self._snapshot)
+            self._earliest = earliest_stored(tables, self._snapshot)
+
+    @property
+    def next_offsets(self) -> dict[tuple[str, int], int]:
+        """The next offset of each queue."""
+        self._load()
+        return self._next
+
     def earliest(self, topic: str, queue_id: int) -> int:
+        """The first offset of a queue still stored."""
+        self._load()
         return self._earliest.get((topic, queue_id), 0)
 
     def messages(self, topic: str, queue_id: int, first: int, count: int) -> list[dict[str, Any]]:
+        """The rows of ``count`` offsets of a queue from ``first`` (those stored)."""
+        self._load()
         if self._files is None:
             tables = self._deliveries.tables
             self._files = tables.data_files("commitlog", self._snapshot).to_pylist()
@@ -556,6 +614,12 @@ class _CommitLogView:
             )
         ]
         return self._deliveries.read_range(files, queue_id, first, end)
+
+
+def _seen(group: str, head: Any) -> dict[str, int]:
+    """The versions of ``group``'s application ids in a head."""
+    prefix = _group_prefix(group)
+    return {a: v for a, v in head.txns.items() if a.startswith(prefix)}
 
 
 def _nonce() -> str:

@@ -18,6 +18,7 @@ from rmq_spark.store.deliveries import (
     DeadLetter,
     InvalidHandleError,
     Receive,
+    Sweep,
     dead_letter_topic,
 )
 
@@ -145,6 +146,20 @@ def test_after_the_last_attempt_a_message_goes_to_the_dead_letter_topic(store, c
     # A dead-letter topic is read like any other.
     store.deliveries.configure(max_attempts=2, start="earliest")
     assert bodies(receive(store, "ops", dlq)) == [b"poison"]
+
+
+def test_a_sweep_dead_letters_without_waiting_for_a_receive(store, clock):
+    store.deliveries.configure(max_attempts=1, start="latest")
+    receive(store)
+    send(store, "poison")
+    receive(store, invisible=5)
+    assert store.deliveries.handle([Sweep()]) == [None]  # not yet over
+    assert store.query("commitlog", "topic = '%DLQ%g'").num_rows == 0
+    clock.passes(6)
+    assert store.deliveries.handle([Sweep()]) == [None]
+    assert store.query("commitlog", "topic = '%DLQ%g'").num_rows == 1
+    clock.passes(60)
+    assert receive(store) == []
 
 
 def test_forward_to_the_dead_letter_topic_on_request(store):

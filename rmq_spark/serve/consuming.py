@@ -1,0 +1,336 @@
+"""The consumer side of RocketMQ 5's ``MessagingService`` over a store's consumer groups
+(:mod:`rmq_spark.store.deliveries`): what the official clients' ``SimpleConsumer`` and
+``PushConsumer`` call.
+
+* ``QueryAssignment``: one assignment per topic, queue -1, as RocketMQ's proxy gives for "pop"
+  consumption (the server picks the queues);
+* ``ReceiveMessage``: up to ``batch_size`` committed messages of the topic that match the
+  filter (``*`` or ``TagA || TagB``; SQL92 is refused), invisible to the group for
+  ``invisible_duration`` (1 s to 12 h; 60 s when not given, as a push consumer's: it is not
+  renewed while the listener runs), waiting up to ``long_polling_timeout`` for one;
+  ``MESSAGE_NOT_FOUND`` when none came;
+* ``AckMessage``, ``ChangeInvisibleDuration`` (a new receipt handle) and
+  ``ForwardMessageToDeadLetterQueue``: ``INVALID_RECEIPT_HANDLE`` for a handle that is not
+  the latest of its message or has expired.
+
+Every call is checked against the signing account's ``subscribe`` and ``groups``
+(:func:`rmq_spark.serve.accounts.check_subscribe`). Receives and acknowledgements of all
+clients are group-committed: one Delta commit a batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+import grpc
+from google.protobuf import duration_pb2
+from rocketmq.grpc_protocol import definition_pb2 as pb
+from rocketmq.grpc_protocol import service_pb2 as service_pb
+
+from rmq_spark.group_commit import GroupCommitter
+from rmq_spark.model.errors import InvalidMessageError, RmqSparkError
+from rmq_spark.model.messages import check_group, is_tag
+from rmq_spark.serve import calls
+from rmq_spark.serve.accounts import Account, check_subscribe
+from rmq_spark.serve.auth import authenticate
+from rmq_spark.serve.protocol import (
+    Code,
+    RequestError,
+    check_consumed_topic,
+    status,
+    stored_message,
+)
+from rmq_spark.store.deliveries import (
+    Ack,
+    ChangeInvisible,
+    DeadLetter,
+    InvalidHandleError,
+    Receive,
+    Received,
+    Sweep,
+)
+
+log = logging.getLogger("rmq_spark.serve.service")
+
+#: How often messages whose last hand-out ended are dead-lettered.
+_SWEEP_SECONDS = 1.0
+#: How often a long-polling receive looks again for a message.
+_POLL_SECONDS = 0.1
+#: The invisible durations a receive may ask for (an extension may ask for 0: visible now).
+_INVISIBLE_SECONDS = (1.0, 12 * 3600.0)
+#: The invisible duration of a receive that asks for none (a push consumer's): the proxy's.
+_DEFAULT_INVISIBLE_SECONDS = 60.0
+#: The most messages one receive hands out (RocketMQ's clients ask for 32 at most by default).
+MAX_RECEIVE_BATCH = 1024
+#: How long a receive waits when the client says nothing (the clients' default).
+_DEFAULT_POLLING_SECONDS = 20.0
+#: How much of a receive's deadline is kept for the reply to reach the client.
+_REPLY_MARGIN_SECONDS = 1.0
+
+
+def tag_filter(expression: pb.FilterExpression) -> frozenset[str] | None:
+    """The tags a filter expression keeps (None: every message), as RocketMQ reads a TAG
+    expression: ``*`` or tags joined with ``||``.
+
+    Raises
+    ------
+    RequestError
+        ``ILLEGAL_FILTER_EXPRESSION`` for an SQL92 expression or a tag that is not one.
+    """
+    if expression.type == pb.SQL:
+        raise RequestError(
+            Code.ILLEGAL_FILTER_EXPRESSION,
+            "SQL92 filters are not supported by rmqtx serve; subscribe with a tag expression "
+            "('*' or 'TagA || TagB').",
+        )
+    text = expression.expression.strip()
+    if not text or text == "*":
+        return None
+    tags = [t.strip() for t in text.split("||")]
+    if not all(is_tag(t) for t in tags):
+        raise RequestError(
+            Code.ILLEGAL_FILTER_EXPRESSION,
+            f"filter expression {text[:80]!r} is not '*' or tags joined with '||'.",
+        )
+    return frozenset(tags)
+
+
+def _seconds(duration: duration_pb2.Duration) -> float:
+    return duration.seconds + duration.nanos / 1e9
+
+
+def _group(name: str) -> str:
+    try:
+        return check_group(name)
+    except InvalidMessageError as exc:
+        raise RequestError(Code.ILLEGAL_CONSUMER_GROUP, exc.message) from exc
+
+
+def _invisible(duration: duration_pb2.Duration, low: float = _INVISIBLE_SECONDS[0]) -> float:
+    high = _INVISIBLE_SECONDS[1]
+    seconds = _seconds(duration)
+    if not low <= seconds <= high:
+        raise RequestError(
+            Code.ILLEGAL_INVISIBLE_TIME,
+            f"invisible duration {seconds:g} s is out of {low:g} s to {high:g} s.",
+        )
+    return seconds
+
+
+def received_message(received: Received, topic: str) -> pb.Message:
+    """A message handed out, as the client gets it: with its receipt handle, its delivery
+    attempt and its offset."""
+    row, handout = received.message, received.handout
+    kind = pb.TRANSACTION if row["transaction_id"] else pb.NORMAL
+    message = stored_message(row, topic, kind)
+    system = message.system_properties
+    system.queue_offset = row["queue_offset"]
+    system.receipt_handle = handout.handle
+    system.delivery_attempt = handout.attempt
+    system.invisible_duration.FromTimedelta(handout.invisible_until - datetime.now(UTC))
+    return message
+
+
+class ConsumerCalls:
+    """The consumer calls of :class:`rmq_spark.serve.service.MessagingService` (a base class
+    of it, which gives ``store``, ``accounts``, ``topics`` and ``endpoint``)."""
+
+    store: Any
+    accounts: Mapping[str, Account]
+    topics: frozenset[str] | None
+    endpoint: tuple[str, int]
+    _consumers: GroupCommitter[Any, Any] | None = None
+
+    def start_consumers(self, max_batch: int, linger: float) -> None:
+        """Start the group committer of consumer requests (blocking)."""
+        self._consumers = GroupCommitter(
+            "rmqtx-serve-consumers", self.store.deliveries.handle, max_batch, linger, wave=False
+        )
+
+    def close_consumers(self) -> None:
+        """Finish the consumer requests queued (blocking)."""
+        if self._consumers is not None:
+            self._consumers.close()
+
+    async def sweep(self, stop: asyncio.Event) -> None:
+        """Dead-letter, every :data:`_SWEEP_SECONDS` until ``stop`` is set, the messages whose
+        last hand-out ended unacknowledged (no consumer of their group may come again)."""
+        while not stop.is_set():
+            with contextlib.suppress(RequestError):  # logged; the next sweep tries again
+                await self._submit(Sweep())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), _SWEEP_SECONDS)
+
+    async def _submit(self, request: Any) -> Any:
+        assert self._consumers is not None
+        try:
+            return await calls.result(self._consumers.submit(request))
+        except InvalidHandleError as exc:  # this request's alone: its caller is told
+            return exc
+        except RmqSparkError as exc:
+            log.error("a consumer request failed: %s", exc)
+            raise RequestError(Code.INTERNAL_SERVER_ERROR, str(exc)) from exc
+
+    def _subscriber(self, account: Account | None, topic: pb.Resource, group: pb.Resource) -> str:
+        check_consumed_topic(topic.name, self.topics)
+        name = _group(group.name)
+        check_subscribe(account, topic.name, name)
+        return name
+
+    @calls.signed(service_pb.QueryAssignmentResponse)
+    async def QueryAssignment(
+        self,
+        request: service_pb.QueryAssignmentRequest,
+        context: grpc.aio.ServicerContext,
+        account: Account | None,
+    ) -> service_pb.QueryAssignmentResponse:
+        self._subscriber(account, request.topic, request.group)
+        endpoints = request.endpoints
+        if not endpoints.addresses:
+            host, port = self.endpoint
+            endpoints = pb.Endpoints(scheme=pb.IPv4, addresses=[pb.Address(host=host, port=port)])
+        queue = pb.MessageQueue(
+            topic=request.topic,
+            id=-1,  # the server picks the queues (RocketMQ's "pop")
+            permission=pb.READ_WRITE,
+            broker=pb.Broker(name="rmqtx", id=0, endpoints=endpoints),
+            accept_message_types=[pb.NORMAL, pb.TRANSACTION],
+        )
+        return service_pb.QueryAssignmentResponse(
+            status=status(Code.OK), assignments=[pb.Assignment(message_queue=queue)]
+        )
+
+    async def ReceiveMessage(
+        self, request: service_pb.ReceiveMessageRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[service_pb.ReceiveMessageResponse]:
+        try:
+            account = authenticate(calls.metadata(context), self.accounts)
+            topic = request.message_queue.topic
+            group = self._subscriber(account, topic, request.group)
+            receive = Receive(
+                group,
+                topic.name,
+                tag_filter(request.filter_expression),
+                min(max(request.batch_size, 1), MAX_RECEIVE_BATCH),
+                _invisible(request.invisible_duration)
+                if request.HasField("invisible_duration")
+                else _DEFAULT_INVISIBLE_SECONDS,
+            )
+            got = await self._poll(receive, request, context)
+        except RequestError as exc:
+            log.info("ReceiveMessage refused: %s", exc.message)
+            yield service_pb.ReceiveMessageResponse(status=status(exc.code, exc.message))
+            return
+        if not got:
+            yield service_pb.ReceiveMessageResponse(
+                status=status(Code.MESSAGE_NOT_FOUND, "no new message")
+            )
+            return
+        delivered = service_pb.ReceiveMessageResponse()
+        delivered.delivery_timestamp.GetCurrentTime()
+        yield delivered
+        for received in got:
+            yield service_pb.ReceiveMessageResponse(
+                message=received_message(received, receive.topic)
+            )
+        yield service_pb.ReceiveMessageResponse(status=status(Code.OK))
+
+    async def _poll(
+        self,
+        receive: Receive,
+        request: service_pb.ReceiveMessageRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> list[Received]:
+        """Receive, again every :data:`_POLL_SECONDS` until a message comes or the long
+        polling timeout (within the call's deadline) ends."""
+        loop = asyncio.get_running_loop()
+        wait = (
+            _seconds(request.long_polling_timeout)
+            if request.HasField("long_polling_timeout")
+            else _DEFAULT_POLLING_SECONDS
+        )
+        remaining = context.time_remaining()
+        if remaining is not None:
+            wait = min(wait, remaining - _REPLY_MARGIN_SECONDS)
+        deadline = loop.time() + wait
+        while True:
+            got = await self._submit(receive)
+            if got or loop.time() + _POLL_SECONDS > deadline:
+                return got
+            await asyncio.sleep(_POLL_SECONDS)
+
+    @calls.signed(service_pb.AckMessageResponse)
+    async def AckMessage(
+        self,
+        request: service_pb.AckMessageRequest,
+        context: grpc.aio.ServicerContext,
+        account: Account | None,
+    ) -> service_pb.AckMessageResponse:
+        group = self._subscriber(account, request.topic, request.group)
+        results = await asyncio.gather(
+            *(
+                self._submit(Ack(group, request.topic.name, e.receipt_handle))
+                for e in request.entries
+            )
+        )
+        entries = [
+            service_pb.AckMessageResultEntry(
+                message_id=e.message_id, receipt_handle=e.receipt_handle, status=_status_of(r)
+            )
+            for e, r in zip(request.entries, results, strict=True)
+        ]
+        codes = {e.status.code for e in entries}
+        overall = (
+            entries[0].status
+            if len(codes) == 1 and entries
+            else status(Code.MULTIPLE_RESULTS if entries else Code.OK)
+        )
+        return service_pb.AckMessageResponse(status=overall, entries=entries)
+
+    @calls.signed(service_pb.ChangeInvisibleDurationResponse)
+    async def ChangeInvisibleDuration(
+        self,
+        request: service_pb.ChangeInvisibleDurationRequest,
+        context: grpc.aio.ServicerContext,
+        account: Account | None,
+    ) -> service_pb.ChangeInvisibleDurationResponse:
+        group = self._subscriber(account, request.topic, request.group)
+        change = ChangeInvisible(
+            group,
+            request.topic.name,
+            request.receipt_handle,
+            _invisible(request.invisible_duration, low=0.0),
+        )
+        handle = _handled(await self._submit(change))
+        return service_pb.ChangeInvisibleDurationResponse(
+            status=status(Code.OK), receipt_handle=handle
+        )
+
+    @calls.signed(service_pb.ForwardMessageToDeadLetterQueueResponse)
+    async def ForwardMessageToDeadLetterQueue(
+        self,
+        request: service_pb.ForwardMessageToDeadLetterQueueRequest,
+        context: grpc.aio.ServicerContext,
+        account: Account | None,
+    ) -> service_pb.ForwardMessageToDeadLetterQueueResponse:
+        group = self._subscriber(account, request.topic, request.group)
+        _handled(await self._submit(DeadLetter(group, request.topic.name, request.receipt_handle)))
+        return service_pb.ForwardMessageToDeadLetterQueueResponse(status=status(Code.OK))
+
+
+def _handled(result: Any) -> Any:
+    """A result, or its invalid handle raised as the client's error."""
+    if isinstance(result, InvalidHandleError):
+        raise RequestError(Code.INVALID_RECEIPT_HANDLE, result.message)
+    return result
+
+
+def _status_of(result: Any) -> pb.Status:
+    if isinstance(result, InvalidHandleError):
+        return status(Code.INVALID_RECEIPT_HANDLE, result.message)
+    return status(Code.OK)
