@@ -11,7 +11,6 @@ import importlib.util
 import json
 import os
 import re
-import shutil
 import signal
 import ssl
 import subprocess
@@ -277,38 +276,22 @@ def test_two_accounts_cannot_send_to_end_or_be_asked_about_each_others_transacti
     assert decisions(server.root)[orphan["orphan_txn"]] == ("COMMIT", "check-back:client")
 
 
-GO_CLIENT = Path(__file__).resolve().parents[1] / "serve_clients" / "go"
-
-
-@pytest.fixture(scope="module")
-def go_client(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The Go client's transaction example (tests/serve_clients/go), built with the machine's
-    Go; the client's module comes from the Go module proxy. Without Go the test is skipped,
-    except under ``make test`` (``RMQ_SPARK_GO=required``), where that is an error."""
-    if shutil.which("go") is None:
-        reason = "no Go toolchain ('go') on PATH"
-        if os.environ.get("RMQ_SPARK_GO") == "required":
-            pytest.fail(reason)
-        pytest.skip(reason)
-    binary = tmp_path_factory.mktemp("go") / "go-client"
-    subprocess.run(
-        ["go", "build", "-o", str(binary), "."],
-        cwd=GO_CLIENT,
-        env={**os.environ, "GOFLAGS": "-mod=readonly"},
-        check=True,
-        capture_output=True,
-        timeout=900,
-    )
-    return binary
-
-
-def run_go(binary: Path, server: Server, folder: Path, *args: str) -> list[dict[str, str]]:
-    """Run the Go client against ``server`` as the tests' account; return what it reported."""
+def run_go(
+    binary: Path, server: Server, folder: Path, *args: str, env: dict[str, str] | None = None
+) -> list[dict[str, str]]:
+    """Run the Go client against ``server`` as the tests' account (or as ``env`` says);
+    return what it reported."""
     folder.mkdir(parents=True)
     account = {"RMQTX_ACCESS_KEY": AK, "RMQTX_SECRET_KEY": SK, "RMQTX_TOPIC": "TxOrders"}
     done = subprocess.run(
         [str(binary), *args],
-        env={**os.environ, "HOME": str(folder), "RMQTX_ENDPOINT": server.endpoint, **account},
+        env={
+            **os.environ,
+            "HOME": str(folder),
+            "RMQTX_ENDPOINT": server.endpoint,
+            **account,
+            **(env or {}),
+        },
         capture_output=True,
         timeout=180,
         preexec_fn=die_with_parent,
@@ -318,7 +301,7 @@ def run_go(binary: Path, server: Server, folder: Path, *args: str) -> list[dict[
     for line in done.stdout.decode().splitlines():
         with contextlib.suppress(ValueError):
             fields = json.loads(line)
-            if isinstance(fields, dict) and {"sent", "checked"} & set(fields):
+            if isinstance(fields, dict) and {"sent", "checked", "consumed"} & set(fields):
                 reported.append(fields)
     return reported
 

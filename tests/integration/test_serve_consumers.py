@@ -20,7 +20,13 @@ import pytest
 
 from rmq_spark import LocalTransactionState, Message, Store
 from rmq_spark.store.decisions import Decision
-from tests.integration.test_serve import SETTINGS, Server, run_client, start_server
+from tests.integration.test_serve import (
+    SETTINGS,
+    Server,
+    run_client,
+    run_go,
+    start_server,
+)
 from tests.lifetime import die_with_parent
 
 pytestmark = pytest.mark.skipif(
@@ -33,7 +39,7 @@ AK, SK = "inventory-ak", "inventory-sk"
 ACCOUNTS = f"""
 [serve.accounts.{AK}]
 secret_key = "{SK}"
-topics = []
+topics = ["StockGo"]
 subscribe = ["Stock*", "%DLQ%*"]
 groups = ["inventory*", "audit", "pusher", "dlq-reader", "shared"]
 
@@ -129,6 +135,41 @@ def test_simple_consumers_get_each_committed_message_once_per_group(
         .collect()
     )
     assert Counter(r.body for r in read) == wanted
+
+
+def test_go_and_python_consumers_read_what_a_go_producer_committed_beside_spark(
+    spark, server: Server, go_client: Path, tmp_path: Path
+) -> None:
+    """#50's acceptance: the Go client's transactional-producer example writes through the
+    server; its push-consumer and simple-consumer examples and the Python SimpleConsumer,
+    unchanged but for the endpoint, each get every committed message once, in their own
+    groups, while Spark reads the same topic."""
+
+    def go(mode: str, group: str = "") -> list[dict[str, str]]:
+        env = {"RMQTX_ACCESS_KEY": AK, "RMQTX_SECRET_KEY": SK, "RMQTX_TOPIC": "StockGo"}
+        return run_go(
+            go_client, server, tmp_path / mode, mode, "3", env=env | {"RMQTX_GROUP": group}
+        )
+
+    sent = sorted(r["sent"] for r in go("example"))
+    assert len(sent) == 3
+    for mode, group in (("push", "inventory-go-push"), ("simple", "inventory-go-simple")):
+        got = go(mode, group)
+        assert sorted(r["consumed"] for r in got) == sent, mode
+        assert {r["attempt"] for r in got} == {"1"}
+    python = consume(
+        tmp_path / "python", server, "receive", "inventory-py", "StockGo", "*", "3", "20"
+    )
+    assert sorted(g["id"] for g in python["got"]) == sent
+    read = (
+        spark.read.format("rmqtx")
+        .option("path", str(server.root))
+        .option("topic", "StockGo")
+        .load()
+        .selectExpr("properties['UNIQ_KEY'] AS id")
+        .collect()
+    )
+    assert sorted(r.id for r in read) == sent
 
 
 def test_a_message_not_acknowledged_comes_back_and_can_be_extended(

@@ -3,12 +3,19 @@
 // endpoint, topic and account come from RMQTX_ENDPOINT, RMQTX_TOPIC, RMQTX_ACCESS_KEY and
 // RMQTX_SECRET_KEY. Its defaults stay (TLS on, the server's certificate not verified).
 //
-// Usage: go-client example N   the example with N transactions, each committed
-//        go-client open        one transaction left open until the client's checker is asked
-//                              about it (it answers COMMIT)
+// Usage:
 //
-// Each send prints {"sent": "<message id>", "transaction": "<id>"} and each check
-// {"checked": "<message id>"}, one JSON object a line, on stdout.
+//	go-client example N   the example with N transactions, each committed
+//	go-client open        one transaction left open until the client's checker is asked
+//	                      about it (it answers COMMIT)
+//	go-client push N      the client's push-consumer example (example/consumer/
+//	                      push_consumer) as consumer group RMQTX_GROUP, until it consumed
+//	                      N messages or 60 s passed
+//	go-client simple N    its simple-consumer example, the same way
+//
+// Each send prints {"sent": "<message id>", "transaction": "<id>"}, each check
+// {"checked": "<message id>"} and each message consumed {"consumed": "<message id>", "body":
+// "...", "attempt": "<n>"}, one JSON object a line, on stdout.
 package main
 
 import (
@@ -26,6 +33,7 @@ import (
 
 var (
 	Topic     = os.Getenv("RMQTX_TOPIC")
+	Group     = os.Getenv("RMQTX_GROUP")
 	Endpoint  = os.Getenv("RMQTX_ENDPOINT")
 	AccessKey = os.Getenv("RMQTX_ACCESS_KEY")
 	SecretKey = os.Getenv("RMQTX_SECRET_KEY")
@@ -42,6 +50,11 @@ func main() {
 	// log to console
 	os.Setenv("mq.consoleAppender.enabled", "true")
 	rmq_client.ResetLogger()
+	if mode == "push" || mode == "simple" {
+		want, _ := strconv.Atoi(os.Args[2])
+		consume(mode, want)
+		return
+	}
 	// In most case, you don't need to create many producers, singleton pattern is more recommended.
 	producer, err := rmq_client.NewProducer(&rmq_client.Config{
 		Endpoint: Endpoint,
@@ -110,4 +123,87 @@ func main() {
 		// wait a moment
 		time.Sleep(time.Second * 1)
 	}
+}
+
+func consumed(mv *rmq_client.MessageView) {
+	report(map[string]string{
+		"consumed": mv.GetMessageId(),
+		"body":     string(mv.GetBody()),
+		"attempt":  strconv.Itoa(int(mv.GetDeliveryAttempt())),
+	})
+}
+
+// consume runs the client's push- or simple-consumer example as group Group on Topic until
+// want messages were consumed or 60 s passed.
+func consume(mode string, want int) {
+	config := &rmq_client.Config{
+		Endpoint:      Endpoint,
+		ConsumerGroup: Group,
+		Credentials: &credentials.SessionCredentials{
+			AccessKey:    AccessKey,
+			AccessSecret: SecretKey,
+		},
+	}
+	subscription := map[string]*rmq_client.FilterExpression{Topic: rmq_client.SUB_ALL}
+	done := make(chan *rmq_client.MessageView, 1024)
+	deadline := time.After(60 * time.Second)
+	if mode == "push" {
+		pushConsumer, err := rmq_client.NewPushConsumer(config,
+			rmq_client.WithPushAwaitDuration(time.Second*5),
+			rmq_client.WithPushSubscriptionExpressions(subscription),
+			rmq_client.WithPushMessageListener(&rmq_client.FuncMessageListener{
+				Consume: func(mv *rmq_client.MessageView) rmq_client.ConsumerResult {
+					done <- mv
+					// ack message
+					return rmq_client.SUCCESS
+				},
+			}),
+			rmq_client.WithPushConsumptionThreadCount(20),
+			rmq_client.WithPushMaxCacheMessageCount(1024),
+		)
+		if err != nil {
+			log.Fatal(err)
+		}
+		if err = pushConsumer.Start(); err != nil {
+			log.Fatal(err)
+		}
+		defer pushConsumer.GracefulStop()
+	} else {
+		simpleConsumer, err := rmq_client.NewSimpleConsumer(config,
+			rmq_client.WithSimpleAwaitDuration(time.Second*5),
+			rmq_client.WithSimpleSubscriptionExpressions(subscription),
+		)
+		if err != nil {
+			log.Fatal(err)
+		}
+		if err = simpleConsumer.Start(); err != nil {
+			log.Fatal(err)
+		}
+		defer simpleConsumer.GracefulStop()
+		go func() {
+			for {
+				mvs, err := simpleConsumer.Receive(context.TODO(), 16, time.Second*20)
+				if err != nil {
+					log.Println(err)
+				}
+				// ack message
+				for _, mv := range mvs {
+					if err := simpleConsumer.Ack(context.TODO(), mv); err != nil {
+						log.Fatal(err)
+					}
+					done <- mv
+				}
+			}
+		}()
+	}
+	for count := 0; count < want; count++ {
+		select {
+		case mv := <-done:
+			consumed(mv)
+		case <-deadline:
+			log.Printf("consumed %d of %d messages in 60 s", count, want)
+			return
+		}
+	}
+	time.Sleep(time.Second) // the last acknowledgement is sent after Consume returns
 }
