@@ -71,6 +71,7 @@ def store_status(store: Store, now: datetime | None = None) -> dict[str, Any]:
         "consumer_groups": [
             {
                 "consumer_group": c["consumer_group"],
+                "reader": c["reader"],
                 "topic": c["topic"],
                 "lag": c["lag"],
                 "queues": {
@@ -155,8 +156,11 @@ def format_status(status: Mapping[str, Any]) -> str:
     )
     parts += section(
         "consumer groups",
-        ["consumer group", "topic", "lag"],
-        [[c["consumer_group"], c["topic"], c["lag"]] for c in status["consumer_groups"]],
+        ["consumer group", "reader", "topic", "lag"],
+        [
+            [c["consumer_group"], c["reader"], c["topic"], c["lag"]]
+            for c in status["consumer_groups"]
+        ],
     )
     d = status["discards"]
     parts += [

@@ -18,11 +18,13 @@ def format_groups(view: Mapping[str, Any]) -> str:
     rows = [
         [
             g["consumer_group"],
+            g["reader"],
             g["topic"],
             q["queue_id"],
             _count(q["committed_offset"]),
             _count(q["end_offset"]),
             _count(q["lag"]),
+            _count(q["in_flight"]),
             _ago(q["last_progress_age_seconds"]),
         ]
         for g in view["groups"]
@@ -37,7 +39,17 @@ def format_groups(view: Mapping[str, Any]) -> str:
         )
         for g in view["groups"]
     ]
-    header = ["consumer group", "topic", "queue", "committed", "end", "lag", "last progress"]
+    header = [
+        "consumer group",
+        "reader",
+        "topic",
+        "queue",
+        "committed",
+        "end",
+        "lag",
+        "in flight",
+        "last progress",
+    ]
     return _page(view, [*section("consumer groups", header, rows), *totals])
 
 

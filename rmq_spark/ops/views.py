@@ -23,6 +23,7 @@ from rmq_spark.delta.reads import read_files
 from rmq_spark.model.config import RetentionSettings
 from rmq_spark.model.schema import TABLES
 from rmq_spark.spark.epoch_records import DROPPED, LISTED, RUNNING, staged_in
+from rmq_spark.store.deliveries import progress as serve_progress
 from rmq_spark.store.facade import Store
 
 #: Pending transactions by age: (label, upper bound in seconds).
@@ -44,31 +45,39 @@ def groups_view(
     store: Store, retention: RetentionSettings, now: datetime | None = None
 ) -> dict[str, Any]:
     """Per consumer group, topic and queue: the committed (next) offset, the end offset, the
-    lag and when the group last moved, like ``kafka-consumer-groups --describe``. A queue the
-    group has not read yet counts from the queue's earliest stored offset; messages retention
-    removed before the group read them are counted apart (``expired_unread``), not as lag."""
+    lag and when the group last moved, like ``kafka-consumer-groups --describe``: the groups
+    of Spark readers (``reader`` spark) and those ``rmqtx serve`` serves to RocketMQ clients
+    (``reader`` serve: their committed offset is the next one never handed out, and their lag
+    counts the messages in flight too). A queue the group has not read yet counts from the
+    queue's earliest stored offset; messages retention removed before the group read them are
+    counted apart (``expired_unread``), not as lag."""
     now = now or datetime.now(UTC)
     ends, earliest = store.next_offsets(), store.earliest_stored()
-    rows = store.shard_store(0).read("consumer_offsets").to_pylist()
-    progress: dict[tuple[str, str], dict[int, dict[str, Any]]] = {}
-    for r in rows:
-        progress.setdefault((r["consumer_group"], r["topic"]), {})[r["queue_id"]] = r
+    root = store.shard_store(0)
+    progress: dict[tuple[str, str, str], dict[int, tuple[int | None, int, datetime]]] = {}
+    for r in root.read("consumer_offsets").to_pylist():
+        key = ("spark", r["consumer_group"], r["topic"])
+        progress.setdefault(key, {})[r["queue_id"]] = (r["next_offset"], 0, r["updated_timestamp"])
+    for (group, topic), queues in serve_progress(root.read("deliveries")).items():
+        progress[("serve", group, topic)] = {
+            q: (p.frontier, p.in_flight, p.changed) for q, p in queues.items()
+        }
     groups = []
-    for (group, topic), done in sorted(progress.items()):
+    for (reader, group, topic), done in sorted(progress.items(), key=lambda kv: kv[0][1:]):
         queue_ids = sorted({q for t, q in ends if t == topic} | set(done))
         queues = []
         for q in queue_ids:
-            end, row = ends.get((topic, q), 0), done.get(q)
-            committed = row["next_offset"] if row else None
+            end = ends.get((topic, q), 0)
+            committed, in_flight, moved = done.get(q, (None, 0, None))
             first = earliest.get((topic, q), 0)
             start = max(committed, first) if committed is not None else first
-            moved = row["updated_timestamp"] if row else None
             queues.append(
                 {
                     "queue_id": q,
                     "committed_offset": committed,
                     "end_offset": end,
-                    "lag": max(0, end - start),
+                    "lag": max(0, end - start) + in_flight,
+                    "in_flight": in_flight,
                     # Messages retention removed before the group read them (its next read
                     # fails with DATA_LOSS, or skips them with failOnDataLoss=false).
                     "expired_unread": max(0, first - committed) if committed is not None else 0,
@@ -80,6 +89,7 @@ def groups_view(
             {
                 "consumer_group": group,
                 "topic": topic,
+                "reader": reader,
                 "lag": sum(q["lag"] for q in queues),
                 "expired_unread": sum(q["expired_unread"] for q in queues),
                 "queues": queues,

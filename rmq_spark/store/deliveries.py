@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
@@ -36,6 +36,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake.exceptions import CommitFailedError
 
+from rmq_spark.delta.compaction import compact as compact_table
 from rmq_spark.delta.reads import read_files
 from rmq_spark.delta.retry import retry_commits
 from rmq_spark.model.errors import InvalidOptionError, RmqSparkError
@@ -614,6 +615,85 @@ class _CommitLogView:
             )
         ]
         return self._deliveries.read_range(files, queue_id, first, end)
+
+
+@dataclass(frozen=True)
+class QueueProgress:
+    """Where a consumer group of ``rmqtx serve`` is in one queue."""
+
+    #: The next offset never handed out to the group (None: the queue was never looked at,
+    #: it starts at its first stored message).
+    frontier: int | None
+    #: Messages handed out and neither acknowledged nor dead-lettered.
+    in_flight: int
+    #: When the group's state of this queue last changed.
+    changed: datetime
+
+
+def progress(rows: pa.Table) -> dict[tuple[str, str], dict[int, QueueProgress]]:
+    """Per (group, topic) and queue, where each consumer group is, from the rows of the
+    ``deliveries`` table."""
+    last = rows.group_by(["consumer_group", "topic", "queue_id"]).aggregate(
+        [("recorded_timestamp", "max")]
+    )
+    out: dict[tuple[str, str], dict[int, QueueProgress]] = {}
+    for group in pc.unique(rows.column("consumer_group")).to_pylist():
+        state = _replay(rows.filter(pc.equal(rows.column("consumer_group"), group)))
+        flying = Counter((t, q) for t, q, _ in state.in_flight)
+        for r in last.filter(pc.equal(last.column("consumer_group"), group)).to_pylist():
+            topic, queue_id = r["topic"], r["queue_id"]
+            if queue_id < 0:
+                continue  # a topic's start
+            out.setdefault((group, topic), {})[queue_id] = QueueProgress(
+                state.frontier.get((topic, queue_id)),
+                flying[(topic, queue_id)],
+                r["recorded_timestamp_max"],
+            )
+    return out
+
+
+def trim(tables: Any, now: datetime) -> dict[str, int]:
+    """Rewrite the ``deliveries`` table as the rows that still say something, when they are
+    under half of it (else compact its small files, changing nothing): each group's starts,
+    each queue's last frontier and each message's last hand-out while it is in flight; not the
+    hand-outs and acknowledgements of messages done. The caller holds the table's compaction
+    lock; returns the metrics of :func:`rmq_spark.delta.compaction.compact`.
+
+    A group's state is the same read before and after (rows committed meanwhile stay), so
+    the servers' memory of it and their application ids stay valid; what a group costs to
+    read follows what it has in flight, not how many messages it ever consumed (rule 9)."""
+    snapshot = tables.snapshot("deliveries")
+    files = tables.data_files("deliveries", snapshot)
+    stored = sum(files.column("num_records").to_pylist())
+    if not stored:
+        return {"numFilesRemoved": 0, "numFilesAdded": 0}
+    rows = read_files(
+        files.column("uri").to_pylist(),
+        DELIVERIES_SCHEMA,
+        tables.storage_options,
+        sizes=files.column("size_bytes").to_pylist(),
+    )
+    kept = _Changes(now)
+    for group in pc.unique(rows.column("consumer_group")).to_pylist():
+        state = _replay(rows.filter(pc.equal(rows.column("consumer_group"), group)))
+        for topic in sorted(state.started):
+            kept.add(group, topic, -1, 0, "start")
+        for (topic, queue_id), offset in sorted(state.frontier.items()):
+            kept.add(group, topic, queue_id, offset, "frontier")
+        for handout in state.in_flight.values():
+            kept.handed(group, handout)
+    if 2 * len(kept.rows) > stored:
+        return compact_table(tables, "deliveries")
+    adds = tables.write("deliveries", [pa.Table.from_pylist(kept.rows, schema=DELIVERIES_SCHEMA)])
+    removes = [
+        {"path": p, "size": n, "partition_values": {}}
+        for p, n in zip(
+            files.column("path").to_pylist(), files.column("size_bytes").to_pylist(), strict=True
+        )
+    ]
+    tables.commit("deliveries", adds, snapshot, info={"rmqtx.operation": "trim"}, removes=removes)
+    log.debug("trimmed deliveries: %d rows to %d", stored, len(kept.rows))
+    return {"numFilesRemoved": len(removes), "numFilesAdded": len(adds)}
 
 
 def _seen(group: str, head: Any) -> dict[str, int]:

@@ -27,6 +27,7 @@ from rmq_spark.model.failpoints import failpoint
 from rmq_spark.model.messages import new_id
 from rmq_spark.model.schema import LOCKS_SCHEMA, TABLES, TIMESTAMP
 from rmq_spark.store.context import StoreConcept, StoreContext
+from rmq_spark.store.deliveries import trim as trim_deliveries
 from rmq_spark.store.queues import published_op_version
 from rmq_spark.store.reads import COPY_KEYS, NEWEST, query
 
@@ -119,9 +120,12 @@ class Maintenance(StoreConcept):
                 log.debug("%s is being compacted by another process; skipped", name)
                 continue
             try:
-                metrics = compact_table(
-                    self.tables, name, COPY_KEYS.get(name, ()), NEWEST.get(name, ())
-                )
+                if name == "deliveries":
+                    metrics = trim_deliveries(self.tables, self.clock())
+                else:
+                    metrics = compact_table(
+                        self.tables, name, COPY_KEYS.get(name, ()), NEWEST.get(name, ())
+                    )
             except CommitFailedError as exc:
                 log.debug("compaction of %s lost a race (%s); the next one will do it", name, exc)
                 continue

@@ -140,8 +140,8 @@ def test_each_page_shows_the_store(spark, store: Store, ui: str, browser) -> Non
         [c.strip() for c in r.locator("td").all_inner_texts()]
         for r in groups.locator("table.data tbody tr").all()
     ]
-    assert [(r[0], r[1], int(r[2]), r[4], r[5]) for r in rows] == [
-        ("billing", "Orders", q["queue_id"], f"{q['end_offset']:,}", f"{q['lag']:,}")
+    assert [(r[0], r[1], r[2], int(r[3]), r[5], r[6]) for r in rows] == [
+        ("billing", "spark", "Orders", q["queue_id"], f"{q['end_offset']:,}", f"{q['lag']:,}")
         for q in billing["queues"]
     ]
     groups.wait_for_function(  # the lag sampler's points come in as the page refreshes

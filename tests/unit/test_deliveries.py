@@ -237,3 +237,40 @@ def test_a_handle_that_is_not_one_is_refused(store):
     receive(store)
     for handle in ("", "x", "1.2.3", "a.b.c.d.e"):
         assert isinstance(ack(store, handle), InvalidHandleError)
+
+
+def test_maintenance_trims_what_is_done_and_the_groups_read_the_same(root, store, clock):
+    other = open_store(root, clock)  # a server whose memory of the group predates the trim
+    receive(store)
+    send(store, *(f"m{i}" for i in range(30)))
+    for _ in range(3):
+        for r in receive(store, n=10):
+            ack(store, r.handout.handle)
+    send(store, "held")
+    held = receive(other, invisible=10)
+    assert bodies(held) == [b"held"]
+    before = store.read("deliveries").num_rows
+    store.compact("deliveries")
+    rows = store.read("deliveries")
+    assert rows.num_rows < before / 5
+    assert set(rows.column("kind").to_pylist()) == {"start", "frontier", "deliver"}
+    # The same state, read again or kept in memory: the held message is still in flight.
+    restarted = open_store(root, clock)
+    assert receive(restarted) == [] and receive(store) == []
+    assert ack(other, held[0].handout.handle) is None
+    clock.passes(60)
+    assert receive(restarted) == []
+
+
+def test_status_shows_a_serve_group_with_its_lag_and_messages_in_flight(store):
+    from rmq_spark.model.config import RetentionSettings
+    from rmq_spark.ops.views import groups_view
+
+    receive(store)
+    send(store, "a", "b", "c")
+    got = receive(store, n=2)
+    ack(store, got[0].handout.handle)
+    (group,) = groups_view(store, RetentionSettings())["groups"]
+    # One message in flight, one never handed out.
+    assert (group["consumer_group"], group["reader"], group["topic"]) == ("g", "serve", "T")
+    assert group["lag"] == 2 and sum(q["in_flight"] for q in group["queues"]) == 1

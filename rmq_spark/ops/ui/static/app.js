@@ -106,12 +106,12 @@ const PAGES = {
   async groups(page) {
     const [view, lag] = await Promise.all([api("groups"), api("lag")]);
     const rows = view.groups.flatMap((g) => g.queues.map((q) => [
-      g.consumer_group, g.topic, q.queue_id, count(q.committed_offset), count(q.end_offset), count(q.lag),
-      ago(view, q.last_progress), count(q.expired_unread)]));
+      g.consumer_group, g.reader, g.topic, q.queue_id, count(q.committed_offset), count(q.end_offset),
+      count(q.lag), count(q.in_flight), ago(view, q.last_progress), count(q.expired_unread)]));
     page.append(el("h2", {}, "Consumer groups"), rows.length
-      ? table([["consumer group"], ["topic"], ["queue", 1], ["committed", 1], ["end", 1], ["lag", 1], ["last progress"], ["expired unread", 1]],
-        rows, (r) => (r[5] !== "0" || r[7] !== "0" ? "lagging" : ""))
-      : el("p", { class: "muted" }, "No consumer group has recorded progress (the source's consumerGroup option)."));
+      ? table([["consumer group"], ["reader"], ["topic"], ["queue", 1], ["committed", 1], ["end", 1], ["lag", 1], ["in flight", 1], ["last progress"], ["expired unread", 1]],
+        rows, (r) => (r[6] !== "0" || r[9] !== "0" ? "lagging" : ""))
+      : el("p", { class: "muted" }, "No consumer group has recorded progress (the source's consumerGroup option, or a RocketMQ consumer of rmqtx serve)."));
     const names = Object.keys(lag.series);
     const times = [...new Set(names.flatMap((n) => lag.series[n].map(([t]) => t)))].sort();
     const x = times.map((t) => Date.parse(t) / 1000);
