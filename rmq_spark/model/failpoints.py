@@ -23,7 +23,9 @@ new pending rows, committed nothing yet), ``deltacommit.staged`` and ``deltacomm
 layout 3, no shard made yet), ``storage.probed`` (an S3 conditional-write probe is written,
 not yet removed), ``layout.table`` (a new store's or shard's first table is created, the
 others not yet), ``layout.staged`` (a marker is staged on local disk, not renamed into place)
-and ``shards.made`` (the shards' markers are in place, the root's count not raised yet).
+and ``shards.made`` (the shards' markers are in place, the root's count not raised yet);
+``deliveries.decided`` (messages decided for a dead-letter topic are committed, not yet
+published there; :mod:`rmq_spark.store.deliveries`).
 """
 
 from __future__ import annotations

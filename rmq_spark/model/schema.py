@@ -152,8 +152,9 @@ EPOCH_STATE_COLUMNS = [
 #: ``PushConsumer``, :mod:`rmq_spark.store.deliveries`): what each group was handed out, one row
 #: per change. ``kind`` is ``start`` (the group's first look at a topic, queue_id -1),
 #: ``frontier`` (the next offset of a queue never handed out), ``deliver`` (a message handed out,
-#: invisible to the group until ``invisible_until``; ``change`` counts its extensions) or
-#: ``done`` (acknowledged, or sent to the group's dead-letter topic).
+#: invisible to the group until ``invisible_until``; ``change`` counts its extensions),
+#: ``dead`` (decided for the group's dead-letter topic) or ``done`` (acknowledged, or
+#: published to the dead-letter topic).
 DELIVERIES_SCHEMA = pa.schema(
     [
         pa.field("consumer_group", pa.string(), nullable=False),

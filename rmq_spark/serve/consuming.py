@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Mapping
-from datetime import UTC, datetime
+from datetime import timedelta
 from typing import Any
 
 import grpc
@@ -34,7 +34,7 @@ from rocketmq.grpc_protocol import service_pb2 as service_pb
 
 from rmq_spark.group_commit import GroupCommitter
 from rmq_spark.model.errors import InvalidMessageError, RmqSparkError
-from rmq_spark.model.messages import check_group, is_tag
+from rmq_spark.model.messages import TOPIC_MAX_LENGTH, check_group, is_tag
 from rmq_spark.serve import calls
 from rmq_spark.serve.accounts import Account, check_subscribe
 from rmq_spark.serve.auth import authenticate
@@ -53,6 +53,7 @@ from rmq_spark.store.deliveries import (
     Receive,
     Received,
     Sweep,
+    dead_letter_topic,
 )
 
 log = logging.getLogger("rmq_spark.serve.service")
@@ -67,8 +68,8 @@ _INVISIBLE_SECONDS = (1.0, 12 * 3600.0)
 _DEFAULT_INVISIBLE_SECONDS = 60.0
 #: The most messages one receive hands out (RocketMQ's clients ask for 32 at most by default).
 MAX_RECEIVE_BATCH = 1024
-#: How long a receive waits when the client says nothing (the clients' default).
-_DEFAULT_POLLING_SECONDS = 20.0
+#: How long a receive waits when the client says nothing (the clients' default), and at most.
+_DEFAULT_POLLING_SECONDS, _MAX_POLLING_SECONDS = 20.0, 30.0
 #: How much of a receive's deadline is kept for the reply to reach the client.
 _REPLY_MARGIN_SECONDS = 1.0
 
@@ -106,9 +107,17 @@ def _seconds(duration: duration_pb2.Duration) -> float:
 
 def _group(name: str) -> str:
     try:
-        return check_group(name)
+        check_group(name)
     except InvalidMessageError as exc:
         raise RequestError(Code.ILLEGAL_CONSUMER_GROUP, exc.message) from exc
+    if len(dead_letter_topic(name)) > TOPIC_MAX_LENGTH:  # its dead letters need a topic name
+        raise RequestError(
+            Code.ILLEGAL_CONSUMER_GROUP,
+            f"consumer group {name[:40]!r}... is {len(name)} characters long; a group that "
+            f"consumes is at most {TOPIC_MAX_LENGTH - len(dead_letter_topic(''))} (its "
+            "dead-letter topic is named after it).",
+        )
+    return name
 
 
 def _invisible(duration: duration_pb2.Duration, low: float = _INVISIBLE_SECONDS[0]) -> float:
@@ -122,9 +131,9 @@ def _invisible(duration: duration_pb2.Duration, low: float = _INVISIBLE_SECONDS[
     return seconds
 
 
-def received_message(received: Received, topic: str) -> pb.Message:
+def received_message(received: Received, topic: str, invisible_seconds: float) -> pb.Message:
     """A message handed out, as the client gets it: with its receipt handle, its delivery
-    attempt and its offset."""
+    attempt, its offset and the invisible duration it was handed out for."""
     row, handout = received.message, received.handout
     kind = pb.TRANSACTION if row["transaction_id"] else pb.NORMAL
     message = stored_message(row, topic, kind)
@@ -132,7 +141,7 @@ def received_message(received: Received, topic: str) -> pb.Message:
     system.queue_offset = row["queue_offset"]
     system.receipt_handle = handout.handle
     system.delivery_attempt = handout.attempt
-    system.invisible_duration.FromTimedelta(handout.invisible_until - datetime.now(UTC))
+    system.invisible_duration.FromTimedelta(timedelta(seconds=invisible_seconds))
     return message
 
 
@@ -236,7 +245,7 @@ class ConsumerCalls:
         yield delivered
         for received in got:
             yield service_pb.ReceiveMessageResponse(
-                message=received_message(received, receive.topic)
+                message=received_message(received, receive.topic, receive.invisible_seconds)
             )
         yield service_pb.ReceiveMessageResponse(status=status(Code.OK))
 
@@ -250,7 +259,7 @@ class ConsumerCalls:
         polling timeout (within the call's deadline) ends."""
         loop = asyncio.get_running_loop()
         wait = (
-            _seconds(request.long_polling_timeout)
+            min(_seconds(request.long_polling_timeout), _MAX_POLLING_SECONDS)
             if request.HasField("long_polling_timeout")
             else _DEFAULT_POLLING_SECONDS
         )

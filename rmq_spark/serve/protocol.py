@@ -57,6 +57,28 @@ RESERVED_PROPERTIES = frozenset(
 TRANSIENT_PREFIX = "__RMQ.TRANSIENT."
 #: The longest check immunity a client's ``orphaned_transaction_recovery_duration`` sets.
 _MAX_RECOVERY_SECONDS = 365 * 86400
+#: A push consumer's wait before each new attempt at a message its listener failed: RocketMQ's
+#: ``messageDelayLevel`` from 1 s (1s 5s 10s 30s 1m 2m ... 10m 20m 30m 1h 2h).
+CONSUMER_BACKOFF_SECONDS = (
+    1,
+    5,
+    10,
+    30,
+    60,
+    120,
+    180,
+    240,
+    300,
+    360,
+    420,
+    480,
+    540,
+    600,
+    1200,
+    1800,
+    3600,
+    7200,
+)
 #: The most user properties one message may have (the proxy's ``userPropertyMaxNum``).
 MAX_USER_PROPERTIES = 128
 
@@ -259,11 +281,17 @@ def settings_reply(
     if client.HasField("access_point"):
         reply.access_point.CopyFrom(client.access_point)
     consumer = client.client_type in (pb.PUSH_CONSUMER, pb.SIMPLE_CONSUMER)
-    reply.backoff_policy.max_attempts = max_delivery_attempts if consumer else 3
-    backoff = reply.backoff_policy.exponential_backoff
-    backoff.initial.CopyFrom(duration_pb2.Duration(nanos=10_000_000))
-    backoff.max.CopyFrom(duration_pb2.Duration(seconds=1))
-    backoff.multiplier = 2.0
+    if consumer:  # how long a push consumer waits before a failed message comes back
+        reply.backoff_policy.max_attempts = max_delivery_attempts
+        reply.backoff_policy.customized_backoff.next.extend(
+            duration_pb2.Duration(seconds=s) for s in CONSUMER_BACKOFF_SECONDS
+        )
+    else:
+        reply.backoff_policy.max_attempts = 3
+        backoff = reply.backoff_policy.exponential_backoff
+        backoff.initial.CopyFrom(duration_pb2.Duration(nanos=10_000_000))
+        backoff.max.CopyFrom(duration_pb2.Duration(seconds=1))
+        backoff.multiplier = 2.0
     if client.HasField("request_timeout"):
         reply.request_timeout.CopyFrom(client.request_timeout)
     else:

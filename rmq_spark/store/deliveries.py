@@ -25,6 +25,7 @@ random nonce): acknowledging or extending needs the latest one, before it expire
 from __future__ import annotations
 
 import logging
+import random
 import secrets
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -39,7 +40,9 @@ from deltalake.exceptions import CommitFailedError
 from rmq_spark.delta.compaction import compact as compact_table
 from rmq_spark.delta.reads import read_files
 from rmq_spark.delta.retry import retry_commits
+from rmq_spark.delta.txnlog import follow
 from rmq_spark.model.errors import InvalidOptionError, RmqSparkError
+from rmq_spark.model.failpoints import failpoint
 from rmq_spark.model.messages import Message
 from rmq_spark.model.schema import COMMITLOG_SCHEMA, DELIVERIES_SCHEMA
 from rmq_spark.store.context import StoreConcept, StoreContext
@@ -55,6 +58,9 @@ DLQ_PREFIX = "%DLQ%"
 RETRY_TOPIC, ORIGIN_MESSAGE_ID = "RETRY_TOPIC", "ORIGIN_MESSAGE_ID"
 #: Where a group starts on a topic it never looked at.
 STARTS = ("latest", "earliest")
+#: Seconds after which a message decided for the dead-letter topic and not recorded as
+#: published there is published again (the process that decided it was killed).
+ORPHANED_DEAD_SECONDS = 60.0
 #: How many offsets of one queue a receive reads at most beyond what it hands out.
 _READ_AHEAD = 1024
 #: Data files of the CommitLog kept read (each file once; they never change).
@@ -134,6 +140,14 @@ class Sweep:
     invisible duration ended, as RocketMQ's broker does without waiting for a receive."""
 
 
+@dataclass(frozen=True)
+class _Published:
+    """The message ``key`` of ``group`` is in the dead-letter topic: it is done."""
+
+    group: str
+    key: tuple[str, int, int]
+
+
 Request = Receive | Ack | ChangeInvisible | DeadLetter | Sweep
 
 
@@ -176,6 +190,9 @@ class _Group:
     frontier: dict[tuple[str, int], int] = field(default_factory=dict)
     started: set[str] = field(default_factory=set)
     in_flight: dict[tuple[str, int, int], Handout] = field(default_factory=dict)
+    #: Messages decided for the dead-letter topic and not yet known to be published there:
+    #: when it was decided.
+    dead: dict[tuple[str, int, int], datetime] = field(default_factory=dict)
     done: OrderedDict[str, None] = field(default_factory=OrderedDict)
     seen: dict[str, int] = field(default_factory=dict)
 
@@ -187,7 +204,9 @@ class _Changes:
         self.now = now
         self.rows: list[dict[str, Any]] = []
         self.touched: dict[str, str] = {}  # application id -> group
-        self.dead: list[tuple[str, Message]] = []
+        #: (group, message key) to publish to the dead-letter topic after this batch's commit:
+        #: decided in it, or decided long ago by a process killed before it published them.
+        self.dead: list[tuple[str, tuple[str, int, int]]] = []
 
     def add(self, group: str, topic: str, queue_id: int, offset: int, kind: str, **more) -> None:
         self.rows.append(
@@ -238,8 +257,10 @@ class Deliveries(StoreConcept):
         self._groups: dict[str, _Group] = {}
         #: The groups of the batch being served that were not read from the table for it.
         self._unread: set[str] = set()
+        #: The head of the batch being served.
+        self._head: Any = None
         self._files: OrderedDict[str, pa.Table] = OrderedDict()
-        self._next_queue: dict[str, int] = {}
+        self._commitlog: tuple[int, Any, dict, dict, list[dict[str, Any]]] | None = None
 
     def configure(self, *, max_attempts: int, start: str) -> None:
         """Set the delivery attempts before a message is dead-lettered, and where new groups
@@ -267,6 +288,7 @@ class Deliveries(StoreConcept):
         groups = {r.group for r in requests if not isinstance(r, Sweep)} | overdue
         if not groups:
             return [None] * len(requests)
+        decided: list[tuple[str, tuple[str, int, int]]] = []
 
         def attempt(n: int) -> list[Any]:
             if n:
@@ -281,16 +303,55 @@ class Deliveries(StoreConcept):
                     for r in requests
                 ]
                 for g in overdue:
-                    self._dead_letter_overdue(g, states[g], changes, view)
+                    self._dead_letter_overdue(g, states[g], changes)
+                    changes.dead += [(g, key) for key in self._orphaned(states[g], changes.now)]
                 if changes.rows:
                     self._commit(changes, states, head)
             except BaseException:
                 for g in groups:  # what this attempt changed in memory is not in the table
                     self._groups.pop(g, None)
                 raise
+            decided.extend(changes.dead)
             return results
 
-        return retry_commits(f"serve {len(requests)} consumer request(s)", "deliveries", attempt)
+        results = retry_commits(f"serve {len(requests)} consumer request(s)", "deliveries", attempt)
+        if decided:
+            failpoint("deliveries.decided")
+            self._publish_dead(decided)
+        return results
+
+    def _publish_dead(self, decided: list[tuple[str, tuple[str, int, int]]]) -> None:
+        """Publish the messages decided for their group's dead-letter topic (after the commit
+        that decided them: no other process hands them out or acknowledges them any more),
+        then record them done. Killed in between, a message is published again by the next
+        sweep of a process that serves its group, once :data:`ORPHANED_DEAD_SECONDS` passed:
+        the dead-letter topic gets it at least once."""
+        view = _CommitLogView(self)
+        by_group: dict[str, list[Message]] = {}
+        for group, (topic, queue_id, offset) in decided:
+            for row in view.messages(topic, queue_id, offset, 1):
+                properties = {
+                    **dict(row["properties"] or []),
+                    RETRY_TOPIC: topic,
+                    ORIGIN_MESSAGE_ID: row["msg_id"],
+                }
+                message = Message(
+                    dead_letter_topic(group),
+                    row["body"],
+                    tags=row["tags"],
+                    keys=row["keys"],
+                    properties=properties,
+                )
+                by_group.setdefault(group, []).append(message)
+        for group, messages in by_group.items():
+            self._send(messages, group)
+        self.handle([_Published(group, key) for group, key in decided])
+
+    def _orphaned(self, state: _Group, now: datetime) -> list[tuple[str, int, int]]:
+        """Messages decided for the dead-letter topic so long ago that the process that decided
+        them was killed before it published them."""
+        since = now - timedelta(seconds=ORPHANED_DEAD_SECONDS)
+        return [key for key, decided in state.dead.items() if decided <= since]
 
     def _overdue(self, now: datetime) -> set[str]:
         """The groups in memory with a message whose last hand-out ended unacknowledged."""
@@ -298,6 +359,7 @@ class Deliveries(StoreConcept):
             group
             for group, state in self._groups.items()
             if any(self._last(h, now) for h in state.in_flight.values())
+            or self._orphaned(state, now)
         }
 
     def _last(self, handout: Handout, now: datetime) -> bool:
@@ -305,21 +367,14 @@ class Deliveries(StoreConcept):
         return handout.attempt >= self.max_attempts and handout.invisible_until <= now
 
     def _dead_letter_overdue(
-        self,
-        group: str,
-        state: _Group,
-        changes: _Changes,
-        view: _CommitLogView,
-        topic: str | None = None,
+        self, group: str, state: _Group, changes: _Changes, topic: str | None = None
     ) -> None:
         """Dead-letter the group's messages (of ``topic``, or all) whose last hand-out ended."""
         for key, handout in sorted(state.in_flight.items()):
             if (topic is None or key[0] == topic) and self._last(handout, changes.now):
-                self._dead_letter(group, handout, state, changes, view)
+                self._dead_letter(group, handout, state, changes)
 
     def _commit(self, changes: _Changes, states: Mapping[str, _Group], head: Any) -> None:
-        for group, message in changes.dead:  # before they are marked done: at least once
-            self._send([message], group)
         rows = pa.Table.from_pylist(changes.rows, schema=DELIVERIES_SCHEMA)
         files = self.tables.write("deliveries", [rows])
         version = head.version + 1
@@ -340,7 +395,7 @@ class Deliveries(StoreConcept):
                 state = self._groups[g] = states[g] = _replay(self._rows_of(g, head.snapshot))
                 state.seen = _seen(g, head)
             loaded |= stale
-        self._unread = groups - loaded
+        self._unread, self._head = groups - loaded, head
         return states, head
 
     def _rows_of(self, group: str, snapshot: Any) -> pa.Table:
@@ -363,6 +418,10 @@ class Deliveries(StoreConcept):
     def _serve(self, request: Request, state: _Group, changes: _Changes, view: _CommitLogView):
         if isinstance(request, Receive):
             return self._receive(request, state, changes, view)
+        if isinstance(request, _Published):
+            if state.dead.pop(request.key, None) is not None:
+                changes.add(request.group, *request.key, "done")
+            return None
         try:
             handout = self._valid(request, state, changes.now)
         except InvalidHandleError as exc:
@@ -380,7 +439,7 @@ class Deliveries(StoreConcept):
             changes.handed(request.group, later)
             return later.handle
         if isinstance(request, DeadLetter):
-            self._dead_letter(request.group, handout, state, changes, view)
+            self._dead_letter(request.group, handout, state, changes)
             return None
         self._done(request.group, handout, state, changes)
         return None
@@ -390,31 +449,47 @@ class Deliveries(StoreConcept):
         None for one acknowledged already."""
         if request.handle in state.done and isinstance(request, Ack):
             return None
+        shown = f"{request.handle[:80]!r}"  # a client's text: not echoed whole
         try:
             queue_id, offset, attempt, change, _ = request.handle.split(".")
             key = (request.topic, int(queue_id), int(offset))
             int(attempt), int(change)
         except ValueError:
             raise InvalidHandleError(
-                f"receipt handle {request.handle[:80]!r} is not one this server gave out."
+                f"receipt handle {shown} is not one this server gave out."
             ) from None
         handout = state.in_flight.get(key)
-        if (handout is None or handout.handle != request.handle) and request.group in self._unread:
+        if (handout is None or handout.handle != request.handle) and self._may_reread(
+            request.group
+        ):
             # Another process may have handed it out, or acknowledged it: read the group again.
-            raise CommitFailedError(f"receipt handle {request.handle!r} is not known here")
+            raise CommitFailedError(f"receipt handle {shown} is not known here")
         if handout is None or handout.handle != request.handle:
             raise InvalidHandleError(
-                f"receipt handle {request.handle!r} of topic {request.topic!r} is not the latest "
-                "of a message in flight: the message was acknowledged, or handed out again "
-                "after its invisible duration ended."
+                f"receipt handle {shown} of topic {request.topic!r} is not the latest of a "
+                "message in flight: the message was acknowledged, or handed out again after its "
+                "invisible duration ended."
             )
         if handout.invisible_until <= now:
             raise InvalidHandleError(
-                f"receipt handle {request.handle!r} expired at "
-                f"{handout.invisible_until.isoformat()}: the message is handed out again. "
-                "Ask for a longer invisible duration, or extend it (ChangeInvisibleDuration)."
+                f"receipt handle {shown} expired at {handout.invisible_until.isoformat()}: the "
+                "message is handed out again. Ask for a longer invisible duration, or extend it "
+                "(ChangeInvisibleDuration)."
             )
         return handout
+
+    def _may_reread(self, group: str) -> bool:
+        """Whether a handle unknown here is reason to read ``group`` again: it was not read
+        for this batch, and the log's entries after this process's head show that another
+        process changed it (a made-up handle costs a look at the log, not a read of the
+        group)."""
+        if group not in self._unread:
+            return False
+        head = self._head
+        followed = follow(
+            self.tables.uri("deliveries"), self.settings.storage_options, head.version, head.txns
+        )
+        return followed is None or _seen_in(group, followed[1]) != self._groups[group].seen
 
     def _done(self, group: str, handout: Handout, state: _Group, changes: _Changes) -> None:
         del state.in_flight[handout.key]
@@ -431,37 +506,25 @@ class Deliveries(StoreConcept):
             handle=handout.handle,
         )
 
-    def _dead_letter(
-        self,
-        group: str,
-        handout: Handout,
-        state: _Group,
-        changes: _Changes,
-        view: _CommitLogView,
-    ) -> None:
-        rows = view.messages(handout.topic, handout.queue_id, handout.queue_offset, 1)
-        if rows:
-            row = rows[0]
-            properties = {
-                **dict(row["properties"] or []),
-                RETRY_TOPIC: handout.topic,
-                ORIGIN_MESSAGE_ID: row["msg_id"],
-            }
-            message = Message(
-                dead_letter_topic(group),
-                row["body"],
-                tags=row["tags"],
-                keys=row["keys"],
-                properties=properties,
-            )
-            changes.dead.append((group, message))
+    def _dead_letter(self, group: str, handout: Handout, state: _Group, changes: _Changes) -> None:
+        """Decide to send a message to the group's dead-letter topic: recorded with the
+        batch's commit, published after it (:meth:`_publish_dead`)."""
+        del state.in_flight[handout.key]
+        state.dead[handout.key] = changes.now
+        changes.add(
+            group,
+            *handout.key,
+            "dead",
+            attempt=handout.attempt,
+            handle=handout.handle,
+        )
+        changes.dead.append((group, handout.key))
         log.info(
             "consumer group %s: message %s.%d.%d dead-lettered after %d attempt(s)",
             group,
             *handout.key,
             handout.attempt,
         )
-        self._done(group, handout, state, changes)
 
     def _receive(
         self, request: Receive, state: _Group, changes: _Changes, view: _CommitLogView
@@ -470,7 +533,7 @@ class Deliveries(StoreConcept):
         invisible = now + timedelta(seconds=request.invisible_seconds)
         if topic not in state.started:
             self._start(group, topic, state, changes, view)
-        self._dead_letter_overdue(group, state, changes, view, topic)
+        self._dead_letter_overdue(group, state, changes, topic)
         out: list[Received] = []
         for key, handout in sorted(state.in_flight.items()):
             if len(out) >= request.max_messages:
@@ -484,8 +547,7 @@ class Deliveries(StoreConcept):
             again = Handout(topic, key[1], key[2], handout.attempt + 1, 0, invisible, _nonce())
             out.append(self._hand(group, again, rows[0], state, changes))
         queues = sorted(q for t, q in view.next_offsets if t == topic)
-        first = self._next_queue.get(topic, 0)
-        self._next_queue[topic] = first + 1
+        first = random.randrange(len(queues)) if queues else 0  # servers of a group spread
         for i in range(len(queues)):
             queue_id = queues[(first + i) % len(queues)]
             wanted = request.max_messages - len(out)
@@ -516,7 +578,7 @@ class Deliveries(StoreConcept):
         """A group's first look at a topic: each queue's fresh messages start at its end
         (``latest``) or at its first stored message; queues without messages yet start at 0."""
         for (t, queue_id), end in view.next_offsets.items():
-            if t == topic:
+            if t == topic and (topic, queue_id) not in state.frontier:
                 begin = end if self.start == "latest" else view.earliest(t, queue_id)
                 state.frontier[(topic, queue_id)] = begin
                 changes.add(group, topic, queue_id, begin, "frontier")
@@ -536,6 +598,22 @@ class Deliveries(StoreConcept):
         return Received(handout, row)
 
     # ------------------------------------------------------------------ the CommitLog
+    def commitlog(self) -> tuple[Any, dict, dict, list[dict[str, Any]]]:
+        """The latest CommitLog snapshot, its queues' next and earliest offsets and its data
+        files, kept while its version stays (a long poll looks every 100 ms: one read of the
+        log's next entry then, not a listing of the log)."""
+        version = self.tables.latest_version("commitlog")
+        if self._commitlog is None or self._commitlog[0] != version:
+            snapshot = self.tables.snapshot("commitlog")
+            self._commitlog = (
+                snapshot.version(),
+                snapshot,
+                next_offsets(self.tables, snapshot),
+                earliest_stored(self.tables, snapshot),
+                self.tables.data_files("commitlog", snapshot).to_pylist(),
+            )
+        return self._commitlog[1:]
+
     def read_range(self, files: Sequence[Mapping[str, Any]], queue_id: int, first: int, end: int):
         """The CommitLog rows of one queue's offsets ``[first, end)`` in ``files`` (its data
         files whose statistics admit them), in offset order; small files are kept read."""
@@ -577,14 +655,11 @@ class _CommitLogView:
         self._snapshot: Any = None
         self._next: dict[tuple[str, int], int] = {}
         self._earliest: dict[tuple[str, int], int] = {}
-        self._files: list[dict[str, Any]] | None = None
+        self._files: list[dict[str, Any]] = []
 
     def _load(self) -> None:
         if self._snapshot is None:
-            tables = self._deliveries.tables
-            self._snapshot = tables.snapshot("commitlog")
-            self._next = next_offsets(tables, self._snapshot)
-            self._earliest = earliest_stored(tables, self._snapshot)
+            self._snapshot, self._next, self._earliest, self._files = self._deliveries.commitlog()
 
     @property
     def next_offsets(self) -> dict[tuple[str, int], int]:
@@ -600,9 +675,6 @@ class _CommitLogView:
     def messages(self, topic: str, queue_id: int, first: int, count: int) -> list[dict[str, Any]]:
         """The rows of ``count`` offsets of a queue from ``first`` (those stored)."""
         self._load()
-        if self._files is None:
-            tables = self._deliveries.tables
-            self._files = tables.data_files("commitlog", self._snapshot).to_pylist()
         end = first + count
         files = [
             f
@@ -682,6 +754,8 @@ def trim(tables: Any, now: datetime) -> dict[str, int]:
             kept.add(group, topic, queue_id, offset, "frontier")
         for handout in state.in_flight.values():
             kept.handed(group, handout)
+        for key, decided in state.dead.items():  # not yet known to be published
+            kept.add(group, *key, "dead", recorded_timestamp=decided)
     if 2 * len(kept.rows) > stored:
         return compact_table(tables, "deliveries")
     adds = tables.write("deliveries", [pa.Table.from_pylist(kept.rows, schema=DELIVERIES_SCHEMA)])
@@ -698,8 +772,12 @@ def trim(tables: Any, now: datetime) -> dict[str, int]:
 
 def _seen(group: str, head: Any) -> dict[str, int]:
     """The versions of ``group``'s application ids in a head."""
+    return _seen_in(group, head.txns)
+
+
+def _seen_in(group: str, txns: Mapping[str, int]) -> dict[str, int]:
     prefix = _group_prefix(group)
-    return {a: v for a, v in head.txns.items() if a.startswith(prefix)}
+    return {a: v for a, v in txns.items() if a.startswith(prefix)}
 
 
 def _nonce() -> str:
@@ -711,6 +789,7 @@ def _replay(rows: pa.Table) -> _Group:
     state = _Group()
     latest: dict[tuple[str, int, int], Handout] = {}
     done: set[tuple[str, int, int]] = set()
+    dead: dict[tuple[str, int, int], datetime] = {}
     for r in rows.to_pylist():
         key = (r["topic"], r["queue_id"], r["queue_offset"])
         kind = r["kind"]
@@ -721,7 +800,10 @@ def _replay(rows: pa.Table) -> _Group:
             state.frontier[queue] = max(state.frontier.get(queue, 0), r["queue_offset"])
         elif kind == "done":
             done.add(key)
-            state.done[r["handle"]] = None
+            if r["handle"] is not None:
+                state.done[r["handle"]] = None
+        elif kind == "dead":
+            dead[key] = r["recorded_timestamp"]
         elif kind == "deliver":
             handout = Handout(
                 *key, r["attempt"], r["change"], r["invisible_until"], r["handle"].rsplit(".")[-1]
@@ -729,5 +811,6 @@ def _replay(rows: pa.Table) -> _Group:
             known = latest.get(key)
             if known is None or (known.attempt, known.change) < (handout.attempt, handout.change):
                 latest[key] = handout
-    state.in_flight = {k: h for k, h in latest.items() if k not in done}
+    state.in_flight = {k: h for k, h in latest.items() if k not in done and k not in dead}
+    state.dead = {k: t for k, t in dead.items() if k not in done}
     return state

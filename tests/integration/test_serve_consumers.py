@@ -190,7 +190,7 @@ def test_a_push_consumer_and_dead_letters_after_the_last_attempt(
     server: Server, tmp_path: Path
 ) -> None:
     produce(server.root, "Stock3", normal=["fine", "poison"])
-    result = consume(tmp_path / "push", server, "push", "pusher", "Stock3", "1", "12", "poison")
+    result = consume(tmp_path / "push", server, "push", "pusher", "Stock3", "12", "poison")
     consumed = result["consumed"]
     assert [c["attempt"] for c in consumed if c["body"] == "fine"] == [1]
     assert sorted(c["attempt"] for c in consumed if c["body"] == "poison") == [1, 2]

@@ -4,6 +4,11 @@ serving one group (two stores opened on one root), on real Delta tables."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -27,7 +32,7 @@ class Clock:
     """A clock the test moves."""
 
     def __init__(self) -> None:
-        self.now = datetime(2026, 11, 27, 12, 0, tzinfo=UTC)
+        self.now = datetime.now(UTC)
 
     def __call__(self) -> datetime:
         return self.now
@@ -274,3 +279,76 @@ def test_status_shows_a_serve_group_with_its_lag_and_messages_in_flight(store):
     # One message in flight, one never handed out.
     assert (group["consumer_group"], group["reader"], group["topic"]) == ("g", "serve", "T")
     assert group["lag"] == 2 and sum(q["in_flight"] for q in group["queues"]) == 1
+
+
+def test_a_message_acknowledged_on_another_server_is_not_dead_lettered(root, store, clock):
+    """Review: the sweep published before the commit that decided, so a message acknowledged
+    through another server (unseen by this one's memory) went to the dead-letter topic too."""
+    other = open_store(root, clock)
+    for s in (store, other):
+        s.deliveries.configure(max_attempts=1, start="latest")
+    receive(store)
+    send(store, "m")
+    (got,) = receive(store, invisible=5)  # its last attempt
+    receive(other)  # the other server knows the group
+    assert ack(other, got.handout.handle) is None
+    clock.passes(6)
+    assert store.deliveries.handle([Sweep()]) == [None]
+    assert store.query("commitlog", "topic = '%DLQ%g'").num_rows == 0
+
+
+def test_two_servers_sweeping_one_group_dead_letter_each_message_once(root, store, clock):
+    other = open_store(root, clock)
+    for s in (store, other):
+        s.deliveries.configure(max_attempts=1, start="latest")
+    receive(store)
+    send(store, "a", "b")
+    assert len(receive(store, invisible=5)) == 2
+    receive(other)
+    clock.passes(6)
+    for s in (store, other, store):
+        s.deliveries.handle([Sweep()])
+    rows = store.query("commitlog", "topic = '%DLQ%g'")
+    assert sorted(rows.column("body").to_pylist()) == [b"a", b"b"]
+    # Recorded as published: nobody sends them again, even long after.
+    clock.passes(600)
+    for s in (store, other, open_store(root, clock)):
+        s.deliveries.handle([Sweep()])
+        receive(s)
+    assert store.query("commitlog", "topic = '%DLQ%g'").num_rows == 2
+
+
+def test_a_dead_letter_decided_by_a_killed_server_is_published_by_another(root, store, clock):
+    """Killed after the commit that decided, before the publish: another server publishes it,
+    once the decision is old enough to be an orphan."""
+    from rmq_spark.store import deliveries as module
+
+    receive(store)
+    send(store, "m")
+    receive(store, invisible=0.2)
+    time.sleep(0.3)
+    code = (
+        "import sys; from pathlib import Path; from rmq_spark import Store; "
+        "from rmq_spark.store.deliveries import Receive; "
+        "s = Store.open(Path(sys.argv[1]), create=False); "
+        "s.deliveries.configure(max_attempts=1, start='latest'); "
+        "s.deliveries.handle([Receive('g', 'T', None, 1, 30.0)])"
+    )
+    env = {**os.environ, "RMQ_SPARK_FAILPOINT": "deliveries.decided"}
+    child = subprocess.run(
+        [sys.executable, "-c", code, str(root)], env=env, start_new_session=True, timeout=120
+    )
+    assert child.returncode == -signal.SIGKILL
+    assert "dead" in store.read("deliveries").column("kind").to_pylist()
+    survivor = open_store(root, clock)
+    survivor.deliveries.configure(max_attempts=1, start="latest")
+    clock.passes(5)
+    receive(survivor)  # serves the group: finds the decision, not yet an orphan
+    survivor.deliveries.handle([Sweep()])
+    assert store.query("commitlog", "topic = '%DLQ%g'").num_rows == 0
+    clock.passes(module.ORPHANED_DEAD_SECONDS + 30)  # the child's clock ran a few s ahead
+    survivor.deliveries.handle([Sweep()])
+    assert store.query("commitlog", "topic = '%DLQ%g'").num_rows == 1
+    clock.passes(600)
+    survivor.deliveries.handle([Sweep()])
+    assert store.query("commitlog", "topic = '%DLQ%g'").num_rows == 1
