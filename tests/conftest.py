@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pyarrow as pa
@@ -18,6 +19,19 @@ from rmq_spark.model.config import Settings, StoreSettings
 # The Spark processes tests start (sink children, rmqtx check, notebooks) run without the UI,
 # turned off as a user would: many at once would run out of UI ports (4040 and 16 more).
 os.environ.setdefault("PYSPARK_SUBMIT_ARGS", "--conf spark.ui.enabled=false pyspark-shell")
+
+
+class Clock:
+    """A clock a test moves by hand, from now or from ``start``."""
+
+    def __init__(self, start: datetime | None = None) -> None:
+        self.now = start or datetime.now(UTC)
+
+    def __call__(self) -> datetime:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += timedelta(seconds=seconds)
 
 
 @pytest.fixture

@@ -282,10 +282,7 @@ class ConsumerCalls:
     ) -> service_pb.AckMessageResponse:
         group = self._subscriber(account, request.topic, request.group)
         results = await asyncio.gather(
-            *(
-                self._submit(Ack(group, request.topic.name, e.receipt_handle))
-                for e in request.entries
-            )
+            *(self._ack(Ack(group, request.topic.name, e.receipt_handle)) for e in request.entries)
         )
         entries = [
             service_pb.AckMessageResultEntry(
@@ -300,6 +297,17 @@ class ConsumerCalls:
             else status(Code.MULTIPLE_RESULTS if entries else Code.OK)
         )
         return service_pb.AckMessageResponse(status=overall, entries=entries)
+
+    async def _ack(self, ack: Ack) -> Any:
+        """Acknowledge: at once when the handle is the latest of a message in flight as this
+        server knows it, the commit following in the next batch (as RocketMQ's broker writes
+        an acknowledgement after answering it: killed before, the message comes back after its
+        invisible duration); otherwise after the batch that checks it against the table."""
+        assert self._consumers is not None
+        if not self.store.deliveries.in_flight_here(ack.group, ack.topic, ack.handle):
+            return await self._submit(ack)
+        self._consumers.submit(ack).add_done_callback(_acknowledged)
+        return None
 
     @calls.signed(service_pb.ChangeInvisibleDurationResponse)
     async def ChangeInvisibleDuration(
@@ -330,6 +338,16 @@ class ConsumerCalls:
         group = self._subscriber(account, request.topic, request.group)
         _handled(await self._submit(DeadLetter(group, request.topic.name, request.receipt_handle)))
         return service_pb.ForwardMessageToDeadLetterQueueResponse(status=status(Code.OK))
+
+
+def _acknowledged(slot: Any) -> None:
+    """The outcome of an acknowledgement answered before its commit."""
+    error = slot.exception()
+    if error is not None:
+        log.warning("an acknowledgement answered OK was not recorded: %s", error)
+        return
+    if isinstance(slot.result(), InvalidHandleError):
+        log.info("an acknowledgement answered OK came too late: %s", slot.result().message)
 
 
 def _handled(result: Any) -> Any:

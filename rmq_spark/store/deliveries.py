@@ -317,7 +317,15 @@ class Deliveries(StoreConcept):
         results = retry_commits(f"serve {len(requests)} consumer request(s)", "deliveries", attempt)
         if decided:
             failpoint("deliveries.decided")
-            self._publish_dead(decided)
+            try:
+                self._publish_dead(decided)
+            except Exception as exc:  # the batch's own results stand: they are committed
+                log.warning(
+                    "publishing %d dead letter(s) failed (%s); they are published again in %.0f s",
+                    len(decided),
+                    exc,
+                    ORPHANED_DEAD_SECONDS,
+                )
         return results
 
     def _publish_dead(self, decided: list[tuple[str, tuple[str, int, int]]]) -> None:
@@ -352,6 +360,22 @@ class Deliveries(StoreConcept):
         them was killed before it published them."""
         since = now - timedelta(seconds=ORPHANED_DEAD_SECONDS)
         return [key for key, decided in state.dead.items() if decided <= since]
+
+    def in_flight_here(self, group: str, topic: str, handle: str) -> bool:
+        """Whether ``handle`` is the latest, unexpired hand-out of a message in flight as this
+        process last knew the group (read from another thread: a guess the next batch checks
+        against the table)."""
+        state = self._groups.get(group)
+        try:
+            queue_id, offset, *_ = handle.split(".")
+            handout = state.in_flight.get((topic, int(queue_id), int(offset))) if state else None
+        except ValueError:
+            return False
+        return (
+            handout is not None
+            and handout.handle == handle
+            and handout.invisible_until > self.clock()
+        )
 
     def _overdue(self, now: datetime) -> set[str]:
         """The groups in memory with a message whose last hand-out ended unacknowledged."""

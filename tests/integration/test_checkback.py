@@ -29,23 +29,10 @@ from rmq_spark.checkback.job import CheckBackJob
 from rmq_spark.model.config import TransactionSettings
 from rmq_spark.ops.demo import OrderService
 from rmq_spark.ops.status import store_status
-from tests.conftest import commitlog, foreign_compaction_after_the_stores, race
+from tests.conftest import Clock, commitlog, foreign_compaction_after_the_stores, race
 
 BY_TAG = "tests.checker_functions:by_tag"
 REPO = Path(__file__).resolve().parents[2]
-
-
-class Clock:
-    """A clock the test moves by hand."""
-
-    def __init__(self) -> None:
-        self.now = datetime.now(UTC)
-
-    def __call__(self) -> datetime:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += timedelta(seconds=seconds)
 
 
 def job(spark, store, clock, checkers=None, **settings) -> CheckBackJob:

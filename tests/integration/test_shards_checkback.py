@@ -20,18 +20,9 @@ from rmq_spark.model.schema import CONSUMER_OFFSETS_SCHEMA
 from rmq_spark.ops.cli import EXIT_OK, main
 from rmq_spark.ops.status import format_status, store_status
 from rmq_spark.store.fanout import ShardsFailedError
+from tests.conftest import Clock
 
 BY_TAG = "tests.checker_functions:by_tag"
-
-
-class Clock:
-    """A clock the test moves by hand."""
-
-    def __init__(self) -> None:
-        self.now = datetime.now(UTC)
-
-    def __call__(self) -> datetime:
-        return self.now
 
 
 @pytest.fixture

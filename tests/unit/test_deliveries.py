@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -26,19 +25,7 @@ from rmq_spark.store.deliveries import (
     Sweep,
     dead_letter_topic,
 )
-
-
-class Clock:
-    """A clock the test moves."""
-
-    def __init__(self) -> None:
-        self.now = datetime.now(UTC)
-
-    def __call__(self) -> datetime:
-        return self.now
-
-    def passes(self, seconds: float) -> None:
-        self.now += timedelta(seconds=seconds)
+from tests.conftest import Clock
 
 
 @pytest.fixture
@@ -88,7 +75,7 @@ def test_a_group_starts_at_the_end_and_gets_each_message_once_until_acknowledged
     assert receive(store) == []  # in flight: invisible to the group
     for r in got:
         assert ack(store, r.handout.handle) is None
-    clock.passes(60)
+    clock.advance(60)
     assert receive(store) == []  # acknowledged: never again
 
 
@@ -103,9 +90,9 @@ def test_not_acknowledged_comes_back_with_its_attempt_counted(store, clock):
     receive(store)
     send(store, "a")
     first = receive(store, invisible=10)[0]
-    clock.passes(9)
+    clock.advance(9)
     assert receive(store) == []
-    clock.passes(2)
+    clock.advance(2)
     again = receive(store)[0]
     assert again.message["body"] == b"a" and again.handout.attempt == 2
     # The first hand-out's handle is no longer valid; the latest one is.
@@ -118,7 +105,7 @@ def test_an_expired_handle_is_refused(store, clock):
     receive(store)
     send(store, "a")
     got = receive(store, invisible=10)[0]
-    clock.passes(11)
+    clock.advance(11)
     error = ack(store, got.handout.handle)
     assert isinstance(error, InvalidHandleError) and "expired" in str(error)
 
@@ -129,7 +116,7 @@ def test_change_invisible_duration_gives_a_new_handle_and_keeps_it_invisible(sto
     got = receive(store, invisible=10)[0]
     new = store.deliveries.handle([ChangeInvisible("g", "T", got.handout.handle, 100)])[0]
     assert isinstance(new, str) and new != got.handout.handle
-    clock.passes(50)
+    clock.advance(50)
     assert receive(store) == []
     assert isinstance(ack(store, got.handout.handle), InvalidHandleError)
     assert ack(store, new) is None
@@ -142,7 +129,7 @@ def test_after_the_last_attempt_a_message_goes_to_the_dead_letter_topic(store, c
     for attempt in (1, 2):
         got = receive(store, invisible=5)
         assert [r.handout.attempt for r in got] == [attempt]
-        clock.passes(6)
+        clock.advance(6)
     assert receive(store) == []
     dlq = dead_letter_topic("g")
     rows = store.query("commitlog", f"topic = '{dlq}'").to_pylist()
@@ -160,10 +147,10 @@ def test_a_sweep_dead_letters_without_waiting_for_a_receive(store, clock):
     receive(store, invisible=5)
     assert store.deliveries.handle([Sweep()]) == [None]  # not yet over
     assert store.query("commitlog", "topic = '%DLQ%g'").num_rows == 0
-    clock.passes(6)
+    clock.advance(6)
     assert store.deliveries.handle([Sweep()]) == [None]
     assert store.query("commitlog", "topic = '%DLQ%g'").num_rows == 1
-    clock.passes(60)
+    clock.advance(60)
     assert receive(store) == []
 
 
@@ -181,7 +168,7 @@ def test_tag_filters(store, clock):
     send(store, "b", tags="TagB")
     send(store, "c")
     assert bodies(receive(store, tags=frozenset({"TagA", "TagB"}))) == [b"a", b"b"]
-    clock.passes(60)  # the filtered ones are passed over, not handed out later
+    clock.advance(60)  # the filtered ones are passed over, not handed out later
     assert bodies(receive(store, tags=frozenset({"TagA", "TagB"}))) == [b"a", b"b"]
     assert receive(store, tags=None) == []
 
@@ -220,7 +207,7 @@ def test_two_processes_serve_one_group_together(root, store, clock):
         assert ack(other, r.handout.handle) is None
     for r in theirs:
         assert ack(store, r.handout.handle) is None
-    clock.passes(60)
+    clock.advance(60)
     assert receive(store) == [] and receive(other) == []
 
 
@@ -233,7 +220,7 @@ def test_a_restart_keeps_what_was_acknowledged_and_hands_out_again_what_was_in_f
     ack(store, got[b"acked"].handout.handle)
     restarted = open_store(root, clock)
     assert receive(restarted) == []  # still invisible
-    clock.passes(11)
+    clock.advance(11)
     again = receive(restarted)
     assert bodies(again) == [b"in flight"] and again[0].handout.attempt == 2
 
@@ -263,7 +250,7 @@ def test_maintenance_trims_what_is_done_and_the_groups_read_the_same(root, store
     restarted = open_store(root, clock)
     assert receive(restarted) == [] and receive(store) == []
     assert ack(other, held[0].handout.handle) is None
-    clock.passes(60)
+    clock.advance(60)
     assert receive(restarted) == []
 
 
@@ -292,7 +279,7 @@ def test_a_message_acknowledged_on_another_server_is_not_dead_lettered(root, sto
     (got,) = receive(store, invisible=5)  # its last attempt
     receive(other)  # the other server knows the group
     assert ack(other, got.handout.handle) is None
-    clock.passes(6)
+    clock.advance(6)
     assert store.deliveries.handle([Sweep()]) == [None]
     assert store.query("commitlog", "topic = '%DLQ%g'").num_rows == 0
 
@@ -305,13 +292,13 @@ def test_two_servers_sweeping_one_group_dead_letter_each_message_once(root, stor
     send(store, "a", "b")
     assert len(receive(store, invisible=5)) == 2
     receive(other)
-    clock.passes(6)
+    clock.advance(6)
     for s in (store, other, store):
         s.deliveries.handle([Sweep()])
     rows = store.query("commitlog", "topic = '%DLQ%g'")
     assert sorted(rows.column("body").to_pylist()) == [b"a", b"b"]
     # Recorded as published: nobody sends them again, even long after.
-    clock.passes(600)
+    clock.advance(600)
     for s in (store, other, open_store(root, clock)):
         s.deliveries.handle([Sweep()])
         receive(s)
@@ -342,13 +329,13 @@ def test_a_dead_letter_decided_by_a_killed_server_is_published_by_another(root, 
     assert "dead" in store.read("deliveries").column("kind").to_pylist()
     survivor = open_store(root, clock)
     survivor.deliveries.configure(max_attempts=1, start="latest")
-    clock.passes(5)
+    clock.advance(5)
     receive(survivor)  # serves the group: finds the decision, not yet an orphan
     survivor.deliveries.handle([Sweep()])
     assert store.query("commitlog", "topic = '%DLQ%g'").num_rows == 0
-    clock.passes(module.ORPHANED_DEAD_SECONDS + 30)  # the child's clock ran a few s ahead
+    clock.advance(module.ORPHANED_DEAD_SECONDS + 30)  # the child's clock ran a few s ahead
     survivor.deliveries.handle([Sweep()])
     assert store.query("commitlog", "topic = '%DLQ%g'").num_rows == 1
-    clock.passes(600)
+    clock.advance(600)
     survivor.deliveries.handle([Sweep()])
     assert store.query("commitlog", "topic = '%DLQ%g'").num_rows == 1

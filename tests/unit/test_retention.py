@@ -21,7 +21,7 @@ from rmq_spark.checkback.job import CheckBackJob
 from rmq_spark.model.config import RetentionSettings
 from rmq_spark.spark.offsets import earliest_offsets, latest_offsets
 from rmq_spark.store.retention import maintain
-from tests.conftest import commitlog, race
+from tests.conftest import Clock, commitlog, race
 
 COMMIT, ROLLBACK = LocalTransactionState.COMMIT, LocalTransactionState.ROLLBACK
 CHECK_MAX = "check-back:check-max"
@@ -31,17 +31,9 @@ LATER = T0 + timedelta(hours=73)  # past the default 72 h retentions
 KEEP_FILES = RetentionSettings(deleted_file_retention=0)
 
 
-class Clock:
-    def __init__(self, now: datetime = T0) -> None:
-        self.now = now
-
-    def __call__(self) -> datetime:
-        return self.now
-
-
 @pytest.fixture
 def clock() -> Clock:
-    return Clock()
+    return Clock(T0)
 
 
 @pytest.fixture
