@@ -137,15 +137,21 @@ def consume(
 
 
 def run_consumers(
-    endpoint: str, topic: str, group: str, consumers: int, seconds: float, home: Path
-):
-    """``consumers`` processes of :func:`consume` started together; their results, and the
-    start (wall clock)."""
+    endpoint: str,
+    topic: str,
+    group: str,
+    consumers: int,
+    seconds: float,
+    home: Path,
+    idle: float = 0.0,
+) -> tuple[list[subprocess.Popen], float]:
+    """``consumers`` processes of :func:`consume` started together (each stopping after
+    ``seconds``, or ``idle`` seconds without a message), and the start (wall clock)."""
     start = time.time() + _START_SECONDS
     argv = [sys.executable, __file__, "--consume", endpoint, topic, group, str(start)]
     env = {**os.environ, "HOME": str(home)}
     procs = [
-        subprocess.Popen([*argv, str(start + seconds)], stdout=subprocess.PIPE, env=env)
+        subprocess.Popen([*argv, str(start + seconds), str(idle)], stdout=subprocess.PIPE, env=env)
         for _ in range(consumers)
     ]
     return procs, start

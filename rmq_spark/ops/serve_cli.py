@@ -78,6 +78,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "default, as RocketMQ's proxy) or its first stored message (earliest)",
     )
     parser.add_argument(
+        "--invisible-duration",
+        default="60s",
+        help="how long a message received without an invisible duration (a push consumer's) "
+        "stays invisible, renewed while the consumer works on it (default 60s, as RocketMQ)",
+    )
+    parser.add_argument(
         "--grace",
         default="10s",
         help="how long the calls under way get to finish at SIGTERM (default 10s)",
@@ -121,6 +127,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         grace=parse_duration(args.grace, "--grace"),
         max_delivery_attempts=args.max_delivery_attempts,
         auto_offset_reset=args.auto_offset_reset,
+        invisible_duration=parse_duration(args.invisible_duration, "--invisible-duration"),
     )
     store = Store.open(getattr(args, "path", None), settings=settings)
     serve(store, options, settings.transaction)

@@ -6,8 +6,9 @@
   consumption (the server picks the queues);
 * ``ReceiveMessage``: up to ``batch_size`` committed messages of the topic that match the
   filter (``*`` or ``TagA || TagB``; SQL92 is refused), invisible to the group for
-  ``invisible_duration`` (1 s to 12 h; 60 s when not given, as a push consumer's: it is not
-  renewed while the listener runs), waiting up to ``long_polling_timeout`` for one;
+  ``invisible_duration`` (1 s to 12 h; 60 s when not given, as a push consumer's, renewed
+  while the consumer works on them with ``auto_renew``), waiting up to
+  ``long_polling_timeout`` (at most 30 s) for one;
   ``MESSAGE_NOT_FOUND`` when none came;
 * ``AckMessage``, ``ChangeInvisibleDuration`` (a new receipt handle) and
   ``ForwardMessageToDeadLetterQueue``: ``INVALID_RECEIPT_HANDLE`` for a handle that is not
@@ -52,6 +53,7 @@ from rmq_spark.store.deliveries import (
     InvalidHandleError,
     Receive,
     Received,
+    Renew,
     Sweep,
     dead_letter_topic,
 )
@@ -65,7 +67,10 @@ _POLL_SECONDS = 0.1
 #: The invisible durations a receive may ask for (an extension may ask for 0: visible now).
 _INVISIBLE_SECONDS = (1.0, 12 * 3600.0)
 #: The invisible duration of a receive that asks for none (a push consumer's): the proxy's.
-_DEFAULT_INVISIBLE_SECONDS = 60.0
+DEFAULT_INVISIBLE_SECONDS = 60.0
+#: How long the messages of a receive with ``auto_renew`` are kept invisible at most while
+#: their consumer works on them (renewed every third of their invisible duration).
+_MAX_RENEW_SECONDS = 3600.0
 #: The most messages one receive hands out (RocketMQ's clients ask for 32 at most by default).
 MAX_RECEIVE_BATCH = 1024
 #: How long a receive waits when the client says nothing (the clients' default), and at most.
@@ -154,9 +159,13 @@ class ConsumerCalls:
     topics: frozenset[str] | None
     endpoint: tuple[str, int]
     _consumers: GroupCommitter[Any, Any] | None = None
+    #: The invisible duration of a receive that asks for none (a push consumer's).
+    invisible_seconds: float = DEFAULT_INVISIBLE_SECONDS
 
     def start_consumers(self, max_batch: int, linger: float) -> None:
         """Start the group committer of consumer requests (blocking)."""
+        #: Per client: (group, topic, handle) received with auto_renew -> renew until (loop time).
+        self._renewing: dict[str, dict[tuple[str, str, str], float]] = {}
         self._consumers = GroupCommitter(
             "rmqtx-serve-consumers", self.store.deliveries.handle, max_batch, linger, wave=False
         )
@@ -166,14 +175,60 @@ class ConsumerCalls:
         if self._consumers is not None:
             self._consumers.close()
 
-    async def sweep(self, stop: asyncio.Event) -> None:
-        """Dead-letter, every :data:`_SWEEP_SECONDS` until ``stop`` is set, the messages whose
-        last hand-out ended unacknowledged (no consumer of their group may come again)."""
+    async def upkeep(self, stop: asyncio.Event) -> None:
+        """Until ``stop`` is set: every :data:`_SWEEP_SECONDS`, dead-letter the messages whose
+        last hand-out ended unacknowledged (no consumer of their group may come again); every
+        third of :attr:`invisible_seconds`, renew the hand-outs of receives with
+        ``auto_renew`` that their consumers still work on."""
+        loop = asyncio.get_running_loop()
+        renewed = loop.time()
         while not stop.is_set():
             with contextlib.suppress(RequestError):  # logged; the next sweep tries again
                 await self._submit(Sweep())
+            if loop.time() - renewed >= self.invisible_seconds / 3:
+                renewed = loop.time()
+                await self._renew()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), _SWEEP_SECONDS)
+
+    def _renew_while_consumed(self, client: str, receive: Receive, got: list[Received]) -> None:
+        """Keep renewing what ``client`` received with ``auto_renew`` until it acknowledges
+        it, asks for it again later (``ChangeInvisibleDuration``), goes away, or an hour."""
+        until = asyncio.get_running_loop().time() + _MAX_RENEW_SECONDS
+        mine = self._renewing.setdefault(client, {})
+        for r in got:
+            mine[(receive.group, receive.topic, r.handout.handle)] = until
+
+    def _consumed(self, group: str, topic: str, handle: str) -> None:
+        """Renew ``handle`` no more (acknowledged, extended, dead-lettered)."""
+        for mine in self._renewing.values():
+            mine.pop((group, topic, handle), None)
+
+    def forget_client(self, client: str) -> None:
+        """``client`` went away: what it received with ``auto_renew`` comes back when its
+        invisible duration ends."""
+        self._renewing.pop(client, None)
+
+    async def _renew(self) -> None:
+        now = asyncio.get_running_loop().time()
+        due = [
+            (client, key)
+            for client, mine in self._renewing.items()
+            for key, until in list(mine.items())
+            if until > now
+        ]
+        for mine in self._renewing.values():
+            for key in [k for k, until in mine.items() if until <= now]:
+                del mine[key]
+        if not due:
+            return
+        results = await asyncio.gather(
+            *(self._submit(Renew(*key, self.invisible_seconds)) for _, key in due),
+            return_exceptions=True,
+        )
+        for (client, key), result in zip(due, results, strict=True):
+            if isinstance(result, BaseException | InvalidHandleError):  # done, or expired
+                self._renewing.get(client, {}).pop(key, None)
 
     async def _submit(self, request: Any) -> Any:
         assert self._consumers is not None
@@ -228,9 +283,12 @@ class ConsumerCalls:
                 min(max(request.batch_size, 1), MAX_RECEIVE_BATCH),
                 _invisible(request.invisible_duration)
                 if request.HasField("invisible_duration")
-                else _DEFAULT_INVISIBLE_SECONDS,
+                else self.invisible_seconds,
             )
             got = await self._poll(receive, request, context)
+            if request.auto_renew:
+                client = calls.metadata(context).get("x-mq-client-id", "")
+                self._renew_while_consumed(client, receive, got)
         except RequestError as exc:
             log.info("ReceiveMessage refused: %s", exc.message)
             yield service_pb.ReceiveMessageResponse(status=status(exc.code, exc.message))
@@ -299,6 +357,10 @@ class ConsumerCalls:
         return service_pb.AckMessageResponse(status=overall, entries=entries)
 
     async def _ack(self, ack: Ack) -> Any:
+        self._consumed(ack.group, ack.topic, ack.handle)
+        return await self._acknowledge(ack)
+
+    async def _acknowledge(self, ack: Ack) -> Any:
         """Acknowledge: at once when the handle is the latest of a message in flight as this
         server knows it, the commit following in the next batch (as RocketMQ's broker writes
         an acknowledgement after answering it: killed before, the message comes back after its
@@ -323,6 +385,7 @@ class ConsumerCalls:
             request.receipt_handle,
             _invisible(request.invisible_duration, low=0.0),
         )
+        self._consumed(group, request.topic.name, request.receipt_handle)
         handle = _handled(await self._submit(change))
         return service_pb.ChangeInvisibleDurationResponse(
             status=status(Code.OK), receipt_handle=handle
@@ -336,6 +399,7 @@ class ConsumerCalls:
         account: Account | None,
     ) -> service_pb.ForwardMessageToDeadLetterQueueResponse:
         group = self._subscriber(account, request.topic, request.group)
+        self._consumed(group, request.topic.name, request.receipt_handle)
         _handled(await self._submit(DeadLetter(group, request.topic.name, request.receipt_handle)))
         return service_pb.ForwardMessageToDeadLetterQueueResponse(status=status(Code.OK))
 

@@ -75,11 +75,14 @@ class Clients:
         self._by_id[_key(client_id, account)] = client
         return client
 
-    def disconnect(self, client: Client) -> None:
-        """Forget ``client``'s stream (unless a newer one of it replaced it already)."""
+    def disconnect(self, client: Client) -> bool:
+        """Forget ``client``'s stream, unless a newer one of it replaced it already; whether it
+        was its latest."""
         key = _key(client.client_id, client.account)
-        if self._by_id.get(key) is client:
-            del self._by_id[key]
+        if self._by_id.get(key) is not client:
+            return False
+        del self._by_id[key]
+        return True
 
     def note_topics(self, client_id: str, account: Account | None, topics: Iterable[str]) -> None:
         """Add topics a client of ``account`` declared or sent to (a producer made without

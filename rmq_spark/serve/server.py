@@ -62,6 +62,9 @@ class ServeOptions:
     auto_offset_reset : str, default "latest"
         Where a consumer group starts on a topic it never read: ``latest`` (its end, as
         RocketMQ's proxy) or ``earliest`` (its first message still stored).
+    invisible_duration : float, default 60.0
+        Seconds a message received without an invisible duration (a push consumer's) stays
+        invisible, renewed while its consumer works on it.
     """
 
     host: str = "127.0.0.1"
@@ -74,6 +77,7 @@ class ServeOptions:
     grace: float = 10.0
     max_delivery_attempts: int = 16
     auto_offset_reset: str = "latest"
+    invisible_duration: float = 60.0
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -195,7 +199,8 @@ async def _serve(
     await server.start()
     _announce(options, port, store.root)
     checking = asyncio.create_task(checkback.run(stop))
-    sweeping = asyncio.create_task(service.sweep(stop))
+    service.invisible_seconds = options.invisible_duration
+    sweeping = asyncio.create_task(service.upkeep(stop))
     await stop.wait()
     log.info("stopping: no new calls; the calls under way get %.0f s", options.grace)
     clients.close_all()

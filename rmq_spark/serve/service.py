@@ -260,7 +260,8 @@ class MessagingService(ConsumerCalls, service_grpc.MessagingServiceServicer):
                 yield command
         finally:
             reader.cancel()
-            self.clients.disconnect(client)
+            if self.clients.disconnect(client):  # gone, not reconnected
+                self.forget_client(client.client_id)
             log.info("client %s disconnected", client.client_id)
 
     async def _read_telemetry(

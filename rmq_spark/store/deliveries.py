@@ -126,6 +126,17 @@ class ChangeInvisible:
 
 
 @dataclass(frozen=True)
+class Renew:
+    """Keep the hand-out ``handle`` invisible for ``invisible_seconds`` from now under the same
+    handle, while its consumer works on it (RocketMQ's ``auto_renew``)."""
+
+    group: str
+    topic: str
+    handle: str
+    invisible_seconds: float
+
+
+@dataclass(frozen=True)
 class DeadLetter:
     """Send the message of the hand-out ``handle`` to the group's dead-letter topic now."""
 
@@ -148,7 +159,7 @@ class _Published:
     key: tuple[str, int, int]
 
 
-Request = Receive | Ack | ChangeInvisible | DeadLetter | Sweep
+Request = Receive | Ack | ChangeInvisible | Renew | DeadLetter | Sweep
 
 
 @dataclass(frozen=True)
@@ -452,6 +463,12 @@ class Deliveries(StoreConcept):
             return exc
         if handout is None:  # acknowledged before, with this handle: a retry
             return None
+        if isinstance(request, Renew):
+            until = changes.now + timedelta(seconds=request.invisible_seconds)
+            renewed = replace(handout, invisible_until=max(handout.invisible_until, until))
+            state.in_flight[renewed.key] = renewed
+            changes.handed(request.group, renewed)
+            return None
         if isinstance(request, ChangeInvisible):
             later = replace(
                 handout,
@@ -468,7 +485,9 @@ class Deliveries(StoreConcept):
         self._done(request.group, handout, state, changes)
         return None
 
-    def _valid(self, request: Ack | ChangeInvisible | DeadLetter, state: _Group, now: datetime):
+    def _valid(
+        self, request: Ack | ChangeInvisible | Renew | DeadLetter, state: _Group, now: datetime
+    ):
         """The hand-out a handle names, if it is the latest of its message and unexpired;
         None for one acknowledged already."""
         if request.handle in state.done and isinstance(request, Ack):
@@ -804,6 +823,12 @@ def _seen_in(group: str, txns: Mapping[str, int]) -> dict[str, int]:
     return {a: v for a, v in txns.items() if a.startswith(prefix)}
 
 
+def _order(handout: Handout) -> tuple[int, int, datetime]:
+    """Which of two hand-outs of a message is the later: attempts, then extensions, then
+    renewals (which keep the handle)."""
+    return handout.attempt, handout.change, handout.invisible_until
+
+
 def _nonce() -> str:
     return secrets.token_hex(8)
 
@@ -833,7 +858,7 @@ def _replay(rows: pa.Table) -> _Group:
                 *key, r["attempt"], r["change"], r["invisible_until"], r["handle"].rsplit(".")[-1]
             )
             known = latest.get(key)
-            if known is None or (known.attempt, known.change) < (handout.attempt, handout.change):
+            if known is None or _order(known) < _order(handout):
                 latest[key] = handout
     state.in_flight = {k: h for k, h in latest.items() if k not in done and k not in dead}
     state.dead = {k: t for k, t in dead.items() if k not in done}

@@ -48,8 +48,16 @@ groups = ["inventory*", "audit", "pusher", "dlq-reader", "shared"]
 secret_key = "billing-sk"
 topics = ["Billing"]
 """
-#: Every group starts at a topic's first message; a message is handed out twice at most.
-OPTIONS = ("--auto-offset-reset", "earliest", "--max-delivery-attempts", "2")
+#: Every group starts at a topic's first message; a message is handed out twice at most; a
+#: push consumer's are invisible for 3 s, renewed while it works on them.
+OPTIONS = (
+    "--auto-offset-reset",
+    "earliest",
+    "--max-delivery-attempts",
+    "2",
+    "--invisible-duration",
+    "3s",
+)
 
 
 def conf_for(folder: Path, root: Path) -> Path:
@@ -181,12 +189,23 @@ def test_a_push_consumer_and_dead_letters_after_the_last_attempt(
     server: Server, tmp_path: Path
 ) -> None:
     produce(server.root, "Stock3", normal=["fine", "poison"])
-    result = consume(tmp_path / "push", server, "push", "pusher", "Stock3", "12", "poison")
+    result = consume(tmp_path / "push", server, "push", "pusher", "Stock3", "12", "poison", "0")
     consumed = result["consumed"]
     assert [c["attempt"] for c in consumed if c["body"] == "fine"] == [1]
     assert sorted(c["attempt"] for c in consumed if c["body"] == "poison") == [1, 2]
     dlq = consume(tmp_path / "dlq", server, "receive", "dlq-reader", "%DLQ%pusher", "*", "1", "20")
     assert bodies(dlq["got"]) == Counter({"poison": 1})
+
+
+def test_a_push_consumer_slower_than_the_invisible_duration_gets_each_message_once(
+    server: Server, tmp_path: Path
+) -> None:
+    """The push consumer receives with ``auto_renew``: the server renews the messages while
+    its listener works on them (8 s each, the invisible duration 3 s), as RocketMQ's proxy."""
+    produce(server.root, "Stock7", normal=["slow-1", "slow-2"])
+    result = consume(tmp_path, server, "push", "inventory7", "Stock7", "14", "", "8")
+    assert bodies(result["consumed"]) == Counter({"slow-1": 1, "slow-2": 1})
+    assert {c["attempt"] for c in result["consumed"]} == {1}
 
 
 def test_tag_filters(server: Server, tmp_path: Path) -> None:

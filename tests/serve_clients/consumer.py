@@ -122,24 +122,27 @@ def hold(endpoint: str, ak: str, sk: str, group: str, topic: str, want: str) -> 
 
 
 class _Counting(MessageListener):
-    def __init__(self, fail: set[str]) -> None:
-        self.fail = fail
+    def __init__(self, fail: set[str], slow: float) -> None:
+        self.fail, self.slow = fail, slow
         self.lock = threading.Lock()
         self.consumed: list[dict] = []
 
     def consume(self, message) -> ConsumeResult:  # noqa: ANN001
         with self.lock:
             self.consumed.append(seen(message))
+        time.sleep(self.slow)
         if message.body.decode() in self.fail:
             return ConsumeResult.FAILURE
         return ConsumeResult.SUCCESS
 
 
-def push(endpoint: str, ak: str, sk: str, group: str, topic: str, seconds: str, fail: str) -> dict:
-    """A PushConsumer for ``seconds``; the bodies in ``fail`` (comma-separated) fail every
-    time."""
+def push(
+    endpoint: str, ak: str, sk: str, group: str, topic: str, seconds: str, fail: str, slow: str
+) -> dict:
+    """A PushConsumer for ``seconds`` whose listener takes ``slow`` seconds a message; the
+    bodies in ``fail`` (comma-separated) fail every time."""
     config = ClientConfiguration(endpoint, Credentials(ak, sk), request_timeout=5)
-    listener = _Counting(set(filter(None, fail.split(","))))
+    listener = _Counting(set(filter(None, fail.split(","))), float(slow))
     consumer = PushConsumer(config, group, listener, {topic: FilterExpression("*")})
     consumer.startup()
     try:

@@ -22,6 +22,7 @@ from rmq_spark.store.deliveries import (
     DeadLetter,
     InvalidHandleError,
     Receive,
+    Renew,
     Sweep,
     dead_letter_topic,
 )
@@ -120,6 +121,19 @@ def test_change_invisible_duration_gives_a_new_handle_and_keeps_it_invisible(sto
     assert receive(store) == []
     assert isinstance(ack(store, got.handout.handle), InvalidHandleError)
     assert ack(store, new) is None
+
+
+def test_a_renewal_keeps_the_handle_valid_and_the_message_invisible(root, store, clock):
+    receive(store)
+    send(store, "a")
+    got = receive(store, invisible=10)[0]
+    clock.advance(8)
+    assert store.deliveries.handle([Renew("g", "T", got.handout.handle, 10)]) == [None]
+    clock.advance(8)  # past the first invisible duration
+    assert receive(store) == [] and receive(open_store(root, clock)) == []
+    assert ack(store, got.handout.handle) is None
+    clock.advance(60)
+    assert receive(store) == []
 
 
 def test_after_the_last_attempt_a_message_goes_to_the_dead_letter_topic(store, clock):
