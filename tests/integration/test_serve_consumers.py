@@ -40,8 +40,8 @@ AK, SK = "inventory-ak", "inventory-sk"
 ACCOUNTS = f"""
 [serve.accounts.{AK}]
 secret_key = "{SK}"
-topics = ["StockGo"]
-subscribe = ["Stock*", "%DLQ%*"]
+topics = ["StockGo", "Orders", "TxOrders"]
+subscribe = ["Stock*", "%DLQ%*", "TxOrders"]
 groups = ["inventory*", "audit", "pusher", "dlq-reader", "shared"]
 
 [serve.accounts.billing]
@@ -169,6 +169,18 @@ def test_go_and_python_consumers_read_what_a_go_producer_committed_beside_spark(
     )
     assert sorted(g["id"] for g in python["got"]) == sent
     assert sorted(read_topic(spark, server, "StockGo", "properties['UNIQ_KEY']")) == sent
+
+
+def test_transactions_through_the_server_reach_consumers_committed_once_never_rolled_back(
+    server: Server, tmp_path: Path
+) -> None:
+    """The official Python producer commits a transaction and rolls one back (then tries to
+    commit it) through the server; a consumer group gets the committed one once, the other
+    never."""
+    sent = run_client(tmp_path / "producer", server, "basic", access=AK, secret=SK)
+    got = consume(tmp_path / "c", server, "receive", "inventory-tx", "TxOrders", "*", "2", "8")
+    assert [g["id"] for g in got["got"]] == [sent["committed"]]
+    assert sent["rolled_back"] not in {g["id"] for g in got["got"]}
 
 
 def test_a_message_not_acknowledged_comes_back_and_can_be_extended(
