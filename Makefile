@@ -23,7 +23,7 @@ MINIO_VERSION := v0.0.0-20260212201848-7aac2a2c5b7c
 CACHE         ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/rmq-spark
 export RMQ_SPARK_MINIO := $(abspath $(TOOLS))/bin/minio
 
-.PHONY: setup objectstore browser demo test torture lint bench bench-objectstore bench-scale bench-peers bench-serve java-client-example check-back notebooks notebook-outputs clean
+.PHONY: setup objectstore browser demo test torture lint bench bench-objectstore bench-scale bench-peers bench-serve bench-consumers java-client-example check-back notebooks notebook-outputs clean
 setup: $(VENV)/.installed $(JARS)/.fetched
 
 $(VENV)/.installed: setup.py
@@ -120,6 +120,11 @@ bench-peers: setup
 # RocketMQ 5.5.0's gRPC proxy (local mode), in one run (jars from Maven Central; needs a JDK).
 bench-serve: setup
 	$(PY) bench/java_client_bench.py $(ARGS)
+
+# The official Python client's SimpleConsumers against rmqtx serve and RocketMQ 5.5.0's gRPC
+# proxy (local mode), in one run: messages received and acked a second, commit to receive.
+bench-consumers: setup
+	$(PY) bench/consumer_bench.py $(ARGS)
 
 # The official Java client's transactional-producer example, unchanged but for the endpoint,
 # against rmqtx serve; passes when its message is read once with format("rmqtx") (on demand).
