@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -150,6 +151,16 @@ def received_message(received: Received, topic: str, invisible_seconds: float) -
     return message
 
 
+@dataclass
+class _Renewal:
+    """A hand-out kept invisible while its consumer works on it: until when at most, for how
+    long each renewal, and when it was last renewed (event-loop times)."""
+
+    stop: float
+    seconds: float
+    last: float
+
+
 class ConsumerCalls:
     """The consumer calls of :class:`rmq_spark.serve.service.MessagingService` (a base class
     of it, which gives ``store``, ``accounts``, ``topics`` and ``endpoint``)."""
@@ -164,8 +175,8 @@ class ConsumerCalls:
 
     def start_consumers(self, max_batch: int, linger: float) -> None:
         """Start the group committer of consumer requests (blocking)."""
-        #: Per client: (group, topic, handle) received with auto_renew -> renew until (loop time).
-        self._renewing: dict[str, dict[tuple[str, str, str], float]] = {}
+        #: Per client: (group, topic, handle) received with auto_renew, and its renewals.
+        self._renewing: dict[str, dict[tuple[str, str, str], _Renewal]] = {}
         self._consumers = GroupCommitter(
             "rmqtx-serve-consumers", self.store.deliveries.handle, max_batch, linger, wave=False
         )
@@ -176,28 +187,29 @@ class ConsumerCalls:
             self._consumers.close()
 
     async def upkeep(self, stop: asyncio.Event) -> None:
-        """Until ``stop`` is set: every :data:`_SWEEP_SECONDS`, dead-letter the messages whose
-        last hand-out ended unacknowledged (no consumer of their group may come again); every
-        third of :attr:`invisible_seconds`, renew the hand-outs of receives with
-        ``auto_renew`` that their consumers still work on."""
-        loop = asyncio.get_running_loop()
-        renewed = loop.time()
+        """Until ``stop`` is set, every :data:`_SWEEP_SECONDS`: dead-letter the messages whose
+        last hand-out ended unacknowledged (no consumer of their group may come again), and
+        renew the hand-outs of receives with ``auto_renew`` that their consumers still work on
+        and that are due (a third of their invisible duration after the last renewal). An error
+        is logged and the next round tries again."""
         while not stop.is_set():
-            with contextlib.suppress(RequestError):  # logged; the next sweep tries again
-                await self._submit(Sweep())
-            if loop.time() - renewed >= self.invisible_seconds / 3:
-                renewed = loop.time()
+            try:
+                with contextlib.suppress(RequestError):  # logged by _submit
+                    await self._submit(Sweep())
                 await self._renew()
+            except Exception:
+                log.exception("a round of dead-lettering and renewals failed; the next one retries")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), _SWEEP_SECONDS)
 
     def _renew_while_consumed(self, client: str, receive: Receive, got: list[Received]) -> None:
         """Keep renewing what ``client`` received with ``auto_renew`` until it acknowledges
         it, asks for it again later (``ChangeInvisibleDuration``), goes away, or an hour."""
-        until = asyncio.get_running_loop().time() + _MAX_RENEW_SECONDS
+        now = asyncio.get_running_loop().time()
+        renewal = _Renewal(now + _MAX_RENEW_SECONDS, receive.invisible_seconds, now)
         mine = self._renewing.setdefault(client, {})
         for r in got:
-            mine[(receive.group, receive.topic, r.handout.handle)] = until
+            mine[(receive.group, receive.topic, r.handout.handle)] = renewal
 
     def _consumed(self, group: str, topic: str, handle: str) -> None:
         """Renew ``handle`` no more (acknowledged, extended, dead-lettered)."""
@@ -211,24 +223,25 @@ class ConsumerCalls:
 
     async def _renew(self) -> None:
         now = asyncio.get_running_loop().time()
-        due = [
-            (client, key)
-            for client, mine in self._renewing.items()
-            for key, until in list(mine.items())
-            if until > now
-        ]
-        for mine in self._renewing.values():
-            for key in [k for k, until in mine.items() if until <= now]:
-                del mine[key]
+        due = []
+        for client, mine in self._renewing.items():
+            for key, renewal in list(mine.items()):
+                if renewal.stop <= now:
+                    del mine[key]
+                elif renewal.last + renewal.seconds / 3 - _SWEEP_SECONDS <= now:
+                    due.append((client, key, renewal))
         if not due:
             return
+        # At least 3 rounds long, so that the next renewal lands before it ends.
         results = await asyncio.gather(
-            *(self._submit(Renew(*key, self.invisible_seconds)) for _, key in due),
+            *(self._submit(Renew(*key, max(r.seconds, 3 * _SWEEP_SECONDS))) for _, key, r in due),
             return_exceptions=True,
         )
-        for (client, key), result in zip(due, results, strict=True):
-            if isinstance(result, BaseException | InvalidHandleError):  # done, or expired
+        for (client, key, renewal), result in zip(due, results, strict=True):
+            if isinstance(result, InvalidHandleError):  # done, or expired: renewed no more
                 self._renewing.get(client, {}).pop(key, None)
+            elif not isinstance(result, BaseException):  # else retried next round
+                renewal.last = now
 
     async def _submit(self, request: Any) -> Any:
         assert self._consumers is not None
@@ -286,9 +299,6 @@ class ConsumerCalls:
                 else self.invisible_seconds,
             )
             got = await self._poll(receive, request, context)
-            if request.auto_renew:
-                client = calls.metadata(context).get("x-mq-client-id", "")
-                self._renew_while_consumed(client, receive, got)
         except RequestError as exc:
             log.info("ReceiveMessage refused: %s", exc.message)
             yield service_pb.ReceiveMessageResponse(status=status(exc.code, exc.message))
@@ -306,6 +316,9 @@ class ConsumerCalls:
                 message=received_message(received, receive.topic, receive.invisible_seconds)
             )
         yield service_pb.ReceiveMessageResponse(status=status(Code.OK))
+        if request.auto_renew:  # the client has them (a reply it never got is not renewed)
+            client = calls.metadata(context).get("x-mq-client-id", "")
+            self._renew_while_consumed(client, receive, got)
 
     async def _poll(
         self,

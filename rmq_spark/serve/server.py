@@ -80,6 +80,10 @@ class ServeOptions:
     invisible_duration: float = 60.0
 
     def __post_init__(self) -> None:
+        if not 1 <= self.invisible_duration <= 12 * 3600:
+            raise InvalidOptionError(
+                f"--invisible-duration needs to be 1s to 12h, not {self.invisible_duration:g} s."
+            )
         if (self.tls_cert is None) != (self.tls_key is None):
             raise InvalidOptionError(
                 "TLS needs both a certificate and a key (--tls-cert, --tls-key)."

@@ -58,6 +58,8 @@ DLQ_PREFIX = "%DLQ%"
 RETRY_TOPIC, ORIGIN_MESSAGE_ID = "RETRY_TOPIC", "ORIGIN_MESSAGE_ID"
 #: Where a group starts on a topic it never looked at.
 STARTS = ("latest", "earliest")
+#: An acknowledgement is answered before its commit only if its hand-out has this long left.
+_ACK_MARGIN_SECONDS = 1.0
 #: Seconds after which a message decided for the dead-letter topic and not recorded as
 #: published there is published again (the process that decided it was killed).
 ORPHANED_DEAD_SECONDS = 60.0
@@ -382,10 +384,11 @@ class Deliveries(StoreConcept):
             handout = state.in_flight.get((topic, int(queue_id), int(offset))) if state else None
         except ValueError:
             return False
+        margin = timedelta(seconds=_ACK_MARGIN_SECONDS)  # its batch comes before it expires
         return (
             handout is not None
             and handout.handle == handle
-            and handout.invisible_until > self.clock()
+            and handout.invisible_until > self.clock() + margin
         )
 
     def _overdue(self, now: datetime) -> set[str]:
@@ -748,9 +751,7 @@ class QueueProgress:
 def progress(rows: pa.Table) -> dict[tuple[str, str], dict[int, QueueProgress]]:
     """Per (group, topic) and queue, where each consumer group is, from the rows of the
     ``deliveries`` table."""
-    last = rows.group_by(["consumer_group", "topic", "queue_id"]).aggregate(
-        [("recorded_timestamp", "max")]
-    )
+    last = _last_changes(rows)
     out: dict[tuple[str, str], dict[int, QueueProgress]] = {}
     for group in pc.unique(rows.column("consumer_group")).to_pylist():
         state = _replay(rows.filter(pc.equal(rows.column("consumer_group"), group)))
@@ -765,6 +766,13 @@ def progress(rows: pa.Table) -> dict[tuple[str, str], dict[int, QueueProgress]]:
                 r["recorded_timestamp_max"],
             )
     return out
+
+
+def _last_changes(rows: pa.Table) -> pa.Table:
+    """When each (group, topic, queue) last changed: ``recorded_timestamp_max``."""
+    return rows.group_by(["consumer_group", "topic", "queue_id"]).aggregate(
+        [("recorded_timestamp", "max")]
+    )
 
 
 def trim(tables: Any, now: datetime) -> dict[str, int]:
@@ -789,18 +797,23 @@ def trim(tables: Any, now: datetime) -> dict[str, int]:
         sizes=files.column("size_bytes").to_pylist(),
     )
     kept = _Changes(now)
+    last = {
+        (r["consumer_group"], r["topic"], r["queue_id"]): r["recorded_timestamp_max"]
+        for r in _last_changes(rows).to_pylist()
+    }
     for group in pc.unique(rows.column("consumer_group")).to_pylist():
         state = _replay(rows.filter(pc.equal(rows.column("consumer_group"), group)))
         for topic in sorted(state.started):
             kept.add(group, topic, -1, 0, "start")
         for (topic, queue_id), offset in sorted(state.frontier.items()):
-            kept.add(group, topic, queue_id, offset, "frontier")
+            changed = last.get((group, topic, queue_id), now)  # what status shows as progress
+            kept.add(group, topic, queue_id, offset, "frontier", recorded_timestamp=changed)
         for handout in state.in_flight.values():
             kept.handed(group, handout)
         for key, decided in state.dead.items():  # not yet known to be published
             kept.add(group, *key, "dead", recorded_timestamp=decided)
-    if 2 * len(kept.rows) > stored:
-        return compact_table(tables, "deliveries")
+    if 2 * len(kept.rows) > stored or tables.direct_interval("deliveries", snapshot) is None:
+        return compact_table(tables, "deliveries")  # (a deltalake commit would not remove)
     adds = tables.write("deliveries", [pa.Table.from_pylist(kept.rows, schema=DELIVERIES_SCHEMA)])
     removes = [
         {"path": p, "size": n, "partition_values": {}}
