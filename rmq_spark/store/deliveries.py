@@ -587,7 +587,9 @@ class Deliveries(StoreConcept):
             if key[0] != topic or handout.invisible_until > now:
                 continue
             rows = view.messages(topic, key[1], key[2], 1)
-            if not rows:  # removed by retention (or by another Delta writer)
+            # Gone (retention, another Delta writer), or filtered out by the group's filter
+            # now (it changed since): passed over, as a fresh message would be.
+            if not rows or (request.tags is not None and rows[0]["tags"] not in request.tags):
                 self._done(group, handout, state, changes)
                 continue
             again = Handout(topic, key[1], key[2], handout.attempt + 1, 0, invisible, _nonce())

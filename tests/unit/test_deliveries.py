@@ -187,6 +187,16 @@ def test_tag_filters(store, clock):
     assert receive(store, tags=None) == []
 
 
+def test_a_message_the_groups_filter_no_longer_takes_is_passed_over_not_handed_out(store, clock):
+    receive(store)
+    send(store, "a", tags="TagA")
+    receive(store, invisible=5)
+    clock.advance(6)
+    assert receive(store, tags=frozenset({"TagB"})) == []
+    clock.advance(60)
+    assert receive(store) == []  # done for the group
+
+
 def test_two_consumers_of_a_group_share_the_messages(store):
     receive(store)
     send(store, *(f"m{i}" for i in range(10)))
