@@ -232,9 +232,10 @@ class ConsumerCalls:
                     due.append((client, key, renewal))
         if not due:
             return
-        # At least 3 rounds long, so that the next renewal lands before it ends.
+        # At least 10 rounds long, so that the next renewal lands before it ends even on a
+        # loaded machine.
         results = await asyncio.gather(
-            *(self._submit(Renew(*key, max(r.seconds, 3 * _SWEEP_SECONDS))) for _, key, r in due),
+            *(self._submit(Renew(*key, max(r.seconds, 10 * _SWEEP_SECONDS))) for _, key, r in due),
             return_exceptions=True,
         )
         for (client, key, renewal), result in zip(due, results, strict=True):

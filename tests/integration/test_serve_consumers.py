@@ -49,14 +49,14 @@ secret_key = "billing-sk"
 topics = ["Billing"]
 """
 #: Every group starts at a topic's first message; a message is handed out twice at most; a
-#: push consumer's are invisible for 3 s, renewed while it works on them.
+#: push consumer's are invisible for 5 s, renewed while it works on them.
 OPTIONS = (
     "--auto-offset-reset",
     "earliest",
     "--max-delivery-attempts",
     "2",
     "--invisible-duration",
-    "3s",
+    "5s",
 )
 
 
@@ -213,9 +213,9 @@ def test_a_push_consumer_slower_than_the_invisible_duration_gets_each_message_on
     server: Server, tmp_path: Path
 ) -> None:
     """The push consumer receives with ``auto_renew``: the server renews the messages while
-    its listener works on them (8 s each, the invisible duration 3 s), as RocketMQ's proxy."""
+    its listener works on them (12 s each, the invisible duration 5 s), as RocketMQ's proxy."""
     produce(server.root, "Stock7", normal=["slow-1", "slow-2"])
-    result = consume(tmp_path, server, "push", "inventory7", "Stock7", "14", "", "8")
+    result = consume(tmp_path, server, "push", "inventory7", "Stock7", "18", "", "12")
     assert bodies(result["consumed"]) == Counter({"slow-1": 1, "slow-2": 1})
     assert {c["attempt"] for c in result["consumed"]} == {1}
 
