@@ -23,8 +23,8 @@ from rmq_spark.delta.reads import read_files
 from rmq_spark.model.config import RetentionSettings
 from rmq_spark.model.schema import TABLES
 from rmq_spark.spark.epoch_records import DROPPED, LISTED, RUNNING, staged_in
-from rmq_spark.store.deliveries import progress as serve_progress
 from rmq_spark.store.facade import Store
+from rmq_spark.store.group_state import progress as serve_progress
 
 #: Pending transactions by age: (label, upper bound in seconds).
 AGE_BUCKETS = (("< 1 min", 60.0), ("1-10 min", 600.0), ("10-60 min", 3600.0), ("> 1 h", None))

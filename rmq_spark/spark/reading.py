@@ -13,7 +13,7 @@ offsets by reading the same files, pruned by their ``store_timestamp`` statistic
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from functools import partial, reduce
@@ -33,6 +33,7 @@ from rmq_spark.spark.offsets import (
     describe_ranges,
     skip_lost,
 )
+from rmq_spark.store.commitlog_reader import overlaps
 from rmq_spark.store.facade import Store
 
 log = logging.getLogger(__name__)
@@ -110,7 +111,7 @@ def plan_slices(
     check_readable(commitlog, store.table_uri("commitlog"))
     wanted = {(t, q): (s, e) for t, q, s, e in ranges}
     files = with_uris(commitlog, store.table_uri("commitlog")).to_pylist()
-    files = [f for f in files if _overlaps(f, wanted)]
+    files = [f for f in files if overlaps(f, wanted)]
     options = tuple(sorted(store.settings.storage_options.items()))
     twice = _check_stored(files, ranges, dict(options), fail_on_data_loss)
     files.sort(key=lambda f: (f["partition.topic"], f["min.queue_offset"] or 0, f["uri"]))
@@ -244,21 +245,6 @@ def _as_ranges(offsets: list[tuple[str, int, int]]) -> tuple[tuple[str, int, int
         else:
             ranges.append((topic, q, offset, offset + 1))
     return tuple(ranges)
-
-
-def _overlaps(file: Mapping[str, object], wanted: Mapping[tuple[str, int], tuple]) -> bool:
-    """Whether a file's statistics admit a row of a wanted (topic, queue) offset range."""
-    topic = file["partition.topic"]
-    q_low, q_high = file["min.queue_id"], file["max.queue_id"]
-    o_low, o_high = file["min.queue_offset"], file["max.queue_offset"]
-    for (t, q), (s, e) in wanted.items():
-        if t != topic:
-            continue
-        if q_low is not None and q_high is not None and not q_low <= q <= q_high:
-            continue
-        if o_low is None or o_high is None or (o_high >= s and o_low < e):
-            return True
-    return False
 
 
 def read_slice(task: CommitLogSlice) -> Iterator[pa.RecordBatch]:

@@ -10,10 +10,10 @@ independent of each other and of Spark readers. A group that first looks at a to
 its end (RocketMQ's proxy does the same) or, with ``start="earliest"``, at its first message
 still stored; a queue that gets its first message later is read from its start.
 
-Every change is a row of the ``deliveries`` table (:data:`rmq_spark.model.schema.
-DELIVERIES_SCHEMA`), and the changes of many requests go in one commit
-(:meth:`Deliveries.handle` takes a batch). A commit records, for every (group, topic, queue)
-it changes, the application id :func:`queue_app_id`: two processes serving one group conflict
+Every change is a row of the ``deliveries`` table (:mod:`rmq_spark.store.group_state`), and
+the changes of many requests go in one commit (:meth:`Deliveries.handle` takes a batch). A
+commit records, for every (group, topic, queue) it changes, an application id
+(:func:`~rmq_spark.store.group_state.queue_app_id`): two processes serving one group conflict
 on a queue they both changed, and the one that lost reads the group again from the table and
 decides again. So several ``rmqtx serve`` processes on one root serve one group together, and
 a restart loses nothing acknowledged and hands out again what was in flight.
@@ -27,26 +27,32 @@ from __future__ import annotations
 import logging
 import random
 import secrets
-from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
 from deltalake.exceptions import CommitFailedError
 
-from rmq_spark.delta.compaction import compact as compact_table
-from rmq_spark.delta.reads import read_files
 from rmq_spark.delta.retry import retry_commits
 from rmq_spark.delta.txnlog import follow
 from rmq_spark.model.errors import InvalidOptionError, RmqSparkError
 from rmq_spark.model.failpoints import failpoint
 from rmq_spark.model.messages import Message
-from rmq_spark.model.schema import COMMITLOG_SCHEMA, DELIVERIES_SCHEMA
+from rmq_spark.model.schema import DELIVERIES_SCHEMA
+from rmq_spark.store.commitlog_reader import CommitLogReader, CommitLogView
 from rmq_spark.store.context import StoreConcept, StoreContext
-from rmq_spark.store.queues import earliest_stored, next_offsets
+from rmq_spark.store.group_state import (
+    Changes,
+    GroupState,
+    Handout,
+    handle_key,
+    read_group,
+    replay,
+    seen,
+    seen_in,
+)
 
 log = logging.getLogger(__name__)
 
@@ -65,29 +71,14 @@ _ACK_MARGIN_SECONDS = 1.0
 ORPHANED_DEAD_SECONDS = 60.0
 #: How many offsets of one queue a receive reads at most beyond what it hands out.
 _READ_AHEAD = 1024
-#: Data files of the CommitLog kept read (each file once; they never change).
-_CACHED_FILES = 64
-#: Files up to this size are kept; bigger (compacted) ones are read for each range.
-_CACHED_FILE_BYTES = 8 << 20
 #: Handles acknowledged lately, remembered so that a retried acknowledgement succeeds.
 _REMEMBERED_DONE = 100_000
-_MESSAGE_COLUMNS = [f.name for f in COMMITLOG_SCHEMA if f.name != "topic"]
 
 
 class InvalidHandleError(RmqSparkError):
     """A receipt handle that is not the latest of a message in flight, or has expired."""
 
     error_class = "INVALID_RECEIPT_HANDLE"
-
-
-def queue_app_id(group: str, topic: str, queue_id: int) -> str:
-    """The application id each commit changing ``group``'s state of a queue records (names
-    of groups and topics have no ``/``)."""
-    return f"{_group_prefix(group)}{topic}/{queue_id}"
-
-
-def _group_prefix(group: str) -> str:
-    return f"rmqtx.pop/{group}/"
 
 
 def dead_letter_topic(group: str) -> str:
@@ -165,88 +156,11 @@ Request = Receive | Ack | ChangeInvisible | Renew | DeadLetter | Sweep
 
 
 @dataclass(frozen=True)
-class Handout:
-    """One hand-out of a message: which, which attempt (from 1), how many times extended,
-    until when it is invisible, and its nonce."""
-
-    topic: str
-    queue_id: int
-    queue_offset: int
-    attempt: int
-    change: int
-    invisible_until: datetime
-    nonce: str
-
-    @property
-    def handle(self) -> str:
-        """The receipt handle a client acknowledges with."""
-        return f"{self.queue_id}.{self.queue_offset}.{self.attempt}.{self.change}.{self.nonce}"
-
-    @property
-    def key(self) -> tuple[str, int, int]:
-        return (self.topic, self.queue_id, self.queue_offset)
-
-
-@dataclass(frozen=True)
 class Received:
     """A message handed out: the hand-out and the CommitLog row (without ``topic``)."""
 
     handout: Handout
     message: Mapping[str, Any]
-
-
-@dataclass
-class _Group:
-    """What the table says of one group: where each queue's fresh messages start, the topics
-    it started on, its messages in flight, and the application ids' versions it reflects."""
-
-    frontier: dict[tuple[str, int], int] = field(default_factory=dict)
-    started: set[str] = field(default_factory=set)
-    in_flight: dict[tuple[str, int, int], Handout] = field(default_factory=dict)
-    #: Messages decided for the dead-letter topic and not yet known to be published there:
-    #: when it was decided.
-    dead: dict[tuple[str, int, int], datetime] = field(default_factory=dict)
-    done: OrderedDict[str, None] = field(default_factory=OrderedDict)
-    seen: dict[str, int] = field(default_factory=dict)
-
-
-class _Changes:
-    """The rows and application ids of one batch, and the CommitLog view it reads."""
-
-    def __init__(self, now: datetime) -> None:
-        self.now = now
-        self.rows: list[dict[str, Any]] = []
-        self.touched: dict[str, str] = {}  # application id -> group
-        #: (group, message key) to publish to the dead-letter topic after this batch's commit:
-        #: decided in it, or decided long ago by a process killed before it published them.
-        self.dead: list[tuple[str, tuple[str, int, int]]] = []
-
-    def add(self, group: str, topic: str, queue_id: int, offset: int, kind: str, **more) -> None:
-        self.rows.append(
-            {
-                "consumer_group": group,
-                "topic": topic,
-                "queue_id": queue_id,
-                "queue_offset": offset,
-                "kind": kind,
-                "recorded_timestamp": self.now,
-                **more,
-            }
-        )
-        self.touched[queue_app_id(group, topic, queue_id)] = group
-
-    def handed(self, group: str, h: Handout) -> None:
-        self.add(
-            group,
-            h.topic,
-            h.queue_id,
-            h.queue_offset,
-            "deliver",
-            attempt=h.attempt,
-            change=h.change,
-            invisible_until=h.invisible_until,
-            handle=h.handle,
-        )
 
 
 class Deliveries(StoreConcept):
@@ -267,13 +181,12 @@ class Deliveries(StoreConcept):
         self._send = send
         self.max_attempts = MAX_DELIVERY_ATTEMPTS
         self.start = "latest"
-        self._groups: dict[str, _Group] = {}
+        self._groups: dict[str, GroupState] = {}
         #: The groups of the batch being served that were not read from the table for it.
         self._unread: set[str] = set()
         #: The head of the batch being served.
         self._head: Any = None
-        self._files: OrderedDict[str, pa.Table] = OrderedDict()
-        self._commitlog: tuple[int, Any, dict, dict, list[dict[str, Any]]] | None = None
+        self._commitlog = CommitLogReader(self.tables)
 
     def configure(self, *, max_attempts: int, start: str) -> None:
         """Set the delivery attempts before a message is dead-lettered, and where new groups
@@ -308,8 +221,8 @@ class Deliveries(StoreConcept):
                 for g in groups:
                     self._groups.pop(g, None)
             states, head = self._states(groups, self.tables.head("deliveries", reload=n > 0))
-            changes = _Changes(self.clock())
-            view = _CommitLogView(self)
+            changes = Changes(self.clock())
+            view = self._commitlog.view()
             try:
                 results = [
                     None if isinstance(r, Sweep) else self._serve(r, states[r.group], changes, view)
@@ -347,7 +260,7 @@ class Deliveries(StoreConcept):
         then record them done. Killed in between, a message is published again by the next
         sweep of a process that serves its group, once :data:`ORPHANED_DEAD_SECONDS` passed:
         the dead-letter topic gets it at least once."""
-        view = _CommitLogView(self)
+        view = self._commitlog.view()
         by_group: dict[str, list[Message]] = {}
         for group, (topic, queue_id, offset) in decided:
             for row in view.messages(topic, queue_id, offset, 1):
@@ -368,7 +281,7 @@ class Deliveries(StoreConcept):
             self._send(messages, group)
         self.handle([_Published(group, key) for group, key in decided])
 
-    def _orphaned(self, state: _Group, now: datetime) -> list[tuple[str, int, int]]:
+    def _orphaned(self, state: GroupState, now: datetime) -> list[tuple[str, int, int]]:
         """Messages decided for the dead-letter topic so long ago that the process that decided
         them was killed before it published them."""
         since = now - timedelta(seconds=ORPHANED_DEAD_SECONDS)
@@ -378,12 +291,8 @@ class Deliveries(StoreConcept):
         """Whether ``handle`` is the latest, unexpired hand-out of a message in flight as this
         process last knew the group (read from another thread: a guess the next batch checks
         against the table)."""
-        state = self._groups.get(group)
-        try:
-            queue_id, offset, *_ = handle.split(".")
-            handout = state.in_flight.get((topic, int(queue_id), int(offset))) if state else None
-        except ValueError:
-            return False
+        state, key = self._groups.get(group), handle_key(topic, handle)
+        handout = state.in_flight.get(key) if state and key else None
         margin = timedelta(seconds=_ACK_MARGIN_SECONDS)  # its batch comes before it expires
         return (
             handout is not None
@@ -405,14 +314,14 @@ class Deliveries(StoreConcept):
         return handout.attempt >= self.max_attempts and handout.invisible_until <= now
 
     def _dead_letter_overdue(
-        self, group: str, state: _Group, changes: _Changes, topic: str | None = None
+        self, group: str, state: GroupState, changes: Changes, topic: str | None = None
     ) -> None:
         """Dead-letter the group's messages (of ``topic``, or all) whose last hand-out ended."""
         for key, handout in sorted(state.in_flight.items()):
             if (topic is None or key[0] == topic) and self._last(handout, changes.now):
                 self._dead_letter(group, handout, state, changes)
 
-    def _commit(self, changes: _Changes, states: Mapping[str, _Group], head: Any) -> None:
+    def _commit(self, changes: Changes, states: Mapping[str, GroupState], head: Any) -> None:
         rows = pa.Table.from_pylist(changes.rows, schema=DELIVERIES_SCHEMA)
         files = self.tables.write("deliveries", [rows])
         version = head.version + 1
@@ -421,39 +330,25 @@ class Deliveries(StoreConcept):
         for app_id, group in changes.touched.items():
             states[group].seen[app_id] = version
 
-    def _states(self, groups: set[str], head: Any) -> tuple[dict[str, _Group], Any]:
+    def _states(self, groups: set[str], head: Any) -> tuple[dict[str, GroupState], Any]:
         """The groups as this process knows them, each read again from the table when
         another process changed one of its queues (the head shows it); and the head they
         all agree with, after which the batch's commit checks for conflicts."""
         states = {g: self._groups[g] for g in groups if g in self._groups}
         loaded: set[str] = set()
-        while stale := {g for g in groups if g not in states or states[g].seen != _seen(g, head)}:
+        while stale := {g for g in groups if g not in states or states[g].seen != seen(g, head)}:
             head = self.tables.head("deliveries", reload=True)
             for g in stale:
-                state = self._groups[g] = states[g] = _replay(self._rows_of(g, head.snapshot))
-                state.seen = _seen(g, head)
+                state = self._groups[g] = states[g] = replay(
+                    read_group(self.tables, g, head.snapshot)
+                )
+                state.seen = seen(g, head)
             loaded |= stale
         self._unread, self._head = groups - loaded, head
         return states, head
 
-    def _rows_of(self, group: str, snapshot: Any) -> pa.Table:
-        files = self.tables.data_files("deliveries", snapshot).to_pylist()
-        mine = [
-            f
-            for f in files
-            if f["min.consumer_group"] is None
-            or f["min.consumer_group"] <= group <= f["max.consumer_group"]
-        ]
-        return read_files(
-            [f["uri"] for f in mine],
-            DELIVERIES_SCHEMA,
-            self.settings.storage_options,
-            lambda rows: pc.equal(rows.column("consumer_group"), group),
-            sizes=[f["size_bytes"] for f in mine],
-        )
-
     # ------------------------------------------------------------------ requests
-    def _serve(self, request: Request, state: _Group, changes: _Changes, view: _CommitLogView):
+    def _serve(self, request: Request, state: GroupState, changes: Changes, view: CommitLogView):
         if isinstance(request, Receive):
             return self._receive(request, state, changes, view)
         if isinstance(request, _Published):
@@ -489,21 +384,16 @@ class Deliveries(StoreConcept):
         return None
 
     def _valid(
-        self, request: Ack | ChangeInvisible | Renew | DeadLetter, state: _Group, now: datetime
+        self, request: Ack | ChangeInvisible | Renew | DeadLetter, state: GroupState, now: datetime
     ):
         """The hand-out a handle names, if it is the latest of its message and unexpired;
         None for one acknowledged already."""
         if request.handle in state.done and isinstance(request, Ack):
             return None
         shown = f"{request.handle[:80]!r}"  # a client's text: not echoed whole
-        try:
-            queue_id, offset, attempt, change, _ = request.handle.split(".")
-            key = (request.topic, int(queue_id), int(offset))
-            int(attempt), int(change)
-        except ValueError:
-            raise InvalidHandleError(
-                f"receipt handle {shown} is not one this server gave out."
-            ) from None
+        key = handle_key(request.topic, request.handle)
+        if key is None:
+            raise InvalidHandleError(f"receipt handle {shown} is not one this server gave out.")
         handout = state.in_flight.get(key)
         if (handout is None or handout.handle != request.handle) and self._may_reread(
             request.group
@@ -535,9 +425,9 @@ class Deliveries(StoreConcept):
         followed = follow(
             self.tables.uri("deliveries"), self.settings.storage_options, head.version, head.txns
         )
-        return followed is None or _seen_in(group, followed[1]) != self._groups[group].seen
+        return followed is None or seen_in(group, followed[1]) != self._groups[group].seen
 
-    def _done(self, group: str, handout: Handout, state: _Group, changes: _Changes) -> None:
+    def _done(self, group: str, handout: Handout, state: GroupState, changes: Changes) -> None:
         del state.in_flight[handout.key]
         state.done[handout.handle] = None
         if len(state.done) > _REMEMBERED_DONE:
@@ -552,7 +442,9 @@ class Deliveries(StoreConcept):
             handle=handout.handle,
         )
 
-    def _dead_letter(self, group: str, handout: Handout, state: _Group, changes: _Changes) -> None:
+    def _dead_letter(
+        self, group: str, handout: Handout, state: GroupState, changes: Changes
+    ) -> None:
         """Decide to send a message to the group's dead-letter topic: recorded with the
         batch's commit, published after it (:meth:`_publish_dead`)."""
         del state.in_flight[handout.key]
@@ -573,7 +465,7 @@ class Deliveries(StoreConcept):
         )
 
     def _receive(
-        self, request: Receive, state: _Group, changes: _Changes, view: _CommitLogView
+        self, request: Receive, state: GroupState, changes: Changes, view: CommitLogView
     ) -> list[Received]:
         group, topic, now = request.group, request.topic, changes.now
         invisible = now + timedelta(seconds=request.invisible_seconds)
@@ -621,7 +513,7 @@ class Deliveries(StoreConcept):
         return out
 
     def _start(
-        self, group: str, topic: str, state: _Group, changes: _Changes, view: _CommitLogView
+        self, group: str, topic: str, state: GroupState, changes: Changes, view: CommitLogView
     ) -> None:
         """A group's first look at a topic: each queue's fresh messages start at its end
         (``latest``) or at its first stored message; queues without messages yet start at 0."""
@@ -638,243 +530,13 @@ class Deliveries(StoreConcept):
         group: str,
         handout: Handout,
         row: Mapping[str, Any],
-        state: _Group,
-        changes: _Changes,
+        state: GroupState,
+        changes: Changes,
     ) -> Received:
         state.in_flight[handout.key] = handout
         changes.handed(group, handout)
         return Received(handout, row)
 
-    # ------------------------------------------------------------------ the CommitLog
-    def commitlog(self) -> tuple[Any, dict, dict, list[dict[str, Any]]]:
-        """The latest CommitLog snapshot, its queues' next and earliest offsets and its data
-        files, kept while its version stays (a long poll looks every 100 ms: one read of the
-        log's next entry then, not a listing of the log)."""
-        version = self.tables.latest_version("commitlog")
-        if self._commitlog is None or self._commitlog[0] != version:
-            snapshot = self.tables.snapshot("commitlog")
-            self._commitlog = (
-                snapshot.version(),
-                snapshot,
-                next_offsets(self.tables, snapshot),
-                earliest_stored(self.tables, snapshot),
-                self.tables.data_files("commitlog", snapshot).to_pylist(),
-            )
-        return self._commitlog[1:]
-
-    def read_range(self, files: Sequence[Mapping[str, Any]], queue_id: int, first: int, end: int):
-        """The CommitLog rows of one queue's offsets ``[first, end)`` in ``files`` (its data
-        files whose statistics admit them), in offset order; small files are kept read."""
-        parts = []
-        for f in files:
-            table = self._files.get(f["uri"])
-            if table is None:
-                table = read_files(
-                    [f["uri"]],
-                    pa.schema([COMMITLOG_SCHEMA.field(c) for c in _MESSAGE_COLUMNS]),
-                    self.settings.storage_options,
-                    sizes=[f["size_bytes"]],
-                )
-                if f["size_bytes"] <= _CACHED_FILE_BYTES:
-                    self._files[f["uri"]] = table
-                    if len(self._files) > _CACHED_FILES:
-                        self._files.popitem(last=False)
-            else:
-                self._files.move_to_end(f["uri"])
-            queue, offset = table.column("queue_id"), table.column("queue_offset")
-            mask = pc.and_(
-                pc.equal(queue, queue_id),
-                pc.and_(pc.greater_equal(offset, first), pc.less(offset, end)),
-            )
-            parts.append(table.filter(mask))
-        if not parts:
-            return []
-        rows = pa.concat_tables(parts).sort_by("queue_offset").to_pylist()
-        once = {r["queue_offset"]: r for r in rows}  # another writer's copy of a row: once
-        return list(once.values())
-
-
-class _CommitLogView:
-    """The CommitLog as one batch sees it: the latest snapshot's queues and data files, read
-    when first asked for."""
-
-    def __init__(self, deliveries: Deliveries) -> None:
-        self._deliveries = deliveries
-        self._snapshot: Any = None
-        self._next: dict[tuple[str, int], int] = {}
-        self._earliest: dict[tuple[str, int], int] = {}
-        self._files: list[dict[str, Any]] = []
-
-    def _load(self) -> None:
-        if self._snapshot is None:
-            self._snapshot, self._next, self._earliest, self._files = self._deliveries.commitlog()
-
-    @property
-    def next_offsets(self) -> dict[tuple[str, int], int]:
-        """The next offset of each queue."""
-        self._load()
-        return self._next
-
-    def earliest(self, topic: str, queue_id: int) -> int:
-        """The first offset of a queue still stored."""
-        self._load()
-        return self._earliest.get((topic, queue_id), 0)
-
-    def messages(self, topic: str, queue_id: int, first: int, count: int) -> list[dict[str, Any]]:
-        """The rows of ``count`` offsets of a queue from ``first`` (those stored)."""
-        self._load()
-        end = first + count
-        files = [
-            f
-            for f in self._files
-            if f["partition.topic"] == topic
-            and (f["min.queue_id"] is None or f["min.queue_id"] <= queue_id <= f["max.queue_id"])
-            and (
-                f["min.queue_offset"] is None
-                or (f["max.queue_offset"] >= first and f["min.queue_offset"] < end)
-            )
-        ]
-        return self._deliveries.read_range(files, queue_id, first, end)
-
-
-@dataclass(frozen=True)
-class QueueProgress:
-    """Where a consumer group of ``rmqtx serve`` is in one queue."""
-
-    #: The next offset never handed out to the group (None: the queue was never looked at,
-    #: it starts at its first stored message).
-    frontier: int | None
-    #: Messages handed out and neither acknowledged nor dead-lettered.
-    in_flight: int
-    #: When the group's state of this queue last changed.
-    changed: datetime
-
-
-def progress(rows: pa.Table) -> dict[tuple[str, str], dict[int, QueueProgress]]:
-    """Per (group, topic) and queue, where each consumer group is, from the rows of the
-    ``deliveries`` table."""
-    last = _last_changes(rows)
-    out: dict[tuple[str, str], dict[int, QueueProgress]] = {}
-    for group in pc.unique(rows.column("consumer_group")).to_pylist():
-        state = _replay(rows.filter(pc.equal(rows.column("consumer_group"), group)))
-        flying = Counter((t, q) for t, q, _ in state.in_flight)
-        for r in last.filter(pc.equal(last.column("consumer_group"), group)).to_pylist():
-            topic, queue_id = r["topic"], r["queue_id"]
-            if queue_id < 0:
-                continue  # a topic's start
-            out.setdefault((group, topic), {})[queue_id] = QueueProgress(
-                state.frontier.get((topic, queue_id)),
-                flying[(topic, queue_id)],
-                r["recorded_timestamp_max"],
-            )
-    return out
-
-
-def _last_changes(rows: pa.Table) -> pa.Table:
-    """When each (group, topic, queue) last changed: ``recorded_timestamp_max``."""
-    return rows.group_by(["consumer_group", "topic", "queue_id"]).aggregate(
-        [("recorded_timestamp", "max")]
-    )
-
-
-def trim(tables: Any, now: datetime) -> dict[str, int]:
-    """Rewrite the ``deliveries`` table as the rows that still say something, when they are
-    under half of it (else compact its small files, changing nothing): each group's starts,
-    each queue's last frontier and each message's last hand-out while it is in flight; not the
-    hand-outs and acknowledgements of messages done. The caller holds the table's compaction
-    lock; returns the metrics of :func:`rmq_spark.delta.compaction.compact`.
-
-    A group's state is the same read before and after (rows committed meanwhile stay), so
-    the servers' memory of it and their application ids stay valid; what a group costs to
-    read follows what it has in flight, not how many messages it ever consumed (rule 9)."""
-    snapshot = tables.snapshot("deliveries")
-    files = tables.data_files("deliveries", snapshot)
-    stored = sum(files.column("num_records").to_pylist())
-    if not stored:
-        return {"numFilesRemoved": 0, "numFilesAdded": 0}
-    rows = read_files(
-        files.column("uri").to_pylist(),
-        DELIVERIES_SCHEMA,
-        tables.storage_options,
-        sizes=files.column("size_bytes").to_pylist(),
-    )
-    kept = _Changes(now)
-    last = {
-        (r["consumer_group"], r["topic"], r["queue_id"]): r["recorded_timestamp_max"]
-        for r in _last_changes(rows).to_pylist()
-    }
-    for group in pc.unique(rows.column("consumer_group")).to_pylist():
-        state = _replay(rows.filter(pc.equal(rows.column("consumer_group"), group)))
-        for topic in sorted(state.started):
-            kept.add(group, topic, -1, 0, "start")
-        for (topic, queue_id), offset in sorted(state.frontier.items()):
-            changed = last.get((group, topic, queue_id), now)  # what status shows as progress
-            kept.add(group, topic, queue_id, offset, "frontier", recorded_timestamp=changed)
-        for handout in state.in_flight.values():
-            kept.handed(group, handout)
-        for key, decided in state.dead.items():  # not yet known to be published
-            kept.add(group, *key, "dead", recorded_timestamp=decided)
-    if 2 * len(kept.rows) > stored or tables.direct_interval("deliveries", snapshot) is None:
-        return compact_table(tables, "deliveries")  # (a deltalake commit would not remove)
-    adds = tables.write("deliveries", [pa.Table.from_pylist(kept.rows, schema=DELIVERIES_SCHEMA)])
-    removes = [
-        {"path": p, "size": n, "partition_values": {}}
-        for p, n in zip(
-            files.column("path").to_pylist(), files.column("size_bytes").to_pylist(), strict=True
-        )
-    ]
-    tables.commit("deliveries", adds, snapshot, info={"rmqtx.operation": "trim"}, removes=removes)
-    log.debug("trimmed deliveries: %d rows to %d", stored, len(kept.rows))
-    return {"numFilesRemoved": len(removes), "numFilesAdded": len(adds)}
-
-
-def _seen(group: str, head: Any) -> dict[str, int]:
-    """The versions of ``group``'s application ids in a head."""
-    return _seen_in(group, head.txns)
-
-
-def _seen_in(group: str, txns: Mapping[str, int]) -> dict[str, int]:
-    prefix = _group_prefix(group)
-    return {a: v for a, v in txns.items() if a.startswith(prefix)}
-
-
-def _order(handout: Handout) -> tuple[int, int, datetime]:
-    """Which of two hand-outs of a message is the later: attempts, then extensions, then
-    renewals (which keep the handle)."""
-    return handout.attempt, handout.change, handout.invisible_until
-
 
 def _nonce() -> str:
     return secrets.token_hex(8)
-
-
-def _replay(rows: pa.Table) -> _Group:
-    """A group's state from its rows (any order)."""
-    state = _Group()
-    latest: dict[tuple[str, int, int], Handout] = {}
-    done: set[tuple[str, int, int]] = set()
-    dead: dict[tuple[str, int, int], datetime] = {}
-    for r in rows.to_pylist():
-        key = (r["topic"], r["queue_id"], r["queue_offset"])
-        kind = r["kind"]
-        if kind == "start":
-            state.started.add(r["topic"])
-        elif kind == "frontier":
-            queue = (r["topic"], r["queue_id"])
-            state.frontier[queue] = max(state.frontier.get(queue, 0), r["queue_offset"])
-        elif kind == "done":
-            done.add(key)
-            if r["handle"] is not None:
-                state.done[r["handle"]] = None
-        elif kind == "dead":
-            dead[key] = r["recorded_timestamp"]
-        elif kind == "deliver":
-            handout = Handout(
-                *key, r["attempt"], r["change"], r["invisible_until"], r["handle"].rsplit(".")[-1]
-            )
-            known = latest.get(key)
-            if known is None or _order(known) < _order(handout):
-                latest[key] = handout
-    state.in_flight = {k: h for k, h in latest.items() if k not in done and k not in dead}
-    state.dead = {k: t for k, t in dead.items() if k not in done}
-    return state

@@ -27,7 +27,7 @@ from rmq_spark.model.failpoints import failpoint
 from rmq_spark.model.messages import new_id
 from rmq_spark.model.schema import LOCKS_SCHEMA, TABLES, TIMESTAMP
 from rmq_spark.store.context import StoreConcept, StoreContext
-from rmq_spark.store.deliveries import trim as trim_deliveries
+from rmq_spark.store.group_state import trim as trim_deliveries
 from rmq_spark.store.queues import published_op_version
 from rmq_spark.store.reads import COPY_KEYS, NEWEST, query
 
