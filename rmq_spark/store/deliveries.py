@@ -432,15 +432,7 @@ class Deliveries(StoreConcept):
         state.done[handout.handle] = None
         if len(state.done) > _REMEMBERED_DONE:
             state.done.popitem(last=False)
-        changes.add(
-            group,
-            handout.topic,
-            handout.queue_id,
-            handout.queue_offset,
-            "done",
-            attempt=handout.attempt,
-            handle=handout.handle,
-        )
+        changes.add(group, *handout.key, "done", attempt=handout.attempt, handle=handout.handle)
 
     def _dead_letter(
         self, group: str, handout: Handout, state: GroupState, changes: Changes

@@ -110,9 +110,7 @@ class Changes:
     def handed(self, group: str, h: Handout) -> None:
         self.add(
             group,
-            h.topic,
-            h.queue_id,
-            h.queue_offset,
+            *h.key,
             "deliver",
             attempt=h.attempt,
             change=h.change,
