@@ -25,7 +25,7 @@ How it stays exact (it always equals the full anti-join of the versions it cover
   whose decisions went are pending again and check-back records them again (see
   :meth:`rmq_spark.checkback.job.CheckBackJob`).
 
-Every update rewrites the table, so every ``COMPACT_EVERY_COMMITS`` versions it vacuums the
+Every update rewrites the table, so every ``VACUUM_EVERY_UPDATES`` versions it vacuums the
 files older versions left behind (past the table's one-hour tombstone retention) and cleans its
 log (:meth:`rmq_spark.store.facade.Store.clean_log`).
 
@@ -50,14 +50,13 @@ from rmq_spark.delta.txnlog import commit_infos, entry_times
 from rmq_spark.model.failpoints import failpoint
 from rmq_spark.model.schema import PENDING_SCHEMA, TABLES
 from rmq_spark.store.facade import Store
-from rmq_spark.store.maintenance import (
-    COMPACT_EVERY_COMMITS,
-    PENDING_HALF_APP_ID,
-    PENDING_OP_APP_ID,
-)
+from rmq_spark.store.maintenance import PENDING_HALF_APP_ID, PENDING_OP_APP_ID
 from rmq_spark.store.oplog import foreign_change
 
 log = logging.getLogger(__name__)
+
+#: Every this many updates of ``pending`` vacuum its old files and clean its log.
+VACUUM_EVERY_UPDATES = 50
 
 #: The half columns ``pending`` keeps (all but the body).
 _HALF_COLUMNS = [n for n in PENDING_SCHEMA.names if n != "message_count"]
@@ -201,7 +200,7 @@ def _attempt(store: Store) -> PendingUpdate:
         ),
     )
     log.debug("pending transactions: %d at half %d, op %d", rows.num_rows, half_version, op_version)
-    if pending.version() % COMPACT_EVERY_COMMITS == 0:
+    if pending.version() % VACUUM_EVERY_UPDATES == 0:
         _vacuum(store, pending)
     return PendingUpdate(rows, half_version, op_version, _stored_ages(store, stored_in))
 

@@ -103,7 +103,9 @@ def _rewrite(
             stop, size = start + 1, sizes[start]
             while stop < len(uris) and size + sizes[stop] <= _COMPACT_TARGET_BYTES:
                 size, stop = size + sizes[stop], stop + 1
-            read = read_files(uris[start:stop], stored, tables.storage_options)
+            read = read_files(
+                uris[start:stop], stored, tables.storage_options, sizes=sizes[start:stop]
+            )
             if partition is not None:
                 read = read.append_column(
                     schema.field(partition), pa.repeat(pa.scalar(value), read.num_rows)

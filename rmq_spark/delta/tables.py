@@ -119,7 +119,7 @@ class DeltaTables:
         self._writers: dict[str, tuple[int, int | None]] = {}
         #: Checkpoints and maintenance that commits ask for (see ChoreKinds).
         self.chores = ChoreKinds(root, _CHORES)
-        self._listeners: list[Callable[[str, int], None]] = []
+        self._listeners: list[Callable[[str], None]] = []
 
     # ------------------------------------------------------------------ tables
     @property
@@ -271,10 +271,28 @@ class DeltaTables:
         return read_arrow(QueryBuilder().register(name, table).execute(statement))
 
     # ------------------------------------------------------------------ writes
-    def on_commit(self, listener: Callable[[str, int], None]) -> None:
-        """Call ``listener(table, version)`` after every commit that changes a table's data
-        (not a compaction's); it must not raise."""
+    def on_checkpoint(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener(table)`` once per checkpoint interval of a table's commits (its
+        ``delta.checkpointInterval``, :data:`rmq_spark.model.schema.CHECKPOINT_INTERVAL`):
+        after the checkpoint of a commit this process made at a multiple of the interval, on
+        the thread that wrote it (deltalake's, in the commit, for a table it commits to),
+        written or failed. It must not raise."""
         self._listeners.append(listener)
+
+    def _interval_reached(self, name: str, version: int, snapshot: DeltaTable) -> None:
+        """Tell the listeners of a commit that deltalake made (its post-commit hook has
+        written the checkpoint of a version at the interval)."""
+        if version % checkpoint_interval(snapshot) == 0:
+            for listener in self._listeners:
+                listener(name)
+
+    def _checkpoint(self, name: str, version: int) -> None:
+        """Write the checkpoint of ``version`` of a table this process committed directly,
+        then tell the listeners (a failed checkpoint leaves the work to the next interval's;
+        the maintenance it is followed by is done all the same)."""
+        _checkpoint(self.uri(name), self.deltalake_options, version)
+        for listener in self._listeners:
+            listener(name)
 
     def write(
         self, name: str, rows: Iterable[pa.Table], *, data_change: bool = True
@@ -370,6 +388,7 @@ class DeltaTables:
             with refused_if_cleaned(snapshot):
                 commit_files(snapshot, files, partitions[0] if partitions else None, properties)
             version = snapshot.version()
+            self._interval_reached(name, version, snapshot)
         else:
             after = snapshot.version() if after is None else after
             with self._lock:
@@ -394,11 +413,7 @@ class DeltaTables:
             elif head is not None and head.calm:
                 setattr(self._heads, name, replace(head, calm=False))  # another writer came
             if version % interval == 0:
-                uri, options = self.uri(name), self.deltalake_options
-                self.chores.soon("checkpoint", name, lambda: _checkpoint(uri, options, version))
-        if not removes:
-            for listener in self._listeners:
-                listener(name, version)
+                self.chores.soon("checkpoint", name, lambda: self._checkpoint(name, version))
         return version
 
     def merge(
@@ -430,11 +445,10 @@ class DeltaTables:
                     target_alias="t",
                     commit_properties=commit_properties,
                 )
-                return clauses(merger).execute(), table.version()
+                return clauses(merger).execute(), table
 
-        metrics, version = retry_commits(f"MERGE into {name}", name, attempt)
-        for listener in self._listeners:
-            listener(name, version)
+        metrics, table = retry_commits(f"MERGE into {name}", name, attempt)
+        self._interval_reached(name, table.version(), table)
         return metrics
 
     def direct_interval(self, name: str, snapshot: DeltaTable) -> int | None:

@@ -200,7 +200,12 @@ LOCKS_SCHEMA = pa.schema(
 #: readers of the log, :mod:`rmq_spark.delta.txnlog` included, replay the commits after the last
 #: checkpoint). deltalake writes the checkpoint in the commit that reaches the interval,
 #: whatever the operation (append, MERGE, delete, OPTIMIZE).
-_CHECKPOINTS = {"delta.checkpointInterval": "100"}
+#: Commits between two checkpoints of each of the store's tables (their
+#: ``delta.checkpointInterval``); each checkpoint is followed by the table's maintenance
+#: (:mod:`rmq_spark.store.maintenance`).
+CHECKPOINT_INTERVAL = 100
+
+_CHECKPOINTS = {"delta.checkpointInterval": str(CHECKPOINT_INTERVAL)}
 
 #: How long a table's checkpoints keep the tombstones of removed files: two hours. VACUUM
 #: (:mod:`rmq_spark.delta.vacuum`) writes each removal down when it sees it, every hour, and

@@ -18,7 +18,6 @@ from datetime import datetime
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from deltalake import DeltaTable
 
 from rmq_spark.delta.files import LargeVersion, stored_share
 from rmq_spark.delta.reads import read_files
@@ -42,9 +41,7 @@ _ID_MILLIS_DIGITS = 12
 class Chunks(StoreConcept):
     """Reads the chunks a publisher commits (see the module docstring)."""
 
-    def next_chunk(
-        self, op: DeltaTable, cursor: int, target: int, guard: int
-    ) -> tuple[int, pa.Table, int]:
+    def next_chunk(self, cursor: int, target: int, guard: int) -> tuple[int, pa.Table, int]:
         """The next chunk to publish: ``(end, rows, guard)``, the half messages of the
         transactions committed in ``op`` versions (cursor, end], in decision order, for the
         largest ``end <= target`` within the publish limits (but at least one version), and
@@ -59,7 +56,7 @@ class Chunks(StoreConcept):
         decided, found, end, window = [], 0, cursor, 16
         while end < target and found < max_messages:
             stop = min(target, end + window)
-            commits, foreign = commits_in(self.tables, op, end + 1, stop)
+            commits, foreign = commits_in(self.tables, end + 1, stop)
             decided.append(commits)
             guard = max(guard, foreign)
             found += commits.num_rows

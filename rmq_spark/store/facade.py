@@ -403,7 +403,7 @@ class Store:
     def compact(self, *names: str) -> dict[str, int]:
         """Rewrite the small files of the store's tables (default: all) into larger ones,
         changing no data; return the files removed per table compacted. Runs automatically
-        every ``COMPACT_EVERY_COMMITS`` commits of a table."""
+        after each checkpoint of a table (every ``delta.checkpointInterval`` commits)."""
         return self._maintenance.compact(*names)
 
     def clean_log(self, name: str) -> int:

@@ -5,9 +5,12 @@
   (deltalake would let two concurrent ones both commit, storing every row twice). Work asked
   for after a commit has landed never turns that commit into an error: a caller told "failed"
   would retry it and duplicate what it wrote.
-* **Cost follows the work** (rule 9). Every table is compacted after every
-  :data:`COMPACT_EVERY_COMMITS` commits, and the log entries of internal tables that no reader
-  needs are deleted, so that no operation slows down with the store's age.
+* **Cost follows the work** (rule 9). Every table is compacted once a checkpoint interval
+  (:data:`rmq_spark.model.schema.CHECKPOINT_INTERVAL` commits), right after the checkpoint, and
+  the log entries of internal tables that no reader needs are deleted, so that no operation
+  slows down with the store's age. Right after the checkpoint, bringing the maintenance's
+  snapshot up to date reads the checkpoint (a few ranged GETs on an object store), not the
+  interval's log entries (deltalake reads each twice: two GETs a commit on S3).
 """
 
 from __future__ import annotations
@@ -43,10 +46,6 @@ PENDING_OP_APP_ID = "rmqtx.pending.op_version"
 #: check reads the commits after its snapshot.
 UNNEEDED_LOG_SECONDS = 10.0
 
-#: Compact a table after every this many commits: deltalake's commit cost grows with the
-#: number of files in the snapshot, and every group commit adds one.
-COMPACT_EVERY_COMMITS = 50
-
 #: How long a compaction holds its table's lock at most (a killed compactor's lock expires).
 _COMPACTION_LOCK_SECONDS = 600.0
 
@@ -54,9 +53,9 @@ _COMPACTION_LOCK_SECONDS = 600.0
 class Maintenance(StoreConcept):
     """Compaction, log cleanup and locks of one store's tables.
 
-    Once made, it asks for a compaction and log cleanup of a table after every
-    :data:`COMPACT_EVERY_COMMITS` of its commits (a listener of the Delta layer's commits),
-    run as the Delta layer runs chores: on the committing thread, or in the background.
+    Once made, it asks for a compaction and log cleanup of a table after each of its
+    checkpoints (a listener of the Delta layer's checkpoint intervals), run as the Delta layer
+    runs chores: on the committing thread, or in the background.
     """
 
     def __init__(
@@ -66,12 +65,11 @@ class Maintenance(StoreConcept):
         #: Tables of another store (a shard's CommitLog is its store's), compacted by that
         #: store's maintenance, under its lock: two compactions at once store rows twice.
         self.elsewhere = dict(elsewhere or {})
-        self.tables.on_commit(self._after_commit)
+        self.tables.on_checkpoint(self._after_checkpoint)
 
-    def _after_commit(self, name: str, version: int) -> None:
-        """Compact and clean the log every ``COMPACT_EVERY_COMMITS`` commits."""
-        if version % COMPACT_EVERY_COMMITS == 0:
-            self.tables.chores.soon("maintain", name, lambda: self._maintain(name))
+    def _after_checkpoint(self, name: str) -> None:
+        """Compact and clean the log once a checkpoint interval."""
+        self.tables.chores.soon("maintain", name, lambda: self._maintain(name))
 
     def _maintain(self, name: str) -> None:
         """Compact a table and clean its log. Never raises: the commit that asked has landed,
@@ -92,7 +90,7 @@ class Maintenance(StoreConcept):
     def compact(self, *names: str) -> dict[str, int]:
         """Rewrite the small files of the store's tables into larger ones.
 
-        Runs automatically every ``COMPACT_EVERY_COMMITS`` commits of a table. Compaction
+        Runs automatically after each checkpoint of a table. Compaction
         changes no data (``dataChange=false``): consumers, including Delta's own streaming
         source, see nothing. Compactions of one table take turns through a lock in ``locks``
         (deltalake would let two concurrent ones both commit, storing every row twice); a
@@ -147,7 +145,7 @@ class Maintenance(StoreConcept):
         """Delete the Delta log entries of an internal table that a checkpoint covers and that
         no reader needs any more; return how many files went.
 
-        Runs after every ``COMPACT_EVERY_COMMITS`` commits of a table. On a local filesystem
+        Runs after each checkpoint of a table. On a local filesystem
         every commit and snapshot update lists the whole log (about 8.5 us an entry), so a log
         that only grew would make every operation slower with the store's age (rule 9), and
         one kept for minutes of a busy store's commits makes sends several times slower.

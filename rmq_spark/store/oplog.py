@@ -68,7 +68,7 @@ _NO_DATA_CHANGE = frozenset(
 _DECISION_MERGE = "t.transaction_id = s.transaction_id"
 
 
-def commits_in(tables: DeltaTables, op: DeltaTable, first: int, last: int) -> tuple[pa.Table, int]:
+def commits_in(tables: DeltaTables, first: int, last: int) -> tuple[pa.Table, int]:
     """``(transaction_id, _commit_version)`` of the COMMITs recorded in ``op`` versions
     first..last, in decision order, and the commit time (ms) of the newest commit of
     another Delta writer among them (0 if none).
@@ -76,12 +76,15 @@ def commits_in(tables: DeltaTables, op: DeltaTable, first: int, last: int) -> tu
     Decision commits name their COMMITs in their ``commitInfo`` (:data:`COMMITS_KEY`), read
     from the log; the change feed is read only for decisions of an older rmq-spark (written
     by MERGE, :func:`_legacy_decisions`), or for the whole range when its log entries are
-    gone. Only decisions the store wrote are published: a commit of another Delta writer
-    (a RESTORE re-adding files a compaction replaced, which the change feed reports as
-    inserts; a DELETE; an append) is logged and not applied.
+    gone: only then is a snapshot of ``op`` loaded (bringing it up to date reads each entry
+    twice, a GET each on S3, every few seconds on the publisher's path). Only decisions the
+    store wrote are published: a commit of another Delta writer (a RESTORE re-adding files a
+    compaction replaced, which the change feed reports as inserts; a DELETE; an append) is
+    logged and not applied.
     """
 
     def changed(start: int, end: int) -> pa.Table:  # on a snapshot that holds ``end``
+        op = tables.snapshot("op", latest=False)
         return _changed_commits(op if op.version() >= end else tables.snapshot("op"), start, end)
 
     try:

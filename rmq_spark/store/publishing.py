@@ -194,9 +194,7 @@ class Publisher:
 
     def _part(self, cursor: int, target: int, guard: int) -> _Part:
         """This shard's part of the next publish commit (on the thread of its snapshots)."""
-        # Only a decision of an older rmq-spark is read from a snapshot (at ``target`` or after).
-        op = self.tables.snapshot("op", latest=False)
-        end, rows, guard = self.chunks.next_chunk(op, cursor, target, guard)
+        end, rows, guard = self.chunks.next_chunk(cursor, target, guard)
         return _Part(self, cursor, end, target, rows, guard)
 
     def _publish_chunk(

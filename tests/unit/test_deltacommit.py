@@ -230,7 +230,8 @@ def test_direct_commits_are_checkpointed_at_the_interval(store: Store) -> None:
     for n in range(25):
         store.prepare([Message("T", f"m{n}")], "pg")
     version = store.table("half").version()
-    assert version == 26
+    compactions = [h for h in DeltaTable(uri).history() if h["operation"] == "OPTIMIZE"]
+    assert version == 26 + len(compactions) and len(compactions) == 2  # one after each
     checkpoints = sorted(p.name for p in (Path(uri) / "_delta_log").glob("*.checkpoint.parquet"))
     assert checkpoints == [f"{v:020d}.checkpoint.parquet" for v in (10, 20)]
     fresh = DeltaTable(uri)
@@ -453,7 +454,8 @@ def test_a_commit_paused_after_its_put_is_not_made_twice(store: Store, tmp_path:
     try:
         for n in range(25):
             store.prepare([Message("T", f"m{n}")], "pg")
-        assert store.compact("half")["half"] > 1
+        store.compact("half")  # each checkpoint's maintenance has compacted already
+        assert len(store.data_files("half")) == 1  # the stalled commit's file rewritten too
         for n in range(10):
             store.prepare([Message("T", f"after-{n}")], "pg")
         _cleaned(store)

@@ -133,12 +133,12 @@ def test_epochs_stay_readable_as_the_table_grows_and_is_compacted(store: Store) 
     compare them (found by the torture test: every sink task failed to hold its epoch)."""
     from rmq_spark.spark.epoch_records import read_epochs
 
-    for epoch in range(60):  # past COMPACT_EVERY_COMMITS
+    for epoch in range(70):  # past CHECKPOINT_INTERVAL commits: compacted
         hold(store, f"sink{epoch % 3}", epoch, "owner", lease_seconds=60)
         if epoch % 2:
             close(store, f"sink{epoch % 3}", epoch, 0, [f"t{epoch}"], "sink")
-    rows = read_epochs(store, [(f"sink{e % 3}", e) for e in range(60)])
-    assert len(rows) == 60
+    rows = read_epochs(store, [(f"sink{e % 3}", e) for e in range(70)])
+    assert len(rows) == 70
     assert all((r.state == CLOSED) == bool(r.epoch % 2) for r in rows.values())
     assert rows[("sink1", 1)].transaction_ids == ("t1",)
 

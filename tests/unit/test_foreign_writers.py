@@ -19,10 +19,9 @@ from rmq_spark import Decision, LocalTransactionState, Message, Store
 from rmq_spark.checkback.discards import DECIDED_BY_CHECK_MAX, insert_discards, redrive
 from rmq_spark.delta.txnlog import checkpoint_guess
 from rmq_spark.model.errors import CorruptStoreError, DataLossError
-from rmq_spark.model.schema import CHECK_STATE_SCHEMA, COMMITLOG_SCHEMA
+from rmq_spark.model.schema import CHECK_STATE_SCHEMA, CHECKPOINT_INTERVAL, COMMITLOG_SCHEMA
 from rmq_spark.spark.offsets import latest_offsets
 from rmq_spark.spark.reading import TASK_ROWS, plan_slices, read_slice
-from rmq_spark.store.maintenance import COMPACT_EVERY_COMMITS
 from rmq_spark.store.reads import once
 from tests.conftest import commitlog, foreign_compaction_after_the_stores
 
@@ -53,7 +52,7 @@ def test_a_restore_of_op_to_before_a_compaction_publishes_nothing_again(
     feed reports their rows as inserts, and the publisher copied every committed transaction
     into the CommitLog again with new offsets. Only decisions the store wrote are published;
     the foreign commit is reported, not applied."""
-    committed = _commit_each(store, COMPACT_EVERY_COMMITS + 5)
+    committed = _commit_each(store, CHECKPOINT_INTERVAL + 5)
     op = DeltaTable(store.table_uri("op"))
     compaction = next(h["version"] for h in op.history() if h["operation"] == "OPTIMIZE")
     op.restore(compaction - 1)

@@ -313,15 +313,15 @@ def test_an_update_killed_before_its_commit_leaves_the_old_state(store: Store) -
 
 
 def test_updates_past_a_vacuum_stay_exact(store: Store) -> None:
-    """Every update rewrites the table and every COMPACT_EVERY_COMMITS versions vacuums it."""
-    from rmq_spark.store.maintenance import COMPACT_EVERY_COMMITS
+    """Every update rewrites the table and every VACUUM_EVERY_UPDATES versions vacuums it."""
+    from rmq_spark.checkback.pending import VACUUM_EVERY_UPDATES
 
-    for i in range(COMPACT_EVERY_COMMITS + 2):
+    for i in range(VACUUM_EVERY_UPDATES + 2):
         (p,) = store.prepare([Message("T", str(i).encode())], "g1")
         if i % 3 == 0:
             store.end_transactions(
                 [Decision(p.transaction_id, "g1", LocalTransactionState.ROLLBACK)], publish=False
             )
         update_pending(store)
-    assert store.table("pending").version() > COMPACT_EVERY_COMMITS
+    assert store.table("pending").version() > VACUUM_EVERY_UPDATES
     assert plain(stored(store)) == plain(oracle(store))

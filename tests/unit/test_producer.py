@@ -285,9 +285,10 @@ def test_half_stays_compacted_while_a_producer_sends(store: Store) -> None:
 def test_shutdown_finishes_the_compactions_its_sends_asked_for(store: Store) -> None:
     listener = ScriptedListener()
     with TransactionMQProducer("pg", listener, store=store) as producer:
-        for _ in range(60):
+        for _ in range(110):
             producer.send_message_in_transaction(Message("T", b"x"), LocalTransactionState.COMMIT)
-    # The 50th commit of half asked for a compaction; it is done when shutdown returns.
+    # The 100th commit of half asked for a checkpoint and then a compaction; both are done
+    # when shutdown returns.
     assert len(store.data_files("half")) < 20
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -34,14 +35,14 @@ from rmq_spark import (
 )
 from rmq_spark.checkback.pending import update_pending
 from rmq_spark.delta.storage import filesystem
-from rmq_spark.model.config import StoreSettings
+from rmq_spark.model.config import Settings, StoreSettings
 from rmq_spark.model.messages import shard_transaction_id
-from rmq_spark.model.schema import LOCKS_SCHEMA
+from rmq_spark.model.schema import CHECKPOINT_INTERVAL, LOCKS_SCHEMA
 from rmq_spark.store import decisions as decisions_module
 from rmq_spark.store.decisions import decision_app_id
 from rmq_spark.store.layout import MARKER_FILE
-from rmq_spark.store.maintenance import COMPACT_EVERY_COMMITS
 from tests.conftest import commitlog
+from tests.latency_proxy import LatencyProxy
 
 COMMIT, ROLLBACK = LocalTransactionState.COMMIT, LocalTransactionState.ROLLBACK
 
@@ -476,17 +477,17 @@ def test_compaction_changes_no_data_and_publishing_goes_on(store: Store) -> None
 
 
 def test_compaction_failure_after_a_landed_append_is_not_an_error(store: Store) -> None:
-    # Every COMPACT_EVERY_COMMITS-th commit compacts the table. A data file lost underneath
-    # (an over-eager VACUUM, a lifecycle rule) makes that compaction fail for real; the append
-    # that triggered it has landed and must not be reported as failed (its caller would
+    # The commit that reaches the checkpoint interval compacts the table. A data file lost
+    # underneath (an over-eager VACUUM, a lifecycle rule) makes that compaction fail for real;
+    # the append that triggered it has landed and must not be reported as failed (its caller would
     # retry and write it twice).
     first = store.prepare([Message("Orders", b"first")], "pg")[0]
-    while store.table("half").version() < COMPACT_EVERY_COMMITS - 1:
+    while store.table("half").version() < CHECKPOINT_INTERVAL - 1:
         store.prepare([Message("Orders", b"filler")], "pg")
     (lost,) = [u for u in store.table("half").file_uris() if first.transaction_id in _ids_in(u)]
     Path(lost).unlink()
     (p,) = store.prepare([Message("Orders", b"after")], "pg")
-    assert p.half_version == COMPACT_EVERY_COMMITS
+    assert p.half_version == CHECKPOINT_INTERVAL
     assert store.half_messages([p.transaction_id]).column("body").to_pylist() == [b"after"]
 
 
@@ -518,6 +519,60 @@ def _compactor(root: str, name: str, barrier, out) -> None:
     store = Store.open(root, create=False)
     barrier.wait(timeout=60)
     out.put((name, store.compact("half")))
+
+
+@pytest.mark.objectstore
+def test_a_table_is_maintained_after_each_checkpoint_from_it(minio) -> None:
+    """A table is compacted and its log cleaned once a checkpoint interval, right after the
+    checkpoint, on a snapshot loaded from it: the interval's log entries, which the checkpoint
+    holds, are not read again (bringing the maintenance's snapshot up to date read each one
+    twice, two GETs a commit on S3, as many as the sends' own)."""
+    proxy = LatencyProxy(int(minio.endpoint.rsplit(":", 1)[1]), 0.0, record=True).start()
+    try:
+        root = minio.root()
+        direct = Store.open(
+            settings=Settings(store=StoreSettings(path=root, storage_options=minio.storage_options))
+        )
+        direct.table("half").alter.set_table_properties({"delta.checkpointInterval": "10"})
+        options = dict(minio.storage_options, AWS_ENDPOINT_URL=proxy.endpoint)
+        store = Store.open(
+            settings=Settings(store=StoreSettings(path=root, storage_options=options))
+        )
+        store.maintain_in_background()
+        bodies: list[bytes] = []
+
+        def send_until(version: int) -> None:
+            while True:
+                bodies.append(str(len(bodies)).encode())
+                if store.prepare([Message("Orders", bodies[-1])], "pg")[0].half_version >= version:
+                    break
+            store.finish_maintenance()
+
+        send_until(10)  # the first interval: the maintenance thread has a snapshot since
+        proxy.requests.clear()
+        send_until(20)
+        requests = list(proxy.requests)
+        assert store.data_files("half").num_rows == 1  # compacted
+        assert sorted(store.read("half").column("body").to_pylist()) == sorted(bodies)
+        replayed = []
+        for i, (method, target) in enumerate(requests):
+            written = re.search(r"/half/_delta_log/(\d+)\.checkpoint\.parquet$", target)
+            if method == "PUT" and written:
+                replayed += [
+                    t
+                    for m, t in requests[i:]
+                    if m == "GET"
+                    and (entry := re.search(r"/half/_delta_log/(\d+)\.json$", t))
+                    and int(entry.group(1)) <= int(written.group(1))
+                ]
+        # The compaction's commit checks that the entry before it is there; nothing else.
+        assert replayed and len(replayed) <= 1, replayed
+        # Each small file compacted is read in one request (not its size, footer and data).
+        read = [(m, t) for m, t in requests if re.search(r"/half/part-[^/]*\.parquet$", t)]
+        assert {m for m, _ in read} == {"GET", "PUT"}, read
+        assert sum(m == "GET" for m, _ in read) == len({t for m, t in read if m == "GET"})
+    finally:
+        proxy.stop()
 
 
 def test_two_compactions_at_once_never_duplicate_rows(tmp_path: Path) -> None:
@@ -554,7 +609,7 @@ def test_the_log_of_an_internal_table_stays_bounded(short_log_store: Store) -> N
     for i in range(230):
         short_log_store.prepare([Message("Orders", str(i).encode())], "pg")
     assert short_log_store.table("half").version() > 200  # appends, and compactions
-    assert _log_entries(short_log_store, "half") <= 2 * COMPACT_EVERY_COMMITS
+    assert _log_entries(short_log_store, "half") <= 2 * CHECKPOINT_INTERVAL
     assert short_log_store.read("half").num_rows == 230
 
 
@@ -568,10 +623,12 @@ def test_the_op_log_a_lagging_publisher_needs_is_kept(short_log_store: Store) ->
     store.clean_log("op")
     assert store.publish().published == 210
     assert commitlog(store).num_rows == 210
-    for p in store.prepare([Message("Orders", b"more")] * 60, "pg"):
-        decide(store, [p], COMMIT)  # publishes as it goes: the cursor moves, the log is cleaned
-    assert _log_entries(store, "op") <= 2 * COMPACT_EVERY_COMMITS
-    assert commitlog(store).num_rows == 270
+    # Decided and published one by one past the next checkpoint: the cursor moves, and the
+    # maintenance after that checkpoint cleans the log.
+    for p in store.prepare([Message("Orders", b"more")] * 100, "pg"):
+        decide(store, [p], COMMIT)
+    assert _log_entries(store, "op") <= 2 * CHECKPOINT_INTERVAL
+    assert commitlog(store).num_rows == 310
 
 
 def test_a_snapshot_whose_log_was_cleaned_under_it_still_updates(short_log_store: Store) -> None:
@@ -604,7 +661,7 @@ def test_a_writer_appends_after_the_log_was_cleaned_under_its_snapshot(
     idle.prepare([Message("Orders", b"before")], "pg")  # caches its half snapshot
     for i in range(230):
         writer.prepare([Message("Orders", str(i).encode())], "pg")
-    assert _log_entries(writer, "half") <= 2 * COMPACT_EVERY_COMMITS  # it was cleaned
+    assert _log_entries(writer, "half") <= 2 * CHECKPOINT_INTERVAL  # it was cleaned
     if large:
         rows = writer.read("half").slice(0, 3)
         assert idle.append_batches("half", iter([rows])) is not None
@@ -630,8 +687,8 @@ def test_a_busy_store_keeps_minutes_not_the_log_retention_of_log(tmp_path: Path)
         if i % 25 == 0:
             update_pending(store)  # the check-back job keeps up
         store.prepare([Message("Orders", str(i).encode())], "pg")
-    # A checkpoint every 100 commits, a cleanup every 50, the pending list 25 sends behind.
-    assert _log_entries(store, "half") <= 4 * COMPACT_EVERY_COMMITS
+    # A checkpoint and a cleanup every 100 commits, the pending list 25 sends behind.
+    assert _log_entries(store, "half") <= 2 * CHECKPOINT_INTERVAL
     assert store.read("half").num_rows == 430
 
 
