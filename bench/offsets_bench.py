@@ -3,7 +3,7 @@
 Builds a store whose CommitLog has --topics topics x 4 queues and --commits publish commits
 (each writing one message to each of --queues-per-commit random queues, with the queue and
 cursor application transactions a publish records), written directly with deltalake and
-compacted every ``COMPACT_EVERY_COMMITS`` commits as the publisher does. Then,
+compacted every ``CHECKPOINT_INTERVAL`` commits as the store's maintenance does. Then,
 in the same run:
 * baseline: every queue's next offset asked of deltalake one queue at a time
   (``DeltaTable.transaction_version``, the per-queue log replay rmq-spark used before);
@@ -30,11 +30,10 @@ from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from pyspark.sql.datasource import ReadAllAvailable
 
 from rmq_spark import Store
-from rmq_spark.model.schema import COMMITLOG_SCHEMA
+from rmq_spark.model.schema import CHECKPOINT_INTERVAL, COMMITLOG_SCHEMA
 from rmq_spark.spark.offsets import latest_offsets
 from rmq_spark.spark.source import RmqTxStreamReader
 from rmq_spark.spark.source_options import ReaderOptions
-from rmq_spark.store.maintenance import COMPACT_EVERY_COMMITS
 from rmq_spark.store.queues import OP_CURSOR_APP_ID, queue_app_id
 
 QUEUES = 4
@@ -93,8 +92,8 @@ def main() -> None:
         def build() -> None:
             for c in range(args.commits):
                 publish_like(store, rng.sample(all_queues, args.queues_per_commit), offsets, c)
-                if (c + 1) % COMPACT_EVERY_COMMITS == 0:
-                    store.compact("commitlog")  # as the publisher does
+                if (c + 1) % CHECKPOINT_INTERVAL == 0:
+                    store.compact("commitlog")  # as the maintenance does
 
         build_s, _ = timed(build)
         uri = store.table_uri("commitlog")

@@ -9,7 +9,7 @@ would hold it. In the same run, on each store:
 * an epoch: 1,000 half messages of one transaction over the topics (what a sink task stages),
   then its COMMIT and publish, --epochs times.
 Prints the median latencies and their ratio history / empty (goal: at most 1.5x), and the
-slowest of each (a compaction, every 50 commits of a table, lands in one of them).
+slowest of each (a compaction, after each checkpoint of a table, lands in one of them).
 
 Usage: python bench/publish_bench.py [--history 500000] [--topics 100] [--sends 15] [--epochs 5]
        (the issue's size: --history 5000000)

@@ -280,13 +280,14 @@ class DeltaTables:
         self._listeners.append(listener)
 
     def _interval_reached(self, name: str, version: int, snapshot: DeltaTable) -> None:
-        """Tell the listeners of a commit that deltalake made (its post-commit hook has
-        written the checkpoint of a version at the interval)."""
-        if version % checkpoint_interval(snapshot) == 0:
+        """Tell the listeners of a commit that deltalake made if its post-commit hook wrote a
+        checkpoint: deltalake does when the version after it is at the interval (version 99
+        of 100), where a direct commit asks for one at the interval (version 100)."""
+        if (version + 1) % checkpoint_interval(snapshot) == 0:
             for listener in self._listeners:
                 listener(name)
 
-    def _checkpoint(self, name: str, version: int) -> None:
+    def _checkpoint_then_tell(self, name: str, version: int) -> None:
         """Write the checkpoint of ``version`` of a table this process committed directly,
         then tell the listeners (a failed checkpoint leaves the work to the next interval's;
         the maintenance it is followed by is done all the same)."""
@@ -413,7 +414,9 @@ class DeltaTables:
             elif head is not None and head.calm:
                 setattr(self._heads, name, replace(head, calm=False))  # another writer came
             if version % interval == 0:
-                self.chores.soon("checkpoint", name, lambda: self._checkpoint(name, version))
+                self.chores.soon(
+                    "checkpoint", name, lambda: self._checkpoint_then_tell(name, version)
+                )
         return version
 
     def merge(
@@ -435,8 +438,9 @@ class DeltaTables:
         keys = [on] if isinstance(on, str) else list(on)
         check_conditional_put(self.root, self.storage_options)
 
-        def attempt(_: int) -> tuple[dict[str, Any], int]:
+        def attempt(_: int) -> tuple[dict[str, Any], DeltaTable, int]:
             table = self.snapshot(name)
+            before = table.version()
             with refused_if_cleaned(table):
                 merger = table.merge(
                     source,
@@ -445,10 +449,11 @@ class DeltaTables:
                     target_alias="t",
                     commit_properties=commit_properties,
                 )
-                return clauses(merger).execute(), table
+                return clauses(merger).execute(), table, before
 
-        metrics, table = retry_commits(f"MERGE into {name}", name, attempt)
-        self._interval_reached(name, table.version(), table)
+        metrics, table, before = retry_commits(f"MERGE into {name}", name, attempt)
+        if table.version() != before:  # a MERGE that changes nothing commits nothing
+            self._interval_reached(name, table.version(), table)
         return metrics
 
     def direct_interval(self, name: str, snapshot: DeltaTable) -> int | None:

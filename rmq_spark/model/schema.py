@@ -196,12 +196,10 @@ LOCKS_SCHEMA = pa.schema(
     ]
 )
 
-#: Every table is checkpointed every this many commits (deltalake's default, made explicit:
-#: readers of the log, :mod:`rmq_spark.delta.txnlog` included, replay the commits after the last
-#: checkpoint). deltalake writes the checkpoint in the commit that reaches the interval,
-#: whatever the operation (append, MERGE, delete, OPTIMIZE).
-#: Commits between two checkpoints of each of the store's tables (their
-#: ``delta.checkpointInterval``); each checkpoint is followed by the table's maintenance
+#: Every table is checkpointed every this many commits (its ``delta.checkpointInterval``,
+#: deltalake's default made explicit: readers of the log, :mod:`rmq_spark.delta.txnlog`
+#: included, replay the commits after the last checkpoint), whatever the operation (append,
+#: MERGE, delete, OPTIMIZE); each checkpoint is followed by the table's maintenance
 #: (:mod:`rmq_spark.store.maintenance`).
 CHECKPOINT_INTERVAL = 100
 

@@ -423,10 +423,10 @@ class Store:
     def maintain_in_background(self) -> None:
         """Write checkpoints, compact and clean tables after their commits on background
         threads of this process from now on, so that no commit waits for them (a producer's
-        sends: one send in 50 would wait 50 to 100 ms for a compaction, one in 100 some 20 ms
-        for a checkpoint). Checkpoints have a thread of their own: a compaction that takes
-        long must not hold them back. Idempotent; :meth:`finish_maintenance` waits for what
-        is asked."""
+        sends: one send in 100 would wait some 20 ms for a checkpoint, then 50 to 100 ms for
+        the compaction after it). Checkpoints have a thread of their own: a compaction that
+        takes long must not hold them back (a stalled checkpoint holds back the maintenance
+        that follows it). Idempotent; :meth:`finish_maintenance` waits for what is asked."""
         self._tables.chores.in_background()
 
     def finish_maintenance(self) -> None:

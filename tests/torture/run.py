@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-compactor",
         action="store_true",
-        help="no compactor process (the store still compacts every 50 commits of a table)",
+        help="no compactor process (the store still compacts each table after its checkpoints)",
     )
     args = parser.parse_args(argv)
 

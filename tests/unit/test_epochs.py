@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from deltalake import DeltaTable
 
 from rmq_spark import EpochLostError, LocalTransactionState, Message, Store
 from rmq_spark.spark.epoch_records import ABANDONED, CLOSED, OPEN, closed_epoch, read_epoch
@@ -139,6 +140,8 @@ def test_epochs_stay_readable_as_the_table_grows_and_is_compacted(store: Store) 
             close(store, f"sink{epoch % 3}", epoch, 0, [f"t{epoch}"], "sink")
     rows = read_epochs(store, [(f"sink{e % 3}", e) for e in range(70)])
     assert len(rows) == 70
+    history = DeltaTable(store.table_uri("epochs")).history()
+    assert any(h["operation"] == "OPTIMIZE" for h in history)  # maintained after its checkpoint
     assert all((r.state == CLOSED) == bool(r.epoch % 2) for r in rows.values())
     assert rows[("sink1", 1)].transaction_ids == ("t1",)
 
