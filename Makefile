@@ -23,7 +23,7 @@ MINIO_VERSION := v0.0.0-20260212201848-7aac2a2c5b7c
 CACHE         ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/rmq-spark
 export RMQ_SPARK_MINIO := $(abspath $(TOOLS))/bin/minio
 
-.PHONY: setup objectstore browser demo test torture lint bench bench-objectstore bench-scale bench-peers bench-serve bench-consumers java-client-example check-back notebooks notebook-outputs clean
+.PHONY: setup objectstore browser demo test torture lint bench bench-objectstore bench-scale bench-requests bench-peers bench-serve bench-consumers java-client-example check-back notebooks notebook-outputs clean
 setup: $(VENV)/.installed $(JARS)/.fetched
 
 $(VENV)/.installed: setup.py
@@ -110,6 +110,11 @@ bench: setup
 # (MinIO from make objectstore), e.g. make bench-scale ARGS="--runs 1x4,16x4 --delay-ms 30".
 bench-scale: objectstore
 	$(PY) bench/scale_bench.py $(ARGS)
+
+# Every request one transaction costs an s3:// store (MinIO behind a counting proxy), beside a
+# plain deltalake append of one row, e.g. make bench-requests ARGS="--transactions 500".
+bench-requests: objectstore
+	$(PY) bench/requests_bench.py $(ARGS)
 
 # rmq-spark beside a RocketMQ broker and Spark's Kafka connector, in one run (the peers come
 # from ../shared/anchors when present; each fetches its own jars from Maven Central).
