@@ -33,29 +33,13 @@ from deltalake import write_deltalake
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
-from rmq_spark import (  # noqa: E402
-    LocalTransactionState,
-    Message,
-    Store,
-    TransactionListener,
-    TransactionMQProducer,
-)
+from scale_bench import BODY, EndedLater  # noqa: E402
+
+from rmq_spark import LocalTransactionState, Message, Store, TransactionMQProducer  # noqa: E402
 from rmq_spark.delta.storage import deltalake_options  # noqa: E402
 from rmq_spark.model.config import StoreSettings  # noqa: E402
 from tests import minio  # noqa: E402
 from tests.latency_proxy import LatencyProxy  # noqa: E402
-
-BODY = b"x" * 256
-
-
-class LaterDecides(TransactionListener):
-    """Leaves each transaction to the explicit ``end_transaction`` (as scale_bench does)."""
-
-    def execute_local_transaction(self, msg, arg):
-        return LocalTransactionState.UNKNOWN
-
-    def check_local_transaction(self, msg):
-        return LocalTransactionState.COMMIT
 
 
 def kind_of(method: str, target: str, root: str) -> tuple[str, str, str]:
@@ -93,7 +77,7 @@ def transactions(options: dict[str, str], root: str, n: int, proxy: LatencyProxy
     store = Store.open(settings=made)
     proxy.requests.clear()  # type: ignore[union-attr]
     start = time.perf_counter()
-    with TransactionMQProducer("bench", LaterDecides(), store=store) as producer:
+    with TransactionMQProducer("bench", EndedLater(), store=store) as producer:
         for i in range(n):
             sent = producer.send_message_in_transaction(Message("Bench", BODY, keys=f"k{i}"))
             producer.end_transaction(sent, LocalTransactionState.COMMIT)

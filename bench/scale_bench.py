@@ -62,7 +62,7 @@ BODY = b"x" * 256
 LINGER = 3.0
 
 
-class _Later(TransactionListener):
+class EndedLater(TransactionListener):
     """The local transaction ends after the send returns: the sender ends it explicitly."""
 
     def execute_local_transaction(self, msg, arg):  # noqa: ANN001, ANN201
@@ -82,7 +82,7 @@ def worker(
     latencies: list[float] = []
     lock = threading.Lock()
     group = f"bench-{os.getpid()}"
-    with TransactionMQProducer(group, store=store, listener=_Later()) as producer:
+    with TransactionMQProducer(group, store=store, listener=EndedLater()) as producer:
         warm = producer.send_message_in_transaction(Message("bench", BODY))
         producer.end_transaction(warm, LocalTransactionState.COMMIT)
         time.sleep(max(0.0, start - time.time()))
