@@ -275,8 +275,9 @@ class DeltaTables:
         """Call ``listener(table)`` once per checkpoint interval of a table's commits (its
         ``delta.checkpointInterval``, :data:`rmq_spark.model.schema.CHECKPOINT_INTERVAL`):
         after the checkpoint of a commit this process made at a multiple of the interval, on
-        the thread that wrote it (deltalake's, in the commit, for a table it commits to),
-        written or failed. It must not raise."""
+        the thread that wrote it, written or failed; for a table deltalake commits to, after
+        the commit whose post-commit hook wrote one (:meth:`_interval_reached`). It must not
+        raise."""
         self._listeners.append(listener)
 
     def _interval_reached(self, name: str, version: int, snapshot: DeltaTable) -> None:
