@@ -42,7 +42,7 @@ acknowledged send lost). No file time proves a put reachable; the check does.
 
 The commit that reaches the table's ``delta.checkpointInterval`` is followed by the
 checkpoint and the expired-log cleanup, as deltalake's post-commit hook does
-(:func:`checkpoint`). Tables on filesystems other
+(:mod:`rmq_spark.delta.checkpoints`). Tables on filesystems other
 than local and S3 are committed by deltalake; tables that need more of a writer than Parquet
 files with statistics (column mapping, row tracking, CHECK constraints...) are refused, by
 either path: :func:`appendable`.
@@ -57,7 +57,7 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 
 import pyarrow.compute as pc
@@ -75,13 +75,14 @@ log_ = logging.getLogger(__name__)
 
 #: Writer features an append of Parquet files with statistics satisfies by itself (the
 #: features of writer versions 2 to 4 are checked further by :func:`appendable`).
-_APPEND_FEATURES = frozenset(
+APPEND_FEATURES = frozenset(
     {"appendOnly", "invariants", "checkConstraints", "changeDataFeed", "generatedColumns"}
 )
-#: The name of a staged log entry in ``_delta_log`` (hidden: Delta readers skip it).
-STAGED_NAME = re.compile(r"^\.[0-9a-f]{32}\.json\.tmp$")
+#: The name of a staged log entry or checkpoint in ``_delta_log`` (hidden: Delta readers skip
+#: it).
+STAGED_NAME = re.compile(r"^\.[0-9a-f]{32}\.(?:json|checkpoint\.parquet)\.tmp$")
 #: A commit's log entry.
-_ENTRY_NAME = re.compile(r"^\d{20}\.json$")
+ENTRY_NAME = re.compile(r"^\d{20}\.json$")
 #: A classic checkpoint file (one file, or part ``i`` of ``n``) of version ``group(1)``.
 CHECKPOINT_NAME = re.compile(r"^(\d{20})\.checkpoint(?:\.(\d{10})\.(\d{10}))?\.parquet$")
 #: Actions of a concurrent commit that conflict with any append.
@@ -102,7 +103,7 @@ def appendable(table: DeltaTable) -> bool:
         be altered.
     """
     protocol = table.protocol()
-    unsupported = sorted(set(protocol.writer_features or ()) - _APPEND_FEATURES)
+    unsupported = sorted(set(protocol.writer_features or ()) - APPEND_FEATURES)
     if protocol.min_reader_version > 1 or (
         protocol.min_writer_version > 4 and protocol.writer_features is None
     ):
@@ -137,6 +138,7 @@ def commit(
     app_ids: Mapping[str, int] | None = None,
     info: Mapping[str, str] | None = None,
     removes: Sequence[Mapping[str, object]] = (),
+    landed: Callable[[int, bytes], None] | None = None,
 ) -> int:
     """Commit ``adds`` as one append to the table at ``uri`` whose latest known version is
     ``after``, or with ``removes`` as a compaction; return the version committed.
@@ -161,6 +163,8 @@ def commit(
         Files (add actions: ``path``, ``size``, ``partition_values``) that ``adds`` rewrite
         without changing data (a compaction: every action has ``dataChange`` false). A
         concurrent commit that removed one of them first conflicts.
+    landed : callable, optional
+        Told ``(version, entry)``, the log entry's bytes, once the commit is known reachable.
 
     Raises
     ------
@@ -209,22 +213,9 @@ def commit(
             f"version {version} of {uri} was put below a newer checkpoint, where the log had "
             "been cleaned: no reader would see it"
         )
+    if landed is not None:
+        landed(version, entry)
     return version
-
-
-def checkpoint(uri: str, storage_options: Mapping[str, str] | None, version: int) -> None:
-    """Write the checkpoint of ``version`` of the table at ``uri``, then delete the log entries
-    older than its ``delta.logRetentionDuration`` that a checkpoint covers (unless its
-    ``delta.enableExpiredLogCleanup`` is false): deltalake's post-commit hook, which a direct
-    commit does not run."""
-    failpoint("deltacommit.checkpoint")
-    if _Log(uri, storage_options or {}).last_checkpoint() >= version:
-        return  # another writer's is as new (a writer that stalled finds its version cleaned)
-    table = DeltaTable(uri, version=version, storage_options=storage_options)
-    table.create_checkpoint()
-    configuration = table.metadata().configuration
-    if configuration.get("delta.enableExpiredLogCleanup", "true").lower() != "false":
-        table.cleanup_metadata()
 
 
 def _add(action: AddAction) -> dict[str, object]:
@@ -304,7 +295,7 @@ class _Log:
         after = sorted(
             int(name[:20])
             for name in (p.rsplit("/", 1)[-1] for p in self.fs.ls(self.path, detail=False))
-            if _ENTRY_NAME.match(name) is not None and int(name[:20]) > version
+            if ENTRY_NAME.match(name) is not None and int(name[:20]) > version
         )
         versions = [version]
         for v in after:
@@ -324,11 +315,6 @@ class _Log:
 
     def staged(self, entry: bytes) -> _Staged:
         return _Staged(self, entry)
-
-    def last_checkpoint(self) -> int:
-        """The version the ``_last_checkpoint`` hint names (-1: none, or unreadable)."""
-        hint_path = f"{self.path}/_last_checkpoint"
-        return _hint_version(self.fs.cat([hint_path], on_error="return").get(hint_path))
 
     def reachable(self, version: int, paths: Sequence[str]) -> bool:
         """Whether readers reach the entry just put at ``version``, which adds the files
@@ -354,10 +340,10 @@ class _Log:
             match = CHECKPOINT_NAME.match(path.rsplit("/", 1)[-1])
             if match is not None and int(match.group(1)) >= version:
                 checkpoints.setdefault(int(match.group(1)), []).append(path)
-        complete = [v for v, files in checkpoints.items() if _complete(files)]
-        if not complete:
+        whole = [v for v, files in checkpoints.items() if complete(files)]
+        if not whole:
             return True
-        return bool(paths) and not set(paths).isdisjoint(self._files_in(checkpoints[min(complete)]))
+        return bool(paths) and not set(paths).isdisjoint(self._files_in(checkpoints[min(whole)]))
 
     def _files_in(self, checkpoint: list[str]) -> set[str]:
         """The paths a checkpoint names: its live files and its tombstones."""
@@ -380,7 +366,7 @@ def _hint_version(hint: object) -> int:
         return -1
 
 
-def _complete(files: list[str]) -> bool:
+def complete(files: list[str]) -> bool:
     """Whether the files of one checkpoint version are a whole checkpoint (one file, or every
     part ``i`` of ``n``)."""
     parts = [CHECKPOINT_NAME.match(f.rsplit("/", 1)[-1]).group(3) for f in files]  # type: ignore[union-attr]

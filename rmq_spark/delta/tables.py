@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import pyarrow as pa
@@ -27,12 +28,9 @@ from deltalake.exceptions import CommitFailedError
 from deltalake.table import TableMerger
 from deltalake.transaction import AddAction
 
+from rmq_spark.delta.checkpoints import Checkpointer
 from rmq_spark.delta.chores import ChoreKinds
-from rmq_spark.delta.commit import (
-    appendable,
-    checkpoint,
-    checkpoint_interval,
-)
+from rmq_spark.delta.commit import appendable, checkpoint_interval
 from rmq_spark.delta.commit import commit as commit_direct
 from rmq_spark.delta.files import commit_files, write_files, write_in_parallel
 from rmq_spark.delta.reads import read_arrow, with_uris
@@ -119,6 +117,7 @@ class DeltaTables:
         self._writers: dict[str, tuple[int, int | None]] = {}
         #: Checkpoints and maintenance that commits ask for (see ChoreKinds).
         self.chores = ChoreKinds(root, _CHORES)
+        self._checkpointer = Checkpointer(storage_options)
         self._listeners: list[Callable[[str], None]] = []
 
     # ------------------------------------------------------------------ tables
@@ -292,7 +291,7 @@ class DeltaTables:
         """Write the checkpoint of ``version`` of a table this process committed directly,
         then tell the listeners (a failed checkpoint leaves the work to the next interval's;
         the maintenance it is followed by is done all the same)."""
-        _checkpoint(self.uri(name), self.deltalake_options, version)
+        _checkpoint(self._checkpointer, self.uri(name), version)
         for listener in self._listeners:
             listener(name)
 
@@ -404,6 +403,7 @@ class DeltaTables:
                 app_ids=app_ids,
                 info=info,
                 removes=removes,
+                landed=partial(self._checkpointer.committed, self.uri(name)),
             )
             with self._lock:
                 self._known[name] = max(version, self._known.get(name, version))
@@ -468,11 +468,12 @@ class DeltaTables:
         return cached[1]
 
 
-def _checkpoint(uri: str, options: dict[str, str] | None, version: int) -> None:
-    """Write the checkpoint of the table at ``uri`` at ``version`` (:func:`checkpoint`). Never
-    raises: the commit has landed, and the next interval writes one."""
+def _checkpoint(checkpointer: Checkpointer, uri: str, version: int) -> None:
+    """Write the checkpoint of the table at ``uri`` at ``version``
+    (:meth:`Checkpointer.checkpoint`). Never raises: the commit has landed, and the next
+    interval writes one."""
     try:
-        relisting(lambda: checkpoint(uri, options, version))
+        relisting(lambda: checkpointer.checkpoint(uri, version))
     except Exception:
         log.warning(
             "checkpoint of %s at version %d failed (the commit itself landed); the next "

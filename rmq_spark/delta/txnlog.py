@@ -357,12 +357,12 @@ def clean_log(
     for info in fs.ls(log_path, detail=True):
         name = info["name"].rsplit("/", 1)[-1]
         if STAGED_NAME.match(name) is not None:
-            if (_modified(info) or staged_before) < staged_before:
+            if (modified(info) or staged_before) < staged_before:
                 abandoned.append(info["name"])
         if _LOG_ENTRY.match(name) is None:
             continue
         version = int(name[:20])
-        files.setdefault(version, []).append((info["name"], _modified(info)))
+        files.setdefault(version, []).append((info["name"], modified(info)))
         match = _CHECKPOINT.match(name)
         if match is not None:
             checkpoints.setdefault(version, []).append(match.group(3))
@@ -403,7 +403,7 @@ def _store_clock(fs: fsspec.AbstractFileSystem, log_path: str) -> float | None:
     probe = f"{log_path}/.{uuid.uuid4().hex}.json.tmp"
     fs.pipe_file(probe, b"")
     try:
-        return _modified(fs.info(probe))
+        return modified(fs.info(probe))
     finally:
         fs.rm_file(probe)
 
@@ -418,13 +418,13 @@ def entry_times(uri: str, storage_options: Mapping[str, str], first: int) -> dic
     for info in fs.ls(log_path, detail=True):
         name = info["name"].rsplit("/", 1)[-1]
         if name.endswith(".json") and name[:20].isdigit() and int(name[:20]) >= first:
-            modified = _modified(info)
-            if modified is not None:
-                times[int(name[:20])] = modified
+            written = modified(info)
+            if written is not None:
+                times[int(name[:20])] = written
     return times
 
 
-def _modified(info: Mapping[str, object]) -> float | None:
+def modified(info: Mapping[str, object]) -> float | None:
     """A listing entry's modification time (epoch seconds), as the filesystems spell it."""
     for key in ("mtime", "LastModified", "last_modified", "updated"):
         value = info.get(key)

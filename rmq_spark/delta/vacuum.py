@@ -62,10 +62,10 @@ def tombstone_retention(table: DeltaTable) -> float:
     """How long ``table``'s checkpoints keep a tombstone, in seconds: its
     ``delta.deletedFileRetentionDuration`` (Delta's default, a week, when unset)."""
     value = table.metadata().configuration.get("delta.deletedFileRetentionDuration")
-    return _DEFAULT_RETENTION if value is None else _interval_seconds(value)
+    return _DEFAULT_RETENTION if value is None else interval_seconds(value)
 
 
-def _interval_seconds(value: str) -> float:
+def interval_seconds(value: str) -> float:
     """A Delta interval property (``interval 2 hours``) in seconds; Delta's default retention,
     a week, for one that is not ``interval N unit``."""
     match = _INTERVAL.match(value)

@@ -17,7 +17,9 @@ has not recorded the batch yet), ``delta.staged``, ``delta.written`` and ``delta
 ``pending.computed`` (:func:`rmq_spark.checkback.pending.update_pending` has computed the
 new pending rows, committed nothing yet), ``deltacommit.staged`` and ``deltacommit.committed``
 (a direct append's log entry is staged, or has taken its version; :mod:`rmq_spark.delta.commit`),
-``deltacommit.checkpoint`` (a checkpoint after a direct append starts), ``store.maintain``
+``deltacommit.checkpoint`` (a checkpoint after a direct append starts), ``checkpoint.written``
+(its file is in place, the ``_last_checkpoint`` hint not yet;
+:mod:`rmq_spark.delta.checkpoints`), ``store.maintain``
 (a compaction and log cleanup that a commit asked for starts); the steps of making a shard
 (:meth:`rmq_spark.store.shards.Shards.grow`): ``shards.marked`` (the root's marker says
 layout 3, no shard made yet), ``storage.probed`` (an S3 conditional-write probe is written,

@@ -514,6 +514,7 @@ def test_a_checkpoint_a_newer_one_covers_is_skipped_without_a_warning(
     """A producer resumed after a pause runs the checkpoint its last commit asked for, of a
     version others have since checkpointed past and cleaned: nothing to do, and nothing to
     warn about (it warned with a traceback, 'No files in log segment')."""
+    from rmq_spark.delta.checkpoints import Checkpointer
     from rmq_spark.delta.tables import _checkpoint
 
     store.table("half").alter.set_table_properties({"delta.checkpointInterval": "10"})
@@ -522,7 +523,7 @@ def test_a_checkpoint_a_newer_one_covers_is_skipped_without_a_warning(
     later = datetime.now(UTC) + timedelta(minutes=2)
     assert Store.open(store.root, settings=store.settings, clock=lambda: later).clean_log("half")
     with caplog.at_level("WARNING"):
-        _checkpoint(store.table_uri("half"), None, 10)
+        _checkpoint(Checkpointer({}), store.table_uri("half"), 10)
     assert not caplog.records
     assert not (
         Path(store.table_uri("half")) / "_delta_log" / f"{10:020d}.checkpoint.parquet"
