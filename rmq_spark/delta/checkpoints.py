@@ -241,9 +241,9 @@ class Checkpointer:
                 configuration.get("delta.logRetentionDuration", _DEFAULT_LOG_RETENTION)
             )
             cut = datetime.now(UTC) - timedelta(seconds=retention)
-            oldest = min(entries.values(), default=None)
-            if oldest is None or oldest < cut.timestamp():  # else nothing is old enough
-                clean_log(uri, self.storage_options, [(version, cut)])
+            times = list(entries.values())
+            if None in times or min(times, default=0.0) < cut.timestamp():  # type: ignore[type-var]
+                clean_log(uri, self.storage_options, [(version, cut)])  # else none is old enough
 
     def _forget(self, uri: str, version: int) -> None:
         """Drop the entries a checkpoint at ``version`` covers."""

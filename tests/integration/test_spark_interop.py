@@ -153,3 +153,31 @@ def test_delta_s_own_source_on_the_commitlog_reads_on_past_retention(spark, tmp_
     store.send([Message("OrderEvents", "new")], "pg")
     assert maintain(store, RetentionSettings(deleted_file_retention=0)).messages_expired == 10
     assert run() == sorted(["new", *(f"old-{i}" for i in range(10))])
+
+
+def test_delta_spark_reads_through_the_stores_own_checkpoints_and_writes_on(
+    spark, tmp_path: Path
+) -> None:
+    """The CommitLog checkpointed by rmq-spark (rmq_spark/delta/checkpoints.py, not
+    deltalake): delta-spark reads every message through the checkpoint, appends with OPTIMIZE
+    after it, and the next checkpoint (whoever writes it) keeps what delta-spark wrote."""
+    from deltalake import DeltaTable
+
+    store = Store.open(tmp_path / "store", settings=Settings(store=StoreSettings(queue_nums=2)))
+    uri = store.table_uri("commitlog")
+    store.table("commitlog").alter.set_table_properties({"delta.checkpointInterval": "5"})
+    for n in range(6):
+        store.send([Message("Orders", f"m{n}")], "svc")
+    store.finish_maintenance()
+    log_dir = Path(uri) / "_delta_log"
+    ours = sorted(log_dir.glob("*.checkpoint.parquet"))
+    assert ours, "no checkpoint was written"
+    assert spark.read.format("delta").load(uri).count() == 6
+    spark.sql(f"OPTIMIZE delta.`{uri}`")
+    for n in range(6, 12):
+        store.send([Message("Orders", f"m{n}")], "svc")
+    store.finish_maintenance()
+    assert sorted(log_dir.glob("*.checkpoint.parquet"))[-1] != ours[-1]
+    bodies = spark.read.format("delta").load(uri).select("body").collect()
+    assert sorted(bytes(r.body) for r in bodies) == sorted(f"m{n}".encode() for n in range(12))
+    assert DeltaTable(uri).to_pyarrow_table().num_rows == 12
