@@ -32,8 +32,8 @@ from rmq_spark.delta.storage import arrow_filesystem, scheme
 from rmq_spark.delta.txnlog import app_transactions, follow
 from rmq_spark.model.config import Settings, StoreSettings
 from rmq_spark.model.errors import CorruptStoreError, StoreError
-from rmq_spark.model.schema import TABLES
-from rmq_spark.store.queues import OP_CURSOR_APP_ID, queue_app_id
+from rmq_spark.model.schema import COMMITLOG_SCHEMA, TABLES
+from rmq_spark.store.queues import OP_CURSOR_APP_ID, assign_offsets, queue_app_id
 from tests.conftest import commitlog, foreign_compaction_after_the_stores, race
 from tests.latency_proxy import LatencyProxy
 
@@ -494,3 +494,26 @@ def test_a_sink_task_stages_more_rows_than_memory_in_bounded_memory(tmp_path: Pa
     assert int(staged) == 256
     assert grown < 160, f"the task's peak memory grew by {grown} MiB"
     assert store.read("half", ["transaction_id"]).num_rows == 256
+
+
+@pytest.mark.parametrize("rows", [0, 1, 7, 2000])
+def test_offsets_are_dense_per_queue_in_the_order_of_the_rows(rows: int) -> None:
+    """Each row takes its queue's next offset, in the order of the rows (over several
+    chunks), and each queue's next offset is where its last row left it."""
+    rng = random.Random(rows)
+    made = [
+        {f.name: None for f in COMMITLOG_SCHEMA}
+        | {"topic": rng.choice(["A", "B", "%RETRY%g"]), "queue_id": rng.randint(0, 3)}
+        for _ in range(rows)
+    ]
+    table = pa.Table.from_pylist(made, COMMITLOG_SCHEMA)
+    table = pa.concat_tables([table.slice(0, rows // 3), table.slice(rows // 3)])
+    before = {("A", 1): 10, ("B", 3): 4, ("C", 0): 99}
+    numbered, after = assign_offsets(before, table)
+    expected, running = [], dict(before)
+    for row in made:
+        queue = (row["topic"], row["queue_id"])
+        expected.append(running.get(queue, 0))
+        running[queue] = expected[-1] + 1
+    assert numbered.column("queue_offset").to_pylist() == expected
+    assert after == {q: n for q, n in running.items() if q not in before or n != before[q]}
