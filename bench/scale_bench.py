@@ -14,7 +14,8 @@ decision to its publish (the ``op`` row's ``decided_timestamp`` to the CommitLog
 ``store_timestamp``, taken as the publish commit is built: add one commit for the time until a
 reader sees it) at p50 and p99 over the COMMITs decided during the sends, the share of the
 machine's CPU busy during the run (near 100%: the run measures the machine, not the store),
-and the requests per transaction the proxy counted, by kind.
+the producer processes' own CPU time a transaction (every thread, native ones included; MinIO
+and the proxy are not in it), and the requests per transaction the proxy counted, by kind.
 
 The store of each run has one shard per producer process (``rmq_spark.store.shards``: each
 process appends to logs of its own), or ``--shards`` N for every run, or K for one run written
@@ -77,7 +78,8 @@ def worker(
 ):
     """One producer process: ``senders`` threads send from ``start`` (wall clock) on for
     ``seconds``, each ``rate`` transactions a second at most (0: one after the other); print
-    ``{"count": n, "latencies": [...]}`` (seconds) on stdout."""
+    ``{"count": n, "latencies": [...], "cpu": s}`` (seconds; ``cpu``: the process's CPU time
+    during the sends, every thread, native ones included) on stdout."""
     store = Store.open(settings=StoreSettings(path=root, storage_options=options), create=False)
     latencies: list[float] = []
     lock = threading.Lock()
@@ -104,12 +106,15 @@ def worker(
                 latencies.extend(mine)
 
         threads = [threading.Thread(target=send) for _ in range(senders)]
+        before = os.times()
         for t in threads:
             t.start()
         for t in threads:
             t.join()
+        after = os.times()
+        cpu = after.user - before.user + after.system - before.system
         time.sleep(max(0.0, end + LINGER - time.time()))
-    print(json.dumps({"count": len(latencies), "latencies": latencies}), flush=True)
+    print(json.dumps({"count": len(latencies), "latencies": latencies, "cpu": cpu}), flush=True)
 
 
 def publish_lags(root: str, options: dict[str, str], since: float, until: float) -> np.ndarray:
@@ -137,7 +142,7 @@ def run(
 ):
     """Start ``processes`` workers together; return (transactions/s, latencies, requests
     counted by the proxy from the start to the end of the sends, the share of CPU busy, the
-    wall-clock start of the sends)."""
+    wall-clock start of the sends, the producer processes' CPU seconds a transaction)."""
     start = time.time() + 10 + processes * 1.5  # every worker has opened the store by then
     env = {**os.environ, "RMQ_BENCH_OPTIONS": json.dumps(options)}
     argv = [sys.executable, __file__, "--worker", root, *map(str, (senders, start, seconds, rate))]
@@ -152,9 +157,9 @@ def run(
     time.sleep(max(0.0, start - time.time()))
     if proxy is not None:
         proxy.take_counts()
-    cpu = _cpu_times()
+    machine = _cpu_times()
     time.sleep(seconds)
-    busy = _busy(cpu, _cpu_times())
+    busy = _busy(machine, _cpu_times())
     counts = proxy.take_counts() if proxy is not None else {}
     results = []
     for p in procs:
@@ -163,7 +168,9 @@ def run(
             raise SystemExit(f"a producer process failed (exit {p.returncode})")
         results.append(json.loads(out.decode().strip().splitlines()[-1]))
     latencies = np.array([x for r in results for x in r["latencies"]])
-    return sum(r["count"] for r in results) / seconds, latencies, counts, busy, start
+    count = sum(r["count"] for r in results)
+    cpu = sum(r["cpu"] for r in results) / max(count, 1)
+    return count / seconds, latencies, counts, busy, start, cpu
 
 
 def _cpu_times() -> list[int]:
@@ -202,7 +209,8 @@ def main() -> None:
         print(f"scale-out on {where}, {args.seconds:g} s a run, 256 B bodies", flush=True)
         print(
             f"{'producers':>24} {'shards':>6} {'tx/s':>8} {'ratio':>6} {'p50 ms':>8} "
-            f"{'p99 ms':>8}  {'published p50/p99 ms':>20} {'cpu':>5}  requests/tx"
+            f"{'p99 ms':>8}  {'published p50/p99 ms':>20} {'cpu':>5} {'cpu ms/tx':>9}  "
+            "requests/tx"
         )
         first = None
         try:
@@ -211,7 +219,7 @@ def main() -> None:
                 shards = fixed[0] if fixed else args.shards or processes
                 made = StoreSettings(path=root, storage_options=options, shards=shards)
                 Store.open(settings=made, create=True)
-                tps, lat, counts, busy, start = run(
+                tps, lat, counts, busy, start, cpu = run(
                     root, options, processes, senders, args.seconds, args.rate, proxy
                 )
                 first = first or tps
@@ -223,7 +231,7 @@ def main() -> None:
                 published = "/".join(f"{np.percentile(lags, q):.0f}" for q in (50, 99))
                 print(
                     f"{label:>24} {shards:>6} {tps:8.0f} {tps / first:5.1f}x {p50:8.0f} "
-                    f"{p99:8.0f}  {published:>20} {busy:5.0%}  {per_tx or '-'}",
+                    f"{p99:8.0f}  {published:>20} {busy:5.0%} {cpu * 1000:9.1f}  {per_tx or '-'}",
                     flush=True,
                 )
         finally:

@@ -181,7 +181,8 @@ class _Unknown(Exception):
 
 
 class Checkpointer:
-    """Writes the checkpoints of the tables a process commits to directly.
+    """Writes the checkpoints of the tables a process commits to directly, and keeps the log
+    entries it put for the readers of the log in the process (:meth:`entries`).
 
     :meth:`committed` is told every log entry the process put (its bytes, at its version);
     :meth:`checkpoint` writes the checkpoint of a version from the newest complete checkpoint
@@ -206,6 +207,12 @@ class Checkpointer:
             entries[version] = entry
             if len(entries) > self.MAX_KEPT:
                 del entries[min(entries)]
+
+    def entries(self, uri: str) -> dict[int, bytes]:
+        """The log entries this process put to the table at ``uri`` that no checkpoint it
+        wrote covers yet (version: bytes), for readers of the log not to read them again."""
+        with self._lock:
+            return dict(self._entries.get(uri, {}))
 
     def checkpoint(self, uri: str, version: int) -> None:
         """Write the checkpoint of ``version`` of the table at ``uri`` (unless the log holds
@@ -272,9 +279,9 @@ class Checkpointer:
     ) -> tuple[pa.Table, dict[str, str]]:
         """The checkpoint of ``version``, and the table's configuration then."""
         base_version = max((v for v in checkpoints if v < version), default=-1)
+        kept = self.entries(uri)
         with self._lock:
             last = self._last.get(uri)
-            kept = dict(self._entries.get(uri, {}))
         if base_version < 0:
             base = CHECKPOINT_SCHEMA.empty_table()
         elif last is not None and last[0] == base_version:

@@ -164,7 +164,9 @@ class DeltaTables:
         if len(infos) > _MAX_KEPT_INFOS:
             infos.clear()  # nobody asked for them: another publisher published those versions
         if found is not None and now - found[1] < self.fresh_seconds:
-            followed = follow(self.uri(name), self.storage_options, found[0], {}, infos)
+            uri = self.uri(name)
+            own = self._checkpointer.entries(uri)
+            followed = follow(uri, self.storage_options, found[0], {}, infos, own)
             if followed is not None:
                 self._followed.__dict__[name] = (followed[0], found[1])
                 return followed[0]
@@ -181,7 +183,9 @@ class DeltaTables:
             del kept[version]
         if all(v in kept for v in range(first, last + 1)):
             return {v: kept[v] for v in range(first, last + 1)}
-        return commit_infos(self.uri(name), self.storage_options, first, last)
+        uri = self.uri(name)
+        own = self._checkpointer.entries(uri)
+        return commit_infos(uri, self.storage_options, first, last, own)
 
     def known_version(self, name: str) -> int:
         """The newest version of a table this thread's snapshot holds or this process
@@ -216,7 +220,10 @@ class DeltaTables:
     def app_transactions(self, name: str, snapshot: DeltaTable | None = None) -> Mapping[str, int]:
         """The application transactions (``txn`` actions) of a snapshot (default: the latest)."""
         snapshot = snapshot or self.snapshot(name)
-        return app_transactions(snapshot, self.uri(name), self.storage_options)
+        uri = self.uri(name)
+        return app_transactions(
+            snapshot, uri, self.storage_options, self._checkpointer.entries(uri)
+        )
 
     def head(self, name: str, *, reload: bool) -> Head:
         """A table's latest version and application transactions, for a writer that commits
@@ -237,7 +244,9 @@ class DeltaTables:
         if not reload and head is not None and now - head.found < self.fresh_seconds:
             if head.calm:
                 return head
-            followed = follow(self.uri(name), self.storage_options, head.version, head.txns)
+            uri = self.uri(name)
+            own = self._checkpointer.entries(uri)
+            followed = follow(uri, self.storage_options, head.version, head.txns, own=own)
             if followed is not None:
                 head = replace(head, version=followed[0], txns=followed[1], found=now)
                 setattr(self._heads, name, head)

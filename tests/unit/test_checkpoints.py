@@ -301,3 +301,22 @@ def _add_json(action: Any) -> dict[str, Any]:
         "dataChange": True,
         "stats": action.stats,
     }
+
+
+def test_readers_of_the_log_take_the_process_own_entries_from_memory(tmp_path: Path) -> None:
+    """Following the log, reading commitInfos and application ids: an entry this process put
+    is not read again (here its file is moved away: only the memory has it)."""
+    from rmq_spark.delta.txnlog import app_transactions, commit_infos, follow
+
+    uri = str(tmp_path / "t")
+    make_table(uri)
+    checkpointer = Checkpointer({})
+    version = direct_append(uri, 1, checkpointer, "app")
+    table = DeltaTable(uri)
+    entry = Path(uri) / "_delta_log" / f"{version:020d}.json"
+    entry.rename(tmp_path / "away.json")
+    own = checkpointer.entries(uri)
+    assert follow(uri, {}, version - 1, {}, own=own) == (version, {"app": 1})
+    assert commit_infos(uri, {}, version, version, own)[version]["operation"] == "WRITE"
+    assert app_transactions(table, uri, {}, own) == {"app": 1}
+    assert follow(uri, {}, version - 1, {}) == (version - 1, {})  # without it: not found
