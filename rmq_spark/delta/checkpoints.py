@@ -224,11 +224,15 @@ class Checkpointer:
         ``version``, not the ``_last_checkpoint`` hint: a hint can lag (its writer died
         between the two PUTs), and the log after a lagging hint's checkpoint can hold an entry
         a stalled writer put where the cleanup had been (:func:`rmq_spark.delta.commit.commit`
-        refuses it, and its files are committed again elsewhere)."""
+        refuses it, and its files are committed again elsewhere). The listing starts at the
+        hint's version, as deltalake's does on an object store (the CommitLog keeps a month of
+        entries: a listing of them all is thousands of requests); a newer checkpoint is after
+        it."""
         failpoint("deltacommit.checkpoint")
         fs, path = filesystem(uri, self.storage_options)
         log_path = f"{path.rstrip('/')}/_delta_log"
-        checkpoints, entries = _listing(fs, log_path)
+        local = scheme(uri) == "file"
+        checkpoints, entries = _listing(fs, log_path, _hint(fs, log_path), local=local)
         newest = max(checkpoints, default=-1)
         if newest >= version:
             self._forget(uri, newest)
@@ -239,7 +243,7 @@ class Checkpointer:
             log.debug("checkpoint of %s at %d left to deltalake: %s", uri, version, why)
             configuration = self._deltalake_checkpoint(uri, version)
         else:
-            _write(fs, log_path, version, table, local=scheme(uri) == "file")
+            _write(fs, log_path, version, table, local=local)
             with self._lock:
                 self._last[uri] = (version, table)
             self._forget(uri, version)
@@ -248,9 +252,8 @@ class Checkpointer:
                 configuration.get("delta.logRetentionDuration", _DEFAULT_LOG_RETENTION)
             )
             cut = datetime.now(UTC) - timedelta(seconds=retention)
-            times = list(entries.values())
-            if None in times or min(times, default=0.0) < cut.timestamp():  # type: ignore[type-var]
-                clean_log(uri, self.storage_options, [(version, cut)])  # else none is old enough
+            if _oldest_written(fs, log_path, local=local) < cut.timestamp():
+                clean_log(uri, self.storage_options, [(version, cut)])
 
     def _forget(self, uri: str, version: int) -> None:
         """Drop the entries a checkpoint at ``version`` covers."""
@@ -274,7 +277,7 @@ class Checkpointer:
         fs: Any,
         log_path: str,
         checkpoints: Mapping[int, list[str]],
-        listed: Mapping[int, float | None],
+        listed: set[int],
         version: int,
     ) -> tuple[pa.Table, dict[str, str]]:
         """The checkpoint of ``version``, and the table's configuration then."""
@@ -304,19 +307,67 @@ class Checkpointer:
         return _apply(base, entries)
 
 
-def _listing(fs: Any, log_path: str) -> tuple[dict[int, list[str]], dict[int, float | None]]:
-    """The complete checkpoints of a log (version: files) and its entries (version: file
-    time), from one listing."""
-    fs.invalidate_cache(log_path)
+def _hint(fs: Any, log_path: str) -> int:
+    """The version the ``_last_checkpoint`` hint names (-1: none, or unreadable)."""
+    try:
+        return int(json.loads(fs.cat_file(f"{log_path}/_last_checkpoint"))["version"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return -1
+
+
+def _listing(
+    fs: Any, log_path: str, start: int, *, local: bool
+) -> tuple[dict[int, list[str]], set[int]]:
+    """The complete checkpoints of a log from version ``start`` on (version: files) and the
+    versions of its entries from there, listed by name: on S3 from that key on, locally from
+    the names of the directory (no file is looked at)."""
+    start = max(start, 0)
+    if local:
+        names = [n for n in os.listdir(log_path) if n >= f"{start:020d}"]
+    else:
+        names = _s3_names_from(fs, log_path, start)
     checkpoints: dict[int, list[str]] = {}
-    entries: dict[int, float | None] = {}
-    for info in fs.ls(log_path, detail=True):
-        name = info["name"].rsplit("/", 1)[-1]
+    entries: set[int] = set()
+    for name in names:
         if CHECKPOINT_NAME.match(name) is not None:
-            checkpoints.setdefault(int(name[:20]), []).append(info["name"])
+            checkpoints.setdefault(int(name[:20]), []).append(f"{log_path}/{name}")
         elif ENTRY_NAME.match(name) is not None:
-            entries[int(name[:20])] = modified(info)
+            entries.add(int(name[:20]))
     return {v: sorted(f) for v, f in checkpoints.items() if complete(f)}, entries
+
+
+def _s3_names_from(fs: Any, log_path: str, start: int) -> list[str]:
+    """The names in an S3 ``_delta_log`` of version ``start`` and later (``ListObjectsV2``
+    after every name of the version before; s3fs lists a whole prefix), 1,000 a request."""
+    bucket, _, prefix = fs._strip_protocol(log_path).partition("/")
+    prefix = f"{prefix}/"
+    after = f"{prefix}{start - 1:020d}~" if start else prefix  # "~" sorts after ".json"
+    names: list[str] = []
+    kwargs = {"Bucket": bucket, "Prefix": prefix, "StartAfter": after}
+    while True:
+        page = fs.call_s3("list_objects_v2", **kwargs)
+        names += [item["Key"][len(prefix) :] for item in page.get("Contents", [])]
+        if not page.get("IsTruncated"):
+            return names
+        kwargs["ContinuationToken"] = page["NextContinuationToken"]
+
+
+def _oldest_written(fs: Any, log_path: str, *, local: bool) -> float:
+    """When the oldest entry of a log was written (epoch seconds; -inf when unknown): when
+    after the cleanup's cut, it has nothing to delete and its listing of the whole log is
+    spared. Only ever skips work: a file time that cannot be read counts as old."""
+    if local:
+        names = [n for n in os.listdir(log_path) if ENTRY_NAME.match(n) is not None]
+        found = [f"{log_path}/{min(names)}"] if names else []
+        written = modified(fs.info(found[0])) if found else None
+    else:
+        bucket, _, prefix = fs._strip_protocol(log_path).partition("/")
+        page = fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=f"{prefix}/", MaxKeys=20)
+        oldest = [
+            i for i in page.get("Contents", []) if ENTRY_NAME.match(i["Key"].rsplit("/", 1)[-1])
+        ]
+        written = modified(oldest[0]) if oldest else None
+    return float("-inf") if written is None else written
 
 
 def _write(fs: Any, log_path: str, version: int, table: pa.Table, *, local: bool) -> None:
@@ -432,7 +483,7 @@ def _apply(base: pa.Table, entries: list[bytes]) -> tuple[pa.Table, dict[str, st
         if r.get("deletionTimestamp") is None or r["deletionTimestamp"] >= expired
     ]
     new = pa.Table.from_pylist(rows, CHECKPOINT_SCHEMA)
-    return pa.concat_tables([new, kept]), configuration
+    return pa.concat_tables([new, kept]).combine_chunks(), configuration
 
 
 def _not_in(base: pa.Table, column: str, field: str, values: list[str]) -> pa.Array:
