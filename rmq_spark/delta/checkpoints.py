@@ -41,7 +41,7 @@ from deltalake import DeltaTable
 
 from rmq_spark.delta.commit import APPEND_FEATURES, CHECKPOINT_NAME, ENTRY_NAME, complete
 from rmq_spark.delta.storage import deltalake_options, filesystem, scheme
-from rmq_spark.delta.txnlog import clean_log, modified
+from rmq_spark.delta.txnlog import clean_log, hint_version, modified
 from rmq_spark.delta.vacuum import interval_seconds
 from rmq_spark.model.failpoints import failpoint
 
@@ -232,10 +232,12 @@ class Checkpointer:
         fs, path = filesystem(uri, self.storage_options)
         log_path = f"{path.rstrip('/')}/_delta_log"
         local = scheme(uri) == "file"
-        checkpoints, entries = _listing(fs, log_path, _hint(fs, log_path), local=local)
+        checkpoints, entries = _listing(fs, log_path, hint_version(fs, log_path), local=local)
         newest = max(checkpoints, default=-1)
         if newest >= version:
             self._forget(uri, newest)
+            with self._lock:
+                self._last.pop(uri, None)  # another process checkpoints this table now
             return  # another writer's is as new (a writer that stalled finds its version cleaned)
         try:
             table, configuration = self._build(uri, fs, log_path, checkpoints, entries, version)
@@ -305,14 +307,6 @@ class Checkpointer:
                 raise _Unknown(f"log entry {v} could not be read ({entry!r:.200})")
             entries.append(entry)
         return _apply(base, entries)
-
-
-def _hint(fs: Any, log_path: str) -> int:
-    """The version the ``_last_checkpoint`` hint names (-1: none, or unreadable)."""
-    try:
-        return int(json.loads(fs.cat_file(f"{log_path}/_last_checkpoint"))["version"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return -1
 
 
 def _listing(
@@ -389,6 +383,8 @@ def _write(fs: Any, log_path: str, version: int, table: pa.Table, *, local: bool
     else:
         fs.pipe_file(target, data)
     failpoint("checkpoint.written")
+    if hint_version(fs, log_path) >= version:
+        return  # a newer one was written meanwhile: the hint must not go back (clean_log)
     hint = {
         "version": version,
         "size": table.num_rows,
@@ -471,7 +467,7 @@ def _apply(base: pa.Table, entries: list[bytes]) -> tuple[pa.Table, dict[str, st
     touched = list(adds) + list(removes)
     live = _not_in(base, "add", "path", touched)
     young = pc.invert(pc.less(pc.struct_field(base.column("remove"), "deletionTimestamp"), expired))
-    tombstones = pc.and_(_not_in(base, "remove", "path", touched), pc.fill_null(young, True))
+    tombstones = pc.and_(_not_in(base, "remove", "path", touched), pc.fill_null(young, False))
     apps = _not_in(base, "txn", "appId", list(txns))
     kept = base.filter(pc.or_(pc.or_(live, tombstones), apps))
     rows = [{"protocol": protocol}, {"metaData": metadata}]
@@ -480,7 +476,7 @@ def _apply(base: pa.Table, entries: list[bytes]) -> tuple[pa.Table, dict[str, st
     rows += [
         {"remove": r}
         for r in removes.values()
-        if r.get("deletionTimestamp") is None or r["deletionTimestamp"] >= expired
+        if (r.get("deletionTimestamp") or 0) >= expired  # none: expired, as deltalake has it
     ]
     new = pa.Table.from_pylist(rows, CHECKPOINT_SCHEMA)
     return pa.concat_tables([new, kept]).combine_chunks(), configuration

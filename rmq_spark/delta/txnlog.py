@@ -371,7 +371,10 @@ def clean_log(
     cleaning host's clock, local or shared by NFS, can be anything). A filesystem that gives no
     modification time (it cannot tell the age) has nothing deleted. Staged entries a killed
     direct commit left behind (:data:`rmq_spark.delta.commit.STAGED_NAME`) go when older than
-    every rule's time.
+    every rule's time. Nothing at or after the checkpoint the ``_last_checkpoint`` hint names
+    goes either (nothing at all without a readable hint): a hint that lags a newer checkpoint
+    (its writer died between the two PUTs) is where rmq-spark's readers and a commit's
+    reachability check start, and they must find the log whole from there.
     """
     fs, log_path = filesystem(f"{uri.rstrip('/')}/_delta_log", storage_options)
     store_now = _store_clock(fs, log_path)
@@ -394,11 +397,12 @@ def clean_log(
     complete = sorted(
         v for v, parts in checkpoints.items() if parts == [None] or len(parts) == int(parts[0])
     )
-    # Per rule: entries before this version (the newest checkpoint at or before keep_from)
-    # go when written before this time.
+    # Per rule: entries before this version (the newest checkpoint at or before keep_from
+    # and the hint) go when written before this time.
+    hint = hint_version(fs, log_path)
     bounds = [
-        (max((v for v in complete if v <= keep_from), default=-1), older_than.timestamp())
-        for keep_from, older_than in rules
+        (max((v for v in complete if v <= min(keep_from, hint)), default=-1), cut.timestamp())
+        for keep_from, cut in rules
     ]
     doomed = []
     written = float("-inf")
@@ -419,6 +423,14 @@ def clean_log(
     for path in [p for _, p in doomed] + abandoned:
         fs.rm_file(path)
     return len(doomed) + len(abandoned)
+
+
+def hint_version(fs: fsspec.AbstractFileSystem, log_path: str) -> int:
+    """The version the ``_last_checkpoint`` hint names (-1: none, or unreadable)."""
+    try:
+        return int(json.loads(fs.cat_file(f"{log_path}/_last_checkpoint"))["version"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return -1
 
 
 def _store_clock(fs: fsspec.AbstractFileSystem, log_path: str) -> float | None:

@@ -14,9 +14,11 @@ import subprocess
 import sys
 import textwrap
 import time
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -320,3 +322,60 @@ def test_readers_of_the_log_take_the_process_own_entries_from_memory(tmp_path: P
     assert commit_infos(uri, {}, version, version, own)[version]["operation"] == "WRITE"
     assert app_transactions(table, uri, {}, own) == {"app": 1}
     assert follow(uri, {}, version - 1, {}) == (version - 1, {})  # without it: not found
+
+
+@pytest.mark.usefixtures("young_entries_cleaned")
+def test_the_log_after_a_lagging_hint_is_not_cleaned(tmp_path: Path) -> None:
+    """A writer died between a checkpoint and its hint: the log cleanup keeps everything from
+    the hint's checkpoint on, where rmq-spark's readers and a commit's reachability check
+    start (cleaned below the newer checkpoint, the application ids could not be read)."""
+    from rmq_spark.delta.txnlog import app_transactions, clean_log
+
+    uri = str(tmp_path / "t")
+    make_table(uri)
+    checkpointer = Checkpointer({})
+    for n in range(1, 4):
+        direct_append(uri, n, checkpointer, "app")
+    checkpointer.checkpoint(uri, 3)
+    lagging = (Path(uri) / "_delta_log" / "_last_checkpoint").read_text()
+    for n in range(4, 7):
+        direct_append(uri, n, checkpointer, "app")
+    checkpointer.checkpoint(uri, 6)
+    (Path(uri) / "_delta_log" / "_last_checkpoint").write_text(lagging)
+    clean_log(uri, {}, [(6, datetime.now(UTC) + timedelta(hours=1))])
+    assert min(int(p.name[:20]) for p in (Path(uri) / "_delta_log").glob("*.json")) == 3
+    assert app_transactions(DeltaTable(uri), uri, {}) == {"app": 6}
+    # The hint back at 6, the entries before it go.
+    (Path(uri) / "_delta_log" / "_last_checkpoint").write_text(json.dumps({"version": 6}))
+    clean_log(uri, {}, [(6, datetime.now(UTC) + timedelta(hours=1))])
+    assert min(int(p.name[:20]) for p in (Path(uri) / "_delta_log").glob("*.json")) == 6
+
+
+def test_a_checkpoint_written_late_does_not_take_the_hint_back(tmp_path: Path) -> None:
+    from rmq_spark.delta.checkpoints import _write
+
+    uri = str(tmp_path / "t")
+    make_table(uri)
+    checkpointer = Checkpointer({})
+    for n in range(1, 7):
+        direct_append(uri, n, checkpointer, None)
+    checkpointer.checkpoint(uri, 6)
+    log = Path(uri) / "_delta_log"
+    stalled = pq.read_table(ours(uri, 6))  # any table: what matters is the version, 3
+    _write(fsspec.filesystem("file"), str(log), 3, stalled, local=True)
+    assert json.loads((log / "_last_checkpoint").read_text())["version"] == 6
+
+
+def test_a_tombstone_without_a_deletion_time_expires_as_deltalake_has_it(tmp_path: Path) -> None:
+    uri = str(tmp_path / "t")
+    make_table(uri)
+    checkpointer = Checkpointer({})
+    direct_append(uri, 1, checkpointer, None)
+    gone = live_files(uri)[0]["path"]
+    entry = {"remove": {"path": gone, "dataChange": True}}
+    version = DeltaTable(uri).version() + 1
+    (Path(uri) / "_delta_log" / f"{version:020d}.json").write_text(json.dumps(entry))
+    checkpointer.checkpoint(uri, version)
+    expected = deltalakes_checkpoint(uri, version, tmp_path / "ref")
+    assert checkpoint_state(ours(uri, version)) == checkpoint_state(expected)
+    assert gone not in checkpoint_state(ours(uri, version))["remove"]
