@@ -58,6 +58,17 @@ def direct_append(uri: str, n: int, checkpointer: Checkpointer | None, app: str 
     )
 
 
+def appended(tmp_path: Path, count: int, app: str | None = None) -> tuple[str, Checkpointer]:
+    """A table with ``count`` direct appends after its first commit, all told to the
+    checkpointer returned."""
+    uri = str(tmp_path / "t")
+    make_table(uri)
+    checkpointer = Checkpointer({})
+    for n in range(1, count + 1):
+        direct_append(uri, n, checkpointer, app)
+    return uri, checkpointer
+
+
 def live_files(uri: str) -> list[dict[str, Any]]:
     return pa.table(DeltaTable(uri).get_add_actions(flatten=False)).to_pylist()
 
@@ -276,11 +287,7 @@ def test_an_entry_put_where_the_log_was_cleaned_is_not_checkpointed(tmp_path: Pa
     """A stalled writer's put that filled a cleaned version below a newer checkpoint (the
     commit refused it and made it again elsewhere) stays out of every later checkpoint, even
     when the hint lags behind that checkpoint."""
-    uri = str(tmp_path / "t")
-    make_table(uri)
-    checkpointer = Checkpointer({})
-    for n in range(1, 5):
-        direct_append(uri, n, checkpointer, None)
+    uri, checkpointer = appended(tmp_path, 4)
     checkpointer.checkpoint(uri, 2)
     lagging = (Path(uri) / "_delta_log" / "_last_checkpoint").read_text()
     checkpointer.checkpoint(uri, 4)
@@ -331,11 +338,7 @@ def test_the_log_after_a_lagging_hint_is_not_cleaned(tmp_path: Path) -> None:
     start (cleaned below the newer checkpoint, the application ids could not be read)."""
     from rmq_spark.delta.txnlog import app_transactions, clean_log
 
-    uri = str(tmp_path / "t")
-    make_table(uri)
-    checkpointer = Checkpointer({})
-    for n in range(1, 4):
-        direct_append(uri, n, checkpointer, "app")
+    uri, checkpointer = appended(tmp_path, 3, "app")
     checkpointer.checkpoint(uri, 3)
     lagging = (Path(uri) / "_delta_log" / "_last_checkpoint").read_text()
     for n in range(4, 7):
@@ -354,11 +357,7 @@ def test_the_log_after_a_lagging_hint_is_not_cleaned(tmp_path: Path) -> None:
 def test_a_checkpoint_written_late_does_not_take_the_hint_back(tmp_path: Path) -> None:
     from rmq_spark.delta.checkpoints import _write
 
-    uri = str(tmp_path / "t")
-    make_table(uri)
-    checkpointer = Checkpointer({})
-    for n in range(1, 7):
-        direct_append(uri, n, checkpointer, None)
+    uri, checkpointer = appended(tmp_path, 6)
     checkpointer.checkpoint(uri, 6)
     log = Path(uri) / "_delta_log"
     stalled = pq.read_table(ours(uri, 6))  # any table: what matters is the version, 3
