@@ -330,11 +330,16 @@ def _listing(
     return {v: sorted(f) for v, f in checkpoints.items() if complete(f)}, entries
 
 
+def _bucket_and_prefix(fs: Any, log_path: str) -> tuple[str, str]:
+    """The bucket of an S3 ``_delta_log`` and the key prefix of its files."""
+    bucket, _, key = fs._strip_protocol(log_path).partition("/")
+    return bucket, f"{key}/"
+
+
 def _s3_names_from(fs: Any, log_path: str, start: int) -> list[str]:
     """The names in an S3 ``_delta_log`` of version ``start`` and later (``ListObjectsV2``
     after every name of the version before; s3fs lists a whole prefix), 1,000 a request."""
-    bucket, _, prefix = fs._strip_protocol(log_path).partition("/")
-    prefix = f"{prefix}/"
+    bucket, prefix = _bucket_and_prefix(fs, log_path)
     after = f"{prefix}{start - 1:020d}~" if start else prefix  # "~" sorts after ".json"
     names: list[str] = []
     kwargs = {"Bucket": bucket, "Prefix": prefix, "StartAfter": after}
@@ -355,8 +360,8 @@ def _oldest_written(fs: Any, log_path: str, *, local: bool) -> float:
         found = [f"{log_path}/{min(names)}"] if names else []
         written = modified(fs.info(found[0])) if found else None
     else:
-        bucket, _, prefix = fs._strip_protocol(log_path).partition("/")
-        page = fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=f"{prefix}/", MaxKeys=20)
+        bucket, prefix = _bucket_and_prefix(fs, log_path)
+        page = fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=prefix, MaxKeys=20)
         oldest = [
             i for i in page.get("Contents", []) if ENTRY_NAME.match(i["Key"].rsplit("/", 1)[-1])
         ]

@@ -330,7 +330,7 @@ class _Log:
         hint_path = f"{self.path}/_last_checkpoint"
         before = self.name(version - 1)
         found = self.fs.cat([hint_path, before] if version else [hint_path], on_error="return")
-        hint = _hint_version(found.get(hint_path))  # -1: the entry before decides
+        hint = parse_hint(found.get(hint_path))  # -1: the entry before decides
         if hint < version and (version == 0 or isinstance(found.get(before), bytes)):
             return True
         # The entry before is gone (the cleanup deletes oldest first, and only below a
@@ -357,7 +357,7 @@ class _Log:
         return named
 
 
-def _hint_version(hint: object) -> int:
+def parse_hint(hint: object) -> int:
     """The version a read ``_last_checkpoint`` hint names; -1 when there was none (a read
     error) or it is unreadable."""
     try:

@@ -164,8 +164,7 @@ class DeltaTables:
         if len(infos) > _MAX_KEPT_INFOS:
             infos.clear()  # nobody asked for them: another publisher published those versions
         if found is not None and now - found[1] < self.fresh_seconds:
-            uri = self.uri(name)
-            own = self._checkpointer.entries(uri)
+            uri, own = self._own(name)
             followed = follow(uri, self.storage_options, found[0], {}, infos, own)
             if followed is not None:
                 self._followed.__dict__[name] = (followed[0], found[1])
@@ -183,8 +182,7 @@ class DeltaTables:
             del kept[version]
         if all(v in kept for v in range(first, last + 1)):
             return {v: kept[v] for v in range(first, last + 1)}
-        uri = self.uri(name)
-        own = self._checkpointer.entries(uri)
+        uri, own = self._own(name)
         return commit_infos(uri, self.storage_options, first, last, own)
 
     def known_version(self, name: str) -> int:
@@ -220,10 +218,14 @@ class DeltaTables:
     def app_transactions(self, name: str, snapshot: DeltaTable | None = None) -> Mapping[str, int]:
         """The application transactions (``txn`` actions) of a snapshot (default: the latest)."""
         snapshot = snapshot or self.snapshot(name)
+        uri, own = self._own(name)
+        return app_transactions(snapshot, uri, self.storage_options, own)
+
+    def _own(self, name: str) -> tuple[str, dict[int, bytes]]:
+        """A table's URI and the log entries this process put to it that readers of the log
+        here take from memory (:meth:`Checkpointer.entries`)."""
         uri = self.uri(name)
-        return app_transactions(
-            snapshot, uri, self.storage_options, self._checkpointer.entries(uri)
-        )
+        return uri, self._checkpointer.entries(uri)
 
     def head(self, name: str, *, reload: bool) -> Head:
         """A table's latest version and application transactions, for a writer that commits
@@ -244,8 +246,7 @@ class DeltaTables:
         if not reload and head is not None and now - head.found < self.fresh_seconds:
             if head.calm:
                 return head
-            uri = self.uri(name)
-            own = self._checkpointer.entries(uri)
+            uri, own = self._own(name)
             followed = follow(uri, self.storage_options, head.version, head.txns, own=own)
             if followed is not None:
                 head = replace(head, version=followed[0], txns=followed[1], found=now)

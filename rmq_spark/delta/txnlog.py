@@ -34,7 +34,7 @@ import pyarrow.parquet as pq
 from deltalake import DeltaTable
 
 from rmq_spark.delta.commit import CHECKPOINT_NAME as _CHECKPOINT
-from rmq_spark.delta.commit import STAGED_NAME
+from rmq_spark.delta.commit import STAGED_NAME, parse_hint
 from rmq_spark.delta.storage import filesystem
 from rmq_spark.model.errors import CorruptStoreError
 
@@ -427,10 +427,8 @@ def clean_log(
 
 def hint_version(fs: fsspec.AbstractFileSystem, log_path: str) -> int:
     """The version the ``_last_checkpoint`` hint names (-1: none, or unreadable)."""
-    try:
-        return int(json.loads(fs.cat_file(f"{log_path}/_last_checkpoint"))["version"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return -1
+    hint_path = f"{log_path}/_last_checkpoint"
+    return parse_hint(fs.cat([hint_path], on_error="return").get(hint_path))
 
 
 def _store_clock(fs: fsspec.AbstractFileSystem, log_path: str) -> float | None:
