@@ -15,7 +15,11 @@ decision to its publish (the ``op`` row's ``decided_timestamp`` to the CommitLog
 reader sees it) at p50 and p99 over the COMMITs decided during the sends, the share of the
 machine's CPU busy during the run (near 100%: the run measures the machine, not the store),
 the producer processes' own CPU time a transaction (every thread, native ones included; MinIO
-and the proxy are not in it), and the requests per transaction the proxy counted, by kind.
+and the proxy are not in it), and the requests per transaction the proxy counted, by kind, and
+how many of them were background work: all but the send path's, which are, for each commit of
+``half`` or ``op``, its data file PUT, its log entry PUT and the two GETs of its reachability
+check (:data:`SEND_PATH_PUT`). Last, issue 47's goals for the runs made (``1x4``, ``16x4``,
+``1x64``), each with what was measured.
 
 The store of each run has one shard per producer process (``rmq_spark.store.shards``: each
 process appends to logs of its own), or ``--shards`` N for every run, or K for one run written
@@ -31,6 +35,7 @@ import argparse
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import tempfile
@@ -57,6 +62,9 @@ from tests import minio  # noqa: E402
 from tests.latency_proxy import LatencyProxy  # noqa: E402
 
 BODY = b"x" * 256
+#: A PUT of the send path: a data file or a log entry of ``half`` or ``op``, a shard's or the
+#: root's. Each log entry PUT is followed by the two GETs of the commit's reachability check.
+SEND_PATH_PUT = re.compile(r"/(?:half|op)/(?:_delta_log/\d{20}\.json|[^/]+\.parquet)$")
 #: Seconds a producer process stays up after its sends: its last COMMITs are published by the
 #: running publisher, as in a service that goes on running (sixteen processes stopping at one
 #: moment would each publish their own, racing for the CommitLog).
@@ -141,8 +149,9 @@ def run(
     proxy: LatencyProxy | None,
 ):
     """Start ``processes`` workers together; return (transactions/s, latencies, requests
-    counted by the proxy from the start to the end of the sends, the share of CPU busy, the
-    wall-clock start of the sends, the producer processes' CPU seconds a transaction)."""
+    counted by the proxy from the start to the end of the sends, how many of them were not the
+    send path's, the share of CPU busy, the wall-clock start of the sends, the producer
+    processes' CPU seconds a transaction)."""
     start = time.time() + 10 + processes * 1.5  # every worker has opened the store by then
     env = {**os.environ, "RMQ_BENCH_OPTIONS": json.dumps(options)}
     argv = [sys.executable, __file__, "--worker", root, *map(str, (senders, start, seconds, rate))]
@@ -157,10 +166,12 @@ def run(
     time.sleep(max(0.0, start - time.time()))
     if proxy is not None:
         proxy.take_counts()
+        proxy.requests.clear()  # type: ignore[union-attr]
     machine = _cpu_times()
     time.sleep(seconds)
     busy = _busy(machine, _cpu_times())
     counts = proxy.take_counts() if proxy is not None else {}
+    background = sum(counts.values()) - _send_path(proxy.requests or []) if proxy else 0
     results = []
     for p in procs:
         out, _ = p.communicate(timeout=seconds + 600)
@@ -170,7 +181,14 @@ def run(
     latencies = np.array([x for r in results for x in r["latencies"]])
     count = sum(r["count"] for r in results)
     cpu = sum(r["cpu"] for r in results) / max(count, 1)
-    return count / seconds, latencies, counts, busy, start, cpu
+    return count / seconds, latencies, counts, background, busy, start, cpu
+
+
+def _send_path(requests: list[tuple[str, str]]) -> int:
+    """How many of ``requests`` (method, target) the send path made (:data:`SEND_PATH_PUT`)."""
+    puts = [t.partition("?")[0] for m, t in requests if m == "PUT"]
+    sent = [t for t in puts if SEND_PATH_PUT.search(t)]
+    return len(sent) + 2 * sum(1 for t in sent if t.endswith(".json"))
 
 
 def _cpu_times() -> list[int]:
@@ -185,6 +203,42 @@ def _busy(before: list[int], after: list[int]) -> float:
     spent = [b - a for a, b in zip(before, after, strict=True)]
     idle = spent[3] + spent[4]
     return 1 - idle / max(sum(spent), 1)
+
+
+def print_goals(measured: dict[str, dict[str, float]]) -> None:
+    """Issue 47's goals for the runs in ``measured`` (by ``PxS``), each beside its figure."""
+    one, many, wide = (measured.get(k) for k in ("1x4", "16x4", "1x64"))
+    goals = []
+    if one:
+        goals += [
+            (
+                "1 x 4: p50 <= 60 ms, p99 <= 150 ms (two round trips)",
+                f"p50 {one['p50']:.0f} ms, p99 {one['p99']:.0f} ms",
+                one["p50"] <= 60 and one["p99"] <= 150,
+            ),
+            (
+                "1 x 4: background requests <= 2 a transaction",
+                f"{one['background']:.1f}",
+                one["background"] <= 2,
+            ),
+            ("1 x 4: CPU <= 2 ms a transaction", f"{one['cpu']:.1f} ms", one["cpu"] <= 2),
+        ]
+    if wide:
+        goals += [
+            ("1 x 64: >= 1,000 tx/s", f"{wide['tps']:,.0f} tx/s", wide["tps"] >= 1000),
+            (
+                "1 x 64: background requests <= 0.2 a transaction",
+                f"{wide['background']:.2f}",
+                wide["background"] <= 0.2,
+            ),
+        ]
+    if one and many:
+        scale = many["tps"] / one["tps"]
+        goals.append(("16 x 4: >= 6x 1 x 4", f"{scale:.1f}x", scale >= 6))
+    if goals:
+        print("\nissue 47's goals (S3 with the delay above):")
+        for goal, figure, met in goals:
+            print(f"  {goal:<56} {figure:>22}  {'met' if met else 'missed'}")
 
 
 def main() -> None:
@@ -203,28 +257,31 @@ def main() -> None:
             base, options, where = f"{tmp}/stores", {}, "local disk"
         else:
             server = minio.start(Path(tmp) / "minio" / "data")
-            proxy = LatencyProxy(int(server.endpoint.rsplit(":", 1)[1]), args.delay_ms).start()
+            port = int(server.endpoint.rsplit(":", 1)[1])
+            proxy = LatencyProxy(port, args.delay_ms, record=True).start()
             options = dict(server.storage_options, AWS_ENDPOINT_URL=proxy.endpoint)
             base, where = f"s3://{minio.BUCKET}", f"s3:// (MinIO, +{args.delay_ms:g} ms a request)"
         print(f"scale-out on {where}, {args.seconds:g} s a run, 256 B bodies", flush=True)
         print(
             f"{'producers':>24} {'shards':>6} {'tx/s':>8} {'ratio':>6} {'p50 ms':>8} "
             f"{'p99 ms':>8}  {'published p50/p99 ms':>20} {'cpu':>5} {'cpu ms/tx':>9}  "
-            "requests/tx"
+            "requests/tx (background)"
         )
         first = None
+        measured: dict[str, dict[str, float]] = {}
         try:
             for i, (processes, senders, *fixed) in enumerate(runs):
                 root = f"{base}/run{i}"
                 shards = fixed[0] if fixed else args.shards or processes
                 made = StoreSettings(path=root, storage_options=options, shards=shards)
                 Store.open(settings=made, create=True)
-                tps, lat, counts, busy, start, cpu = run(
+                tps, lat, counts, background, busy, start, cpu = run(
                     root, options, processes, senders, args.seconds, args.rate, proxy
                 )
                 first = first or tps
                 done = max(tps * args.seconds, 1)
                 per_tx = " ".join(f"{k} {v / done:.1f}" for k, v in sorted(counts.items()))
+                per_tx += f" ({background / done:.1f})" if counts else ""
                 label = f"{processes} process(es) x {senders} senders"
                 p50, p99 = (np.percentile(lat, q) * 1000 if len(lat) else 0 for q in (50, 99))
                 lags = publish_lags(root, options, start, start + args.seconds) * 1000
@@ -234,6 +291,15 @@ def main() -> None:
                     f"{p99:8.0f}  {published:>20} {busy:5.0%} {cpu * 1000:9.1f}  {per_tx or '-'}",
                     flush=True,
                 )
+                measured[f"{processes}x{senders}"] = {
+                    "tps": tps,
+                    "p50": p50,
+                    "p99": p99,
+                    "cpu": cpu * 1000,
+                    "background": background / done if counts else float("nan"),
+                }
+            if proxy is not None:  # the goals are an object store's
+                print_goals(measured)
         finally:
             if proxy is not None:
                 proxy.stop()

@@ -35,8 +35,8 @@ from rmq_spark.delta.commit import commit as commit_direct
 from rmq_spark.delta.files import commit_files, write_files, write_in_parallel
 from rmq_spark.delta.reads import read_arrow, with_uris
 from rmq_spark.delta.retry import refused_if_cleaned, relisting, retry_commits
-from rmq_spark.delta.storage import check_conditional_put, deltalake_options
-from rmq_spark.delta.txnlog import app_transactions, commit_infos, follow
+from rmq_spark.delta.storage import check_conditional_put, deltalake_options, filesystem
+from rmq_spark.delta.txnlog import app_transactions, commit_infos, follow, hint_version
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,10 @@ TableSpec = tuple[pa.Schema, list[str], dict[str, str]]
 _CHORES = ("checkpoint", "maintain")
 #: The most ``commitInfo`` actions :meth:`DeltaTables.latest_version` keeps per table and thread.
 _MAX_KEPT_INFOS = 4096
+#: How many checks of the ``_last_checkpoint`` hint (one every ``fresh_seconds``) a thread
+#: following a table's log makes before it loads the snapshot again anyway: a hint that lags a
+#: newer checkpoint (its writer died between the two) hides a cleanup under it from the check.
+RELOAD_CHECKS = 12
 
 
 @dataclass(frozen=True)
@@ -154,24 +158,40 @@ class DeltaTables:
         """A table's latest version, for a thread that looks at it often without committing to
         it (the publisher, at every shard's ``op``): the log entries after the version this
         thread found last are read (one request when there is none, :func:`follow`), and their
-        ``commitInfo`` kept for :meth:`commit_infos`. Its snapshot is brought up to date (its
-        log listed) instead when it is older than :attr:`fresh_seconds`, so an entry missing
-        after that version (cleaned under a stalled thread) delays what follows it by no more.
+        ``commitInfo`` kept for :meth:`commit_infos`.
+
+        Following is sound while no entry after that version can have been cleaned. An entry
+        is cleaned only below a checkpoint, so every :attr:`fresh_seconds` the
+        ``_last_checkpoint`` hint is read (one request): one naming a version after the one
+        found has the snapshot brought up to date (deltalake starts from that checkpoint); so
+        does every :data:`RELOAD_CHECKS`-th check (a hint can lag its checkpoint). An entry
+        missing after a cleanup under a stalled thread delays what follows it by no more. A
+        snapshot update instead of the check read every entry since the last again, twice
+        (two GETs an entry on S3, a transaction's largest background cost).
         """
         now = time.monotonic()
-        found = self._followed.__dict__.get(name)  # (version, when its snapshot was updated)
+        # (version, when the hint was last checked, checks since the snapshot was updated)
+        found = self._followed.__dict__.get(name)
         infos = self._infos.__dict__.setdefault(name, {})
         if len(infos) > _MAX_KEPT_INFOS:
             infos.clear()  # nobody asked for them: another publisher published those versions
-        if found is not None and now - found[1] < self.fresh_seconds:
-            uri, own = self._own(name)
+        uri, own = self._own(name)
+        if found is not None and now - found[1] >= self.fresh_seconds:
+            checks = found[2] + 1
+            behind = checks >= RELOAD_CHECKS or self._hint(uri) > found[0]
+            found = None if behind else (found[0], now, checks)
+        if found is not None:
             followed = follow(uri, self.storage_options, found[0], {}, infos, own)
             if followed is not None:
-                self._followed.__dict__[name] = (followed[0], found[1])
+                self._followed.__dict__[name] = (followed[0], *found[1:])
                 return followed[0]
         version = self.snapshot(name).version()
-        self._followed.__dict__[name] = (version, now)
+        self._followed.__dict__[name] = (version, now, 0)
         return version
+
+    def _hint(self, uri: str) -> int:
+        """The version a table's ``_last_checkpoint`` names (-1: none)."""
+        return hint_version(*filesystem(f"{uri.rstrip('/')}/_delta_log", self.storage_options))
 
     def commit_infos(self, name: str, first: int, last: int) -> dict[int, dict]:
         """The ``commitInfo`` of each commit ``first..last`` of a table
