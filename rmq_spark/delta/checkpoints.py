@@ -39,7 +39,14 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from deltalake import DeltaTable
 
-from rmq_spark.delta.commit import APPEND_FEATURES, CHECKPOINT_NAME, ENTRY_NAME, complete
+from rmq_spark.delta.commit import (
+    APPEND_FEATURES,
+    CHECKPOINT_NAME,
+    ENTRY_NAME,
+    bucket_and_prefix,
+    complete,
+    s3_names_from,
+)
 from rmq_spark.delta.storage import deltalake_options, filesystem, scheme
 from rmq_spark.delta.txnlog import clean_log, hint_version, modified
 from rmq_spark.delta.vacuum import interval_seconds
@@ -319,7 +326,7 @@ def _listing(
     if local:
         names = [n for n in os.listdir(log_path) if n >= f"{start:020d}"]
     else:
-        names = _s3_names_from(fs, log_path, start)
+        names = s3_names_from(fs, log_path, start)
     checkpoints: dict[int, list[str]] = {}
     entries: set[int] = set()
     for name in names:
@@ -328,27 +335,6 @@ def _listing(
         elif ENTRY_NAME.match(name) is not None:
             entries.add(int(name[:20]))
     return {v: sorted(f) for v, f in checkpoints.items() if complete(f)}, entries
-
-
-def _bucket_and_prefix(fs: Any, log_path: str) -> tuple[str, str]:
-    """The bucket of an S3 ``_delta_log`` and the key prefix of its files."""
-    bucket, _, key = fs._strip_protocol(log_path).partition("/")
-    return bucket, f"{key}/"
-
-
-def _s3_names_from(fs: Any, log_path: str, start: int) -> list[str]:
-    """The names in an S3 ``_delta_log`` of version ``start`` and later (``ListObjectsV2``
-    after every name of the version before; s3fs lists a whole prefix), 1,000 a request."""
-    bucket, prefix = _bucket_and_prefix(fs, log_path)
-    after = f"{prefix}{start - 1:020d}~" if start else prefix  # "~" sorts after ".json"
-    names: list[str] = []
-    kwargs = {"Bucket": bucket, "Prefix": prefix, "StartAfter": after}
-    while True:
-        page = fs.call_s3("list_objects_v2", **kwargs)
-        names += [item["Key"][len(prefix) :] for item in page.get("Contents", [])]
-        if not page.get("IsTruncated"):
-            return names
-        kwargs["ContinuationToken"] = page["NextContinuationToken"]
 
 
 def _oldest_written(fs: Any, log_path: str, *, local: bool) -> float:
@@ -360,7 +346,7 @@ def _oldest_written(fs: Any, log_path: str, *, local: bool) -> float:
         found = [f"{log_path}/{min(names)}"] if names else []
         written = modified(fs.info(found[0])) if found else None
     else:
-        bucket, prefix = _bucket_and_prefix(fs, log_path)
+        bucket, prefix = bucket_and_prefix(fs, log_path)
         page = fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=prefix, MaxKeys=20)
         oldest = [
             i for i in page.get("Contents", []) if ENTRY_NAME.match(i["Key"].rsplit("/", 1)[-1])

@@ -59,6 +59,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
+from typing import Any
 
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -291,11 +292,10 @@ class _Log:
         of GETs at once reads them all."""
         if self.local:
             return {version: self.read(version)}
-        self.fs.invalidate_cache(self.path)
         after = sorted(
             int(name[:20])
-            for name in (p.rsplit("/", 1)[-1] for p in self.fs.ls(self.path, detail=False))
-            if ENTRY_NAME.match(name) is not None and int(name[:20]) > version
+            for name in s3_names_from(self.fs, self.path, version + 1)
+            if ENTRY_NAME.match(name) is not None
         )
         versions = [version]
         for v in after:
@@ -336,10 +336,11 @@ class _Log:
         # The entry before is gone (the cleanup deletes oldest first, and only below a
         # checkpoint), or the hint is past this version: the first checkpoint after it.
         checkpoints: dict[int, list[str]] = {}
-        for path in self.fs.ls(self.path, detail=False):
-            match = CHECKPOINT_NAME.match(path.rsplit("/", 1)[-1])
+        names = os.listdir(self.path) if self.local else s3_names_from(self.fs, self.path, version)
+        for name in names:
+            match = CHECKPOINT_NAME.match(name)
             if match is not None and int(match.group(1)) >= version:
-                checkpoints.setdefault(int(match.group(1)), []).append(path)
+                checkpoints.setdefault(int(match.group(1)), []).append(f"{self.path}/{name}")
         whole = [v for v, files in checkpoints.items() if complete(files)]
         if not whole:
             return True
@@ -373,6 +374,27 @@ def complete(files: list[str]) -> bool:
     return parts == [None] or (
         None not in parts and len(set(parts)) == 1 and len(files) == int(parts[0])
     )
+
+
+def bucket_and_prefix(fs: Any, log_path: str) -> tuple[str, str]:
+    """The bucket of an S3 ``_delta_log`` and the key prefix of its files."""
+    bucket, _, key = fs._strip_protocol(log_path).partition("/")
+    return bucket, f"{key}/"
+
+
+def s3_names_from(fs: Any, log_path: str, start: int) -> list[str]:
+    """The names in an S3 ``_delta_log`` of version ``start`` and later (``ListObjectsV2``
+    after every name of the version before; s3fs lists a whole prefix), 1,000 a request."""
+    bucket, prefix = bucket_and_prefix(fs, log_path)
+    after = f"{prefix}{start - 1:020d}~" if start else prefix  # "~" sorts after ".json"
+    names: list[str] = []
+    kwargs = {"Bucket": bucket, "Prefix": prefix, "StartAfter": after}
+    while True:
+        page = fs.call_s3("list_objects_v2", **kwargs)
+        names += [item["Key"][len(prefix) :] for item in page.get("Contents", [])]
+        if not page.get("IsTruncated"):
+            return names
+        kwargs["ContinuationToken"] = page["NextContinuationToken"]
 
 
 class _Staged:

@@ -1,0 +1,81 @@
+"""Reads of a log on S3 that cost follows the work, not the log's length: the publisher's
+following of ``op`` (:meth:`DeltaTables.latest_version`: each entry read once, one GET that
+finds none a call, and a GET of the ``_last_checkpoint`` hint every ``fresh_seconds``; no
+snapshot update replaying the entries again, each twice), and a commit's catching up after a
+lost put (a listing from the version it lost on, not of the whole log)."""
+
+from __future__ import annotations
+
+import time
+
+import pyarrow as pa
+import pytest
+from deltalake import write_deltalake
+
+from rmq_spark import Store
+from rmq_spark.delta.checkpoints import Checkpointer
+from rmq_spark.delta.commit import commit
+from rmq_spark.delta.files import write_files
+from rmq_spark.delta.storage import deltalake_options
+from rmq_spark.delta.tables import DeltaTables
+from rmq_spark.model.config import StoreSettings
+from rmq_spark.model.schema import TABLES
+from tests.latency_proxy import LatencyProxy
+from tests.objectstore.test_s3_checkpoints import append
+from tests.unit.test_checkpoints import SCHEMA, rows
+from tests.unit.test_following import decide
+
+pytestmark = pytest.mark.objectstore
+
+FRESH = 0.3
+
+
+def test_following_op_reads_each_entry_once(minio) -> None:
+    root = minio.root()
+    store = Store.open(settings=StoreSettings(path=root, storage_options=minio.storage_options))
+    proxy = LatencyProxy(int(minio.endpoint.rsplit(":", 1)[1]), 0, record=True).start()
+    try:
+        options = dict(minio.storage_options, AWS_ENDPOINT_URL=proxy.endpoint)
+        follower = DeltaTables(root, TABLES, options, FRESH)
+        first = follower.latest_version("op")
+        proxy.requests.clear()  # type: ignore[union-attr]
+        calls, began = 0, time.monotonic()
+        while time.monotonic() - began < FRESH * 5:
+            latest = decide(store, 2)
+            assert follower.latest_version("op") == latest
+            calls += 1
+        entries = [t for m, t in proxy.requests or [] if m == "GET" and "/op/_delta_log/0" in t]
+        hints = [t for m, t in proxy.requests or [] if "_last_checkpoint" in t]
+        lists = [t for m, t in proxy.requests or [] if m == "LIST"]
+        assert len(entries) <= (latest - first) + calls, (len(entries), latest - first, calls)
+        assert 1 <= len(hints) <= 6 and not lists, (hints, lists)
+    finally:
+        proxy.stop()
+
+
+def test_a_lost_put_lists_the_log_from_its_version_on(minio) -> None:
+    """A commit whose base is old (a publisher of one shard into the store's CommitLog, whose
+    log keeps a month of entries) finds the versions taken since with one listing from there."""
+    uri = f"{minio.root('lost')}/t"
+    first = pa.Table.from_pylist([{"key": "k0", "n": 0, "part": "a"}], SCHEMA)
+    config = {"delta.checkpointInterval": "100000"}
+    options = minio.storage_options
+    write_deltalake(
+        uri,
+        first,
+        partition_by=["part"],
+        configuration=config,
+        storage_options=deltalake_options(options),
+    )
+    for n in range(1, 12):
+        append(uri, options, n, Checkpointer(options))
+    proxy = LatencyProxy(int(minio.endpoint.rsplit(":", 1)[1]), 0, record=True).start()
+    try:
+        options = dict(options, AWS_ENDPOINT_URL=proxy.endpoint)
+        adds = write_files(uri, iter([rows(99, 1)]), SCHEMA, "part", options)
+        proxy.requests.clear()  # type: ignore[union-attr]
+        assert commit(uri, options, 3, adds) == 12  # versions 4 to 11 taken since
+        lists = [t for m, t in proxy.requests or [] if m == "LIST"]
+        assert len(lists) == 1 and "start-after=" in lists[0], lists
+    finally:
+        proxy.stop()
