@@ -350,6 +350,11 @@ def _commit_info(content: bytes) -> dict:
     )
 
 
+#: How many files of a log one cleanup deletes at once, oldest first: S3's DeleteObjects
+#: takes up to 1,000 keys a request.
+_DELETED_AT_ONCE = 1000
+
+
 def clean_log(
     uri: str, storage_options: Mapping[str, str], rules: Sequence[tuple[int, datetime]]
 ) -> int:
@@ -359,14 +364,16 @@ def clean_log(
     written before ``older_than``. The log is listed once. Return how many files were deleted.
 
     This is Delta's expired-log cleanup (``delta.logRetentionDuration``), bounded by a version
-    as well as by time. Only the oldest versions go, oldest first, up to the first that must
+    as well as by time. Only the oldest versions go, oldest first (:data:`_DELETED_AT_ONCE` a
+    request on S3, where a DELETE an entry cost a request a commit), up to the first that must
     stay (or a gap in the listing), as Delta's own cleanup does: an entry is taken as written
     no earlier than the one before it, since its file time can be far older than its commit (a
     local entry keeps the time it was staged, before a writer's stall). So an entry kept keeps
-    every later one, and an interrupted cleanup leaves the log contiguous from its oldest
-    entry: a commit that finds the entry before its own (:meth:`_Log.reachable`) knows it was
-    not put where the log had been cleaned. Whatever the rules, and however far ahead the
-    caller's clock runs, no entry younger than :data:`LOG_ENTRY_MIN_AGE` on the store's clock
+    every later one. An interrupted cleanup can leave gaps only among the entries of its last
+    batch, all below the hint's checkpoint (see below), where a commit's reachability check
+    (:meth:`_Log.reachable`) finds a put by the hint alone; each next cleanup goes on from the
+    oldest entry left. Whatever the rules, and however far ahead the caller's clock runs, no
+    entry younger than :data:`LOG_ENTRY_MIN_AGE` on the store's clock
     goes (the modification time of a file written for it first, :func:`_store_clock`; the
     cleaning host's clock, local or shared by NFS, can be anything). A filesystem that gives no
     modification time (it cannot tell the age) has nothing deleted. Staged entries a killed
@@ -420,9 +427,10 @@ def clean_log(
         ):
             break
         doomed += [(version, path) for path, _ in files[version]]
-    for path in [p for _, p in doomed] + abandoned:
-        fs.rm_file(path)
-    return len(doomed) + len(abandoned)
+    paths = [p for _, p in doomed] + abandoned
+    for first in range(0, len(paths), _DELETED_AT_ONCE):  # one batch after the other
+        fs.rm(paths[first : first + _DELETED_AT_ONCE])
+    return len(paths)
 
 
 def hint_version(fs: fsspec.AbstractFileSystem, log_path: str) -> int:

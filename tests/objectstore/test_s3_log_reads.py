@@ -7,10 +7,11 @@ lost put (a listing from the version it lost on, not of the whole log)."""
 from __future__ import annotations
 
 import time
+from datetime import UTC, datetime, timedelta
 
 import pyarrow as pa
 import pytest
-from deltalake import write_deltalake
+from deltalake import DeltaTable, write_deltalake
 
 from rmq_spark import Store
 from rmq_spark.delta.checkpoints import Checkpointer
@@ -18,6 +19,7 @@ from rmq_spark.delta.commit import commit
 from rmq_spark.delta.files import write_files
 from rmq_spark.delta.storage import deltalake_options
 from rmq_spark.delta.tables import DeltaTables
+from rmq_spark.delta.txnlog import clean_log
 from rmq_spark.model.config import StoreSettings
 from rmq_spark.model.schema import TABLES
 from tests.latency_proxy import LatencyProxy
@@ -79,3 +81,37 @@ def test_a_lost_put_lists_the_log_from_its_version_on(minio) -> None:
         assert len(lists) == 1 and "start-after=" in lists[0], lists
     finally:
         proxy.stop()
+
+
+def test_a_log_cleanup_deletes_the_expired_entries_in_one_request(
+    minio, young_entries_cleaned: None
+) -> None:
+    """S3 deletes up to 1,000 keys a request: a cleanup after every checkpoint (100 commits)
+    must not cost a DELETE an entry."""
+    uri = f"{minio.root('cleanup')}/t"
+    first = pa.Table.from_pylist([{"key": "k0", "n": 0, "part": "a"}], SCHEMA)
+    options = minio.storage_options
+    write_deltalake(
+        uri,
+        first,
+        partition_by=["part"],
+        configuration={"delta.checkpointInterval": "100000"},
+        storage_options=deltalake_options(options),
+    )
+    checkpointer = Checkpointer(options)
+    for n in range(1, 12):
+        append(uri, options, n, checkpointer)
+    checkpointer.checkpoint(uri, 11)
+    time.sleep(1.1)  # the store's clock is a HEAD's Last-Modified: whole seconds
+    proxy = LatencyProxy(int(minio.endpoint.rsplit(":", 1)[1]), 0, record=True).start()
+    try:
+        via = dict(options, AWS_ENDPOINT_URL=proxy.endpoint)
+        n = clean_log(uri, via, [(11, datetime.now(UTC) + timedelta(hours=1))])
+        assert n == 11
+        deletes = [(m, t) for m, t in proxy.requests or [] if m in ("DELETE", "POST")]
+        # The probe of the store's clock is one; the entries 0 to 10 go in one more.
+        assert len(deletes) == 2, deletes
+    finally:
+        proxy.stop()
+    table = DeltaTable(uri, storage_options=deltalake_options(options))
+    assert table.version() == 11 and table.to_pyarrow_table().num_rows == 1 + 11 * 2
