@@ -28,8 +28,9 @@ Targets, one after the other in one run (never at the same time: they would shar
 
 Each target runs the producer once per sender count (``--senders 1,64`` with ``--count
 200,3000``), each in a fresh JVM. The table has tx/s, p50 and p99 (ms), errors and whether
-``open-0`` was checked, then the ratio serve/rocketmq of tx/s at each sender count (issue 34's
-goal: at least 0.5x at 64 senders, p99 under 50 ms on a local store).
+``open-0`` was checked, then the ratio serve/rocketmq of tx/s at each sender count and issue
+47's goals beside what was measured: at least 1.0x RocketMQ's proxy at 64 senders and 0.5x at
+one, with a p99 at most twice the proxy's.
 
 Jars: ``bench/java_client/pom.xml`` into ``.tools/java-client/lib`` and
 ``bench/java_client/proxy-pom.xml`` into ``.tools/rocketmq-5.5.0/lib`` (``mvn``, once); the
@@ -317,7 +318,28 @@ def table(results: list[Result]) -> str:
                     f"serve/{base} at {senders} senders: {serve.tx_per_s / other.tx_per_s:.2f}x "
                     f"tx/s, p99 {serve.p99_ms:.1f} vs {other.p99_ms:.1f} ms"
                 )
+    rows += goals(by)
     return "\n".join(rows)
+
+
+#: Issue 47's goal for ``rmqtx serve``: its tx/s at least this share of RocketMQ's proxy's, by
+#: sender count, with a p99 at most twice the proxy's.
+GOALS = {1: 0.5, 64: 1.0}
+
+
+def goals(by: dict[tuple[str, int], Result]) -> list[str]:
+    """Issue 47's goals, each beside what the run measured (serve against rocketmq)."""
+    rows = []
+    for senders, share in GOALS.items():
+        serve, proxy = by.get(("serve", senders)), by.get(("rocketmq", senders))
+        if serve and proxy and proxy.tx_per_s and proxy.p99_ms:
+            ratio, p99 = serve.tx_per_s / proxy.tx_per_s, serve.p99_ms / proxy.p99_ms
+            met = ratio >= share and p99 <= 2
+            rows.append(
+                f"goal at {senders} senders: >= {share:.1f}x tx/s and p99 <= 2x the proxy's: "
+                f"{ratio:.2f}x, p99 {p99:.1f}x  {'met' if met else 'missed'}"
+            )
+    return rows
 
 
 def int_list(text: str) -> list[int]:
