@@ -22,6 +22,19 @@ from tests.unit.test_checkpoints import SCHEMA, checkpoint_state, rows
 pytestmark = pytest.mark.objectstore
 
 
+def new_table(uri: str, options: dict[str, str], **config: str) -> None:
+    """A partitioned table of one row whose checkpoints are left to the test (``config``: more
+    table properties)."""
+    first = pa.Table.from_pylist([{"key": "k0", "n": 0, "part": "a"}], SCHEMA)
+    write_deltalake(
+        uri,
+        first,
+        partition_by=["part"],
+        configuration={"delta.checkpointInterval": "100000", **config},
+        storage_options=deltalake_options(options),
+    )
+
+
 def append(uri: str, options: dict[str, str], n: int, checkpointer: Checkpointer) -> int:
     adds = write_files(uri, iter([rows(n, 2)]), SCHEMA, "part", options)
     version = DeltaTable(uri, storage_options=deltalake_options(options)).version()
@@ -40,18 +53,7 @@ def test_a_checkpoint_on_s3_starts_from_the_newest_listed_and_cleans_when_due(
 ) -> None:
     options = minio.storage_options
     uri = f"{minio.root('checkpoints')}/t"
-    first = pa.Table.from_pylist([{"key": "k0", "n": 0, "part": "a"}], SCHEMA)
-    config = {
-        "delta.checkpointInterval": "100000",
-        "delta.logRetentionDuration": "interval 2 seconds",
-    }
-    write_deltalake(
-        uri,
-        first,
-        partition_by=["part"],
-        configuration=config,
-        storage_options=deltalake_options(options),
-    )
+    new_table(uri, options, **{"delta.logRetentionDuration": "interval 2 seconds"})
     fs, path = filesystem(uri, options)
     log = f"{path}/_delta_log"
     checkpointer = Checkpointer(options)
@@ -95,14 +97,7 @@ def test_a_checkpoint_on_s3_lists_the_log_from_the_hint_on(minio) -> None:
     try:
         options = dict(minio.storage_options, AWS_ENDPOINT_URL=proxy.endpoint)
         uri = f"{minio.root('listing')}/t"
-        first = pa.Table.from_pylist([{"key": "k0", "n": 0, "part": "a"}], SCHEMA)
-        write_deltalake(
-            uri,
-            first,
-            partition_by=["part"],
-            configuration={"delta.checkpointInterval": "100000"},
-            storage_options=deltalake_options(options),
-        )
+        new_table(uri, options)
         checkpointer = Checkpointer(options)
         for n in range(1, 4):
             append(uri, options, n, checkpointer)

@@ -9,9 +9,8 @@ from __future__ import annotations
 import time
 from datetime import UTC, datetime, timedelta
 
-import pyarrow as pa
 import pytest
-from deltalake import DeltaTable, write_deltalake
+from deltalake import DeltaTable
 
 from rmq_spark import Store
 from rmq_spark.delta.checkpoints import Checkpointer
@@ -23,7 +22,7 @@ from rmq_spark.delta.txnlog import clean_log
 from rmq_spark.model.config import StoreSettings
 from rmq_spark.model.schema import TABLES
 from tests.latency_proxy import LatencyProxy
-from tests.objectstore.test_s3_checkpoints import append
+from tests.objectstore.test_s3_checkpoints import append, new_table
 from tests.unit.test_checkpoints import SCHEMA, rows
 from tests.unit.test_following import decide
 
@@ -59,16 +58,8 @@ def test_a_lost_put_lists_the_log_from_its_version_on(minio) -> None:
     """A commit whose base is old (a publisher of one shard into the store's CommitLog, whose
     log keeps a month of entries) finds the versions taken since with one listing from there."""
     uri = f"{minio.root('lost')}/t"
-    first = pa.Table.from_pylist([{"key": "k0", "n": 0, "part": "a"}], SCHEMA)
-    config = {"delta.checkpointInterval": "100000"}
     options = minio.storage_options
-    write_deltalake(
-        uri,
-        first,
-        partition_by=["part"],
-        configuration=config,
-        storage_options=deltalake_options(options),
-    )
+    new_table(uri, options)
     for n in range(1, 12):
         append(uri, options, n, Checkpointer(options))
     proxy = LatencyProxy(int(minio.endpoint.rsplit(":", 1)[1]), 0, record=True).start()
@@ -89,15 +80,8 @@ def test_a_log_cleanup_deletes_the_expired_entries_in_one_request(
     """S3 deletes up to 1,000 keys a request: a cleanup after every checkpoint (100 commits)
     must not cost a DELETE an entry."""
     uri = f"{minio.root('cleanup')}/t"
-    first = pa.Table.from_pylist([{"key": "k0", "n": 0, "part": "a"}], SCHEMA)
     options = minio.storage_options
-    write_deltalake(
-        uri,
-        first,
-        partition_by=["part"],
-        configuration={"delta.checkpointInterval": "100000"},
-        storage_options=deltalake_options(options),
-    )
+    new_table(uri, options)
     checkpointer = Checkpointer(options)
     for n in range(1, 12):
         append(uri, options, n, checkpointer)
