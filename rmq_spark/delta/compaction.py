@@ -104,7 +104,11 @@ def _rewrite(
             while stop < len(uris) and size + sizes[stop] <= _COMPACT_TARGET_BYTES:
                 size, stop = size + sizes[stop], stop + 1
             read = read_files(
-                uris[start:stop], stored, tables.storage_options, sizes=sizes[start:stop]
+                uris[start:stop],
+                stored,
+                tables.storage_options,
+                sizes=sizes[start:stop],
+                kept=tables.written,
             )
             if partition is not None:
                 read = read.append_column(

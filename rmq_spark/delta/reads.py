@@ -15,6 +15,7 @@ import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 from deltalake import DeltaTable
 
+from rmq_spark.delta.files import WrittenFiles
 from rmq_spark.delta.storage import arrow_filesystem, filesystem
 
 #: Data files read together up to this many bytes in all are each read whole, at once
@@ -94,6 +95,7 @@ def read_files(
     keep: Callable[[pa.Table], pa.ChunkedArray] | None = None,
     columns: Sequence[str] | None = None,
     sizes: Sequence[int] | None = None,
+    kept: WrittenFiles | None = None,
 ) -> pa.Table:
     """Read Parquet data files of a table directly with pyarrow (multi-threaded).
 
@@ -116,6 +118,8 @@ def read_files(
         (:data:`WHOLE_FILES_BYTES`) are each read whole, all at once: one request a file on
         an object store, where pyarrow makes three one after the other (the size, the
         footer, the data), 20 to 50 ms each.
+    kept : WrittenFiles, optional
+        Files read whole that this process wrote and kept are taken from there (no request).
     """
     if columns is not None:
         schema = pa.schema([schema.field(c) for c in columns])
@@ -123,8 +127,10 @@ def read_files(
         return schema.empty_table()
     paths = [fsspec.core.strip_protocol(uri) for uri in uris]
     if sizes is not None and sum(sizes) <= WHOLE_FILES_BYTES:
-        fs, _ = filesystem(uris[0], storage_options)
-        whole = fs.cat(paths)
+        whole = kept.take(paths) if kept is not None else {}
+        missing = [p for p in paths if p not in whole]
+        if missing:
+            whole |= filesystem(uris[0], storage_options)[0].cat(missing)
         parquet = pads.ParquetFileFormat()
         fragments = [parquet.make_fragment(pa.BufferReader(whole[p])) for p in paths]
         dataset = pads.FileSystemDataset(fragments, schema, parquet, pafs.LocalFileSystem())

@@ -32,7 +32,7 @@ from rmq_spark.delta.checkpoints import Checkpointer
 from rmq_spark.delta.chores import ChoreKinds
 from rmq_spark.delta.commit import appendable, checkpoint_interval
 from rmq_spark.delta.commit import commit as commit_direct
-from rmq_spark.delta.files import commit_files, write_files, write_in_parallel
+from rmq_spark.delta.files import WrittenFiles, commit_files, write_files, write_in_parallel
 from rmq_spark.delta.reads import read_arrow, with_uris
 from rmq_spark.delta.retry import refused_if_cleaned, relisting, retry_commits
 from rmq_spark.delta.storage import check_conditional_put, deltalake_options, filesystem
@@ -122,6 +122,8 @@ class DeltaTables:
         #: Checkpoints and maintenance that commits ask for (see ChoreKinds).
         self.chores = ChoreKinds(root, _CHORES)
         self._checkpointer = Checkpointer(storage_options)
+        #: The small data files this process wrote, for its compactions (see WrittenFiles).
+        self.written = WrittenFiles()
         self._listeners: list[Callable[[str], None]] = []
 
     # ------------------------------------------------------------------ tables
@@ -343,6 +345,7 @@ class DeltaTables:
             partition,
             self.storage_options,
             data_change=data_change,
+            kept=self.written if data_change else None,
         )
 
     def write_stream(self, name: str, rows: Iterator[pa.Table]) -> list[AddAction]:

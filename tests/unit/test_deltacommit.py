@@ -22,7 +22,7 @@ from deltalake.exceptions import CommitFailedError
 
 from rmq_spark import Decision, LocalTransactionState, Message, Store, StoreError
 from rmq_spark.delta.commit import appendable, commit
-from rmq_spark.delta.files import write_files
+from rmq_spark.delta.files import KEPT_FILE_BYTES, WrittenFiles, write_files
 from rmq_spark.delta.reads import read_arrow
 from rmq_spark.delta.storage import filesystem
 from rmq_spark.delta.txnlog import LOG_ENTRY_MIN_AGE
@@ -528,3 +528,22 @@ def test_a_checkpoint_a_newer_one_covers_is_skipped_without_a_warning(
     assert not (
         Path(store.table_uri("half")) / "_delta_log" / f"{10:020d}.checkpoint.parquet"
     ).exists()
+
+
+def test_written_files_keep_the_newest_small_files_up_to_their_bound(tmp_path: Path) -> None:
+    """A compaction reads the files its process wrote from memory: small ones only, the oldest
+    dropped past the bound, each taken once."""
+    kept = WrittenFiles(limit=10)
+    for name in ("a", "b", "c"):
+        kept.add(name, b"1234")
+    assert kept.take(["a", "b", "c"]) == {"b": b"1234", "c": b"1234"} and kept.take(["c"]) == {}
+    (tmp_path / "t").mkdir()
+    uri = str(tmp_path / "t")
+    kept = WrittenFiles()
+    small, large = (
+        write_files(uri, iter([_half_rows(os.urandom(n))]), HALF_SCHEMA, None, {}, kept=kept)[0]
+        for n in (100, KEPT_FILE_BYTES + 1)
+    )
+    paths = [f"{uri}/{a.path}" for a in (small, large)]
+    found = kept.take(paths)
+    assert list(found) == paths[:1] and found[paths[0]] == Path(paths[0]).read_bytes()
