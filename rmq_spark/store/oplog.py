@@ -77,7 +77,7 @@ def commits_in(tables: DeltaTables, first: int, last: int) -> tuple[pa.Table, in
     from the log; the change feed is read only for decisions of an older rmq-spark (written
     by MERGE, :func:`_legacy_decisions`), or for the whole range when its log entries are
     gone: only then is a snapshot of ``op`` loaded (bringing it up to date reads each entry
-    twice, a GET each on S3, every few seconds on the publisher's path). Only decisions the
+    since its version twice, a GET each on S3). Only decisions the
     store wrote are published: a commit of another Delta writer (a RESTORE re-adding files a
     compaction replaced, which the change feed reports as inserts; a DELETE; an append) is
     logged and not applied.
