@@ -179,7 +179,8 @@ class DeltaTables:
             infos.clear()  # nobody asked for them: another publisher published those versions
         uri, own = self._own(name)
         if found is not None and now - found[1] >= self.fresh_seconds:
-            checks = found[2] + 1
+            checks = found[2] + 1  # by time too: a thread that looks seldom checks seldom
+            checks = max(checks, int((now - found[1]) / self.fresh_seconds))
             behind = checks >= RELOAD_CHECKS or self._hint(uri) > found[0]
             found = None if behind else (found[0], now, checks)
         if found is not None:

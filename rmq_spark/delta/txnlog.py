@@ -134,7 +134,8 @@ def follow(
     load a snapshot instead. The caller must know that no entry after ``version`` can have
     been cleaned since: that ``version`` was the latest a short while ago (entries are kept
     for at least ``UNNEEDED_LOG_SECONDS``; a commit on the result checks every entry after it
-    and that it is reachable itself).
+    and that it is reachable itself), or that the ``_last_checkpoint`` hint names no later
+    version (:meth:`rmq_spark.delta.tables.DeltaTables.latest_version`).
     """
     fs, log_path = filesystem(f"{uri.rstrip('/')}/_delta_log", storage_options)
     followed: dict[str, int] | None = None
@@ -369,10 +370,11 @@ def clean_log(
     stay (or a gap in the listing), as Delta's own cleanup does: an entry is taken as written
     no earlier than the one before it, since its file time can be far older than its commit (a
     local entry keeps the time it was staged, before a writer's stall). So an entry kept keeps
-    every later one. An interrupted cleanup can leave gaps only among the entries of its last
-    batch, all below the hint's checkpoint (see below), where a commit's reachability check
-    (:meth:`_Log.reachable`) finds a put by the hint alone; each next cleanup goes on from the
-    oldest entry left. Whatever the rules, and however far ahead the caller's clock runs, no
+    every later one. Within a batch S3 deletes in no order, and it does not report a key it
+    refused (s3fs asks for quiet answers), so a cleanup can leave gaps, all below the hint's
+    checkpoint (see below), where a commit's reachability check (:meth:`_Log.reachable`) finds
+    a put by the hint alone; each next cleanup goes on from the oldest entry left. Whatever
+    the rules, and however far ahead the caller's clock runs, no
     entry younger than :data:`LOG_ENTRY_MIN_AGE` on the store's clock
     goes (the modification time of a file written for it first, :func:`_store_clock`; the
     cleaning host's clock, local or shared by NFS, can be anything). A filesystem that gives no
