@@ -202,8 +202,11 @@ def test_a_rivals_arbiter_recorded_at_the_version_of_a_decider_own_is_not_taken_
     a rival that decided from the same head as the decider's own last commit records its
     buckets at the same version. Read from the log, the rival's bucket looked like one the
     decider had moved itself, so it decided a transaction the rival had already decided."""
-    ids = [shard_transaction_id(0) for _ in range(3)]
-    assert len({decision_app_id(t) for t in ids}) == 3
+    buckets: dict[str, str] = {}  # three transactions in three buckets (1 in 350 draws collide)
+    while len(buckets) < 3:
+        t = shard_transaction_id(0)
+        buckets.setdefault(decision_app_id(t), t)
+    ids = list(buckets.values())
     t, u, v = any_store.prepare(
         [Message("Orders", str(i)) for i in range(3)], "pg", transaction_ids=ids
     )
