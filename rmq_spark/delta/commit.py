@@ -140,6 +140,7 @@ def commit(
     info: Mapping[str, str] | None = None,
     removes: Sequence[Mapping[str, object]] = (),
     landed: Callable[[int, bytes], None] | None = None,
+    exclusive: bool = False,
 ) -> int:
     """Commit ``adds`` as one append to the table at ``uri`` whose latest known version is
     ``after``, or with ``removes`` as a compaction; return the version committed.
@@ -161,11 +162,14 @@ def commit(
     info : mapping, optional
         Extra ``commitInfo`` fields (deltalake's ``custom_metadata``).
     removes : sequence of mapping, optional
-        Files (add actions: ``path``, ``size``, ``partition_values``) that ``adds`` rewrite
-        without changing data (a compaction: every action has ``dataChange`` false). A
-        concurrent commit that removed one of them first conflicts.
+        Files (add actions: ``path``, ``size``, ``partition_values``) that ``adds`` rewrite:
+        without changing data when no add changes data (a compaction: every action has
+        ``dataChange`` false). A concurrent commit that removed one of them first conflicts.
     landed : callable, optional
         Told ``(version, entry)``, the log entry's bytes, once the commit is known reachable.
+    exclusive : bool, default False
+        The commit rewrites the table as of ``after`` (Delta's serializable overwrite): any
+        commit after ``after`` conflicts.
 
     Raises
     ------
@@ -177,20 +181,24 @@ def commit(
     now = int(time.time() * 1000)
     ours = dict(app_ids or {})
     rewritten = {str(r["path"]) for r in removes}
+    changes = any(a.data_change for a in adds)
+    compaction = bool(removes) and not changes
     lines = [
         {
             "commitInfo": {
                 "timestamp": now,
-                "operation": "OPTIMIZE" if removes else "WRITE",
-                "operationParameters": {} if removes else {"mode": "Append"},
-                "isBlindAppend": not ours and not removes,
+                "operation": "OPTIMIZE" if compaction else "WRITE",
+                "operationParameters": (
+                    {} if compaction else {"mode": "Overwrite" if exclusive else "Append"}
+                ),
+                "isBlindAppend": not ours and not removes and not exclusive,
                 "engineInfo": f"rmq-spark/{__version__}",
                 "clientVersion": f"rmq-spark-{__version__}",
                 **(info or {}),
             }
         },
         *({"txn": {"appId": a, "version": v, "lastUpdated": now}} for a, v in ours.items()),
-        *({"remove": _remove(r, now)} for r in removes),
+        *({"remove": _remove(r, now, changes)} for r in removes),
         *({"add": _add(a)} for a in adds),
     ]
     entry = "\n".join(json.dumps(line, separators=(",", ":")) for line in lines).encode()
@@ -199,6 +207,8 @@ def commit(
         failpoint("deltacommit.staged")
         while not put(version):
             taken = log.taken_from(version)
+            if exclusive:
+                raise CommitFailedError(f"version {version} of {uri} was taken after {after}")
             for v in sorted(taken):
                 _check_no_conflict(taken[v], ours, rewritten, uri, v)
             version = max(taken) + 1
@@ -231,11 +241,11 @@ def _add(action: AddAction) -> dict[str, object]:
     }
 
 
-def _remove(file: Mapping[str, object], now: int) -> dict[str, object]:
+def _remove(file: Mapping[str, object], now: int, data_change: bool) -> dict[str, object]:
     return {
         "path": file["path"],
         "deletionTimestamp": now,
-        "dataChange": False,
+        "dataChange": data_change,
         "extendedFileMetadata": True,
         "partitionValues": dict(file.get("partition_values") or {}),  # type: ignore[call-overload]
         "size": file["size"],

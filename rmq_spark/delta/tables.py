@@ -180,7 +180,8 @@ class DeltaTables:
         uri, own = self._own(name)
         if found is not None and now - found[1] >= self.fresh_seconds:
             checks = found[2] + 1  # by time too: a thread that looks seldom checks seldom
-            checks = max(checks, int((now - found[1]) / self.fresh_seconds))
+            fresh = self.fresh_seconds
+            checks = max(checks, int((now - found[1]) / fresh) if fresh else RELOAD_CHECKS)
             behind = checks >= RELOAD_CHECKS or self._hint(uri) > found[0]
             found = None if behind else (found[0], now, checks)
         if found is not None:
@@ -397,10 +398,12 @@ class DeltaTables:
         info: Mapping[str, str] | None = None,
         after: int | None = None,
         removes: Sequence[Mapping[str, object]] = (),
+        exclusive: bool = False,
     ) -> int:
         """One attempt (for :func:`retry_commits`) at committing written data files as an
         append to a table on ``snapshot`` (or, with ``removes``, a compaction of a table
-        appended to directly); return the committed version.
+        appended to directly; ``exclusive``, a rewrite of it as of ``after`` that any later
+        commit conflicts with); return the committed version.
 
         The log entry is written directly (:mod:`rmq_spark.delta.commit`, about 1 ms) unless
         the table needs more of a writer than that (then deltalake commits it). Without
@@ -427,7 +430,7 @@ class DeltaTables:
         else:
             after = snapshot.version() if after is None else after
             with self._lock:
-                if not app_ids and not removes:
+                if not app_ids and not removes and not exclusive:
                     after = max(after, self._known.get(name, after))
             version = commit_direct(
                 self.uri(name),
@@ -438,6 +441,7 @@ class DeltaTables:
                 info=info,
                 removes=removes,
                 landed=partial(self._checkpointer.committed, self.uri(name)),
+                exclusive=exclusive,
             )
             with self._lock:
                 self._known[name] = max(version, self._known.get(name, version))

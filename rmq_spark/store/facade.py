@@ -414,11 +414,11 @@ class Store:
     def lock(self, name: str, holder: str, seconds: float) -> bool:
         """Take (or, with ``seconds`` 0, release) the lock ``name`` for ``holder``: granted
         when free, expired, or ``holder``'s already; exactly one of racing takers gets it."""
-        return self._maintenance.lock(name, holder, seconds)
+        return self._maintenance.locks.take(name, holder, seconds)
 
     def lock_holder(self, name: str) -> str | None:
         """Who holds the lock ``name`` (None: nobody, or the lock expired)."""
-        return self._maintenance.holder(name)
+        return self._maintenance.locks.holder(name)
 
     def maintain_in_background(self) -> None:
         """Write checkpoints, compact and clean tables after their commits on background

@@ -19,20 +19,19 @@ import logging
 from collections.abc import Mapping
 from datetime import timedelta
 
-import pyarrow as pa
 from deltalake.exceptions import CommitFailedError
 
 from rmq_spark.delta.compaction import compact as compact_table
-from rmq_spark.delta.reads import sql_string, sql_time
 from rmq_spark.delta.txnlog import clean_log
 from rmq_spark.model.errors import StoreError
 from rmq_spark.model.failpoints import failpoint
 from rmq_spark.model.messages import new_id
-from rmq_spark.model.schema import LOCKS_SCHEMA, TABLES, TIMESTAMP
+from rmq_spark.model.schema import TABLES
 from rmq_spark.store.context import StoreConcept, StoreContext
 from rmq_spark.store.group_state import trim as trim_deliveries
+from rmq_spark.store.locks import Locks
 from rmq_spark.store.queues import published_op_version
-from rmq_spark.store.reads import COPY_KEYS, NEWEST, query
+from rmq_spark.store.reads import COPY_KEYS, NEWEST
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +50,7 @@ _COMPACTION_LOCK_SECONDS = 600.0
 
 
 class Maintenance(StoreConcept):
-    """Compaction, log cleanup and locks of one store's tables.
+    """Compaction and log cleanup of one store's tables, and their locks (:attr:`locks`).
 
     Once made, it asks for a compaction and log cleanup of a table after each of its
     checkpoints (a listener of the Delta layer's checkpoint intervals), run as the Delta layer
@@ -65,6 +64,7 @@ class Maintenance(StoreConcept):
         #: Tables of another store (a shard's CommitLog is its store's), compacted by that
         #: store's maintenance, under its lock: two compactions at once store rows twice.
         self.elsewhere = dict(elsewhere or {})
+        self.locks = Locks(context)
         self.tables.on_checkpoint(self._after_checkpoint)
 
     def _after_checkpoint(self, name: str) -> None:
@@ -108,13 +108,13 @@ class Maintenance(StoreConcept):
             Files removed per table compacted.
         """
         removed = {}
-        # The lock table is not compacted: its MERGEs keep one live file per lock.
+        # The lock table is not compacted: each take rewrites it as one file (store.locks).
         for name in [n for n in names or TABLES if n != "locks"]:
             if name in self.elsewhere:
                 removed.update(self.elsewhere[name].compact(name))
                 continue
             holder = new_id()
-            if not self.lock(f"compact:{name}", holder, _COMPACTION_LOCK_SECONDS):
+            if not self.locks.take(f"compact:{name}", holder, _COMPACTION_LOCK_SECONDS):
                 log.debug("%s is being compacted by another process; skipped", name)
                 continue
             try:
@@ -128,7 +128,7 @@ class Maintenance(StoreConcept):
                 log.debug("compaction of %s lost a race (%s); the next one will do it", name, exc)
                 continue
             finally:
-                self.lock(f"compact:{name}", holder, 0.0)
+                self.locks.take(f"compact:{name}", holder, 0.0)
             removed[name] = int(metrics.get("numFilesRemoved", 0))
             if metrics.get("numCopiesRemoved"):
                 log.warning(
@@ -170,7 +170,7 @@ class Maintenance(StoreConcept):
             kept = min(latest, published_op_version(self.tables, self.shard) + 1)
         now = self.clock()
         rules = [(kept, now - timedelta(seconds=self.settings.log_retention))]
-        if not self._held("maintain", f"compact:{name}"):
+        if not self.locks.held("maintain", f"compact:{name}"):
             lagging = self._pending_cursors().get(name) if name in ("half", "op") else None
             if lagging is not None:
                 kept = min(kept, lagging + 1)
@@ -185,54 +185,9 @@ class Maintenance(StoreConcept):
             log.debug("deleted %d log entries of %s", deleted, name)
         return deleted
 
-    def _held(self, *locks: str) -> bool:
-        """Whether one of the ``locks`` is held (taken and not expired)."""
-        names = ", ".join(sql_string(n) for n in locks)
-        held = query(
-            self.tables, "locks", f"name IN ({names}) AND expires > {sql_time(self.clock())}"
-        )
-        return held.num_rows > 0
-
-    def holder(self, name: str) -> str | None:
-        """Who holds the lock ``name`` (None: nobody, or the lock expired)."""
-        rows = query(
-            self.tables,
-            "locks",
-            f"name = {sql_string(name)} AND expires > {sql_time(self.clock())}",
-        )
-        return next(iter(rows.column("holder").to_pylist()), None)
-
     def _pending_cursors(self) -> dict[str, int]:
         """The ``half`` and ``op`` versions the pending list covers (none before its first
         update)."""
         cursors = self.tables.app_transactions("pending")
         by_table = {"half": PENDING_HALF_APP_ID, "op": PENDING_OP_APP_ID}
         return {name: cursors[app] for name, app in by_table.items() if app in cursors}
-
-    def lock(self, name: str, holder: str, seconds: float) -> bool:
-        """Take (or, with ``seconds`` 0, release) the lock ``name`` for ``holder``: granted
-        when free, expired, or ``holder``'s already. Racing takers conflict in Delta's
-        optimistic concurrency check; exactly one gets it."""
-        now = self.clock()
-        source = pa.Table.from_pylist(
-            [
-                {
-                    "name": name,
-                    "holder": holder,
-                    "expires": now + timedelta(seconds=seconds),
-                    "now": now,
-                }
-            ],
-            schema=LOCKS_SCHEMA.append(pa.field("now", TIMESTAMP)),
-        )
-        self.tables.merge(
-            "locks",
-            source,
-            "name",
-            lambda m: m.when_matched_update(
-                {"holder": "s.holder", "expires": "s.expires"},
-                predicate="t.expires <= s.now OR t.holder = s.holder",
-            ).when_not_matched_insert({c: f"s.{c}" for c in LOCKS_SCHEMA.names}),
-        )
-        rows = query(self.tables, "locks", f"name = {sql_string(name)}")
-        return rows.column("holder").to_pylist() == [holder]

@@ -99,3 +99,30 @@ def test_a_log_cleanup_deletes_the_expired_entries_in_one_request(
         proxy.stop()
     table = DeltaTable(uri, storage_options=deltalake_options(options))
     assert table.version() == 11 and table.to_pyarrow_table().num_rows == 1 + 11 * 2
+
+
+def test_a_lease_renewal_and_a_look_at_it_are_a_few_requests(minio) -> None:
+    """Every producer process renews its leases every few seconds, idle or not. A renewal is a
+    GET that finds no newer entry, the file and entry PUTs and the reachability check (two
+    GETs at once); a look at another's lease reads the entries since the last (deltalake's
+    MERGE and the read after it made 24 requests a renewal, a look 6)."""
+    proxy = LatencyProxy(int(minio.endpoint.rsplit(":", 1)[1]), 0, record=True).start()
+    try:
+        settings = StoreSettings(
+            path=minio.root(),
+            storage_options=dict(minio.storage_options, AWS_ENDPOINT_URL=proxy.endpoint),
+        )
+        holder, other = Store.open(settings=settings), Store.open(settings=settings, create=False)
+        assert holder.lock("lease", "me", 60.0) and other.lock_holder("lease") == "me"
+        proxy.requests.clear()  # type: ignore[union-attr]
+        for _ in range(5):
+            assert holder.lock("lease", "me", 60.0)
+        renewals = list(proxy.requests or [])
+        proxy.requests.clear()  # type: ignore[union-attr]
+        for _ in range(5):
+            assert other.lock_holder("lease") == "me"
+        looks = list(proxy.requests or [])
+        assert len(renewals) <= 5 * 5, renewals
+        assert len(looks) <= 5 + 5 + 1, looks  # the five new entries, a GET that finds none
+    finally:
+        proxy.stop()
