@@ -228,6 +228,13 @@ class StoreSettings:
     #: How often a producer process holding the publisher lease publishes every producer's
     #: COMMITs (and at once after one of its own): about how long a COMMIT takes to be visible.
     publish_interval: float = 0.1
+    #: How long the holder of the publisher lease waits after one of its process's COMMITs
+    #: before it publishes, so that the COMMITs of that moment go out in one commit (Kafka's
+    #: ``linger.ms``). Unset: 0 on a local filesystem, and on an object store
+    #: ``rmq_spark.store.publish_loop.OBJECT_STORE_LINGER`` (every publish commit there is
+    #: about six billed requests; at tens of transactions a second, a fifth of a second more
+    #: to visibility makes several times fewer).
+    publish_linger: float | None = None
     #: The publisher lease: held by one producer process at a time, renewed every third of it,
     #: taken over by another within half of it after it ends (its holder stopped renewing it).
     publish_lease: float = 10.0
@@ -376,6 +383,7 @@ def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
             "publish_max_bytes": lambda v, n: parse_int(v, n, 1),
             "publish_interval": parse_positive_duration,
             "publish_lease": parse_positive_duration,
+            "publish_linger": parse_duration,
             "log_retention": parse_duration,
             "path": lambda v, n: str(v),
             "storage_options": lambda v, n: {str(k): str(x) for k, x in dict(v).items()},

@@ -25,12 +25,13 @@ def test_shipped_conf_file_matches_rocketmq_defaults() -> None:
 def test_overrides_and_durations(tmp_path: Path) -> None:
     conf = tmp_path / "c.toml"
     conf.write_text(
-        '[store]\npath = "/data/rmq"\nqueue_nums = 8\n'
+        '[store]\npath = "/data/rmq"\nqueue_nums = 8\npublish_linger = "50ms"\n'
         '[transaction]\ntransaction_timeout = "500ms"\nmax_check_age = "12h"\n'
         '[spark]\n"spark.sql.shuffle.partitions" = 2\n[logging]\nlevel = "debug"\n'
     )
     settings = load_settings(conf)
     assert settings.store.path == "/data/rmq" and settings.store.queue_nums == 8
+    assert settings.store.publish_linger == 0.05
     assert settings.transaction.transaction_timeout == 0.5
     assert settings.transaction.max_check_age == 12 * 3600
     assert settings.spark == {"spark.sql.shuffle.partitions": "2"}

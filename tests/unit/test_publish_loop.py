@@ -11,13 +11,14 @@ import textwrap
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from rmq_spark import LocalTransactionState, Message, Store, TransactionMQProducer
 from rmq_spark.model.config import Settings, StoreSettings
-from rmq_spark.store.publish_loop import LEASE
+from rmq_spark.store.publish_loop import LEASE, OBJECT_STORE_LINGER, linger
 from tests.conftest import commitlog
 from tests.unit.test_producer import ScriptedListener
 
@@ -171,3 +172,44 @@ def test_a_process_whose_look_at_the_lease_hangs_past_it_stops_publishing(
             assert producer._publisher.holding
             time.sleep(LEASE_SECONDS)
             assert not producer._publisher.holding
+
+
+@pytest.mark.parametrize("linger", [0.0, 0.3])
+def test_the_publisher_lingers_so_that_the_commits_of_a_moment_go_out_together(
+    tmp_path: Path, linger: float
+) -> None:
+    """Four senders COMMIT for a second and a half: with ``store.publish_linger`` at 0.3 s the
+    holder publishes at most one commit every 0.3 s (each of them many transactions), without
+    it about one for each COMMIT that finds the loop idle."""
+    settings = _settings(tmp_path / "store")
+    settings = replace(settings, store=replace(settings.store, publish_linger=linger))
+    store = Store.open(settings=settings)
+    with TransactionMQProducer("pg", ScriptedListener(), store=store) as producer:
+        deadline = time.monotonic() + 10
+        while not producer._publisher.holding and time.monotonic() < deadline:
+            time.sleep(0.05)
+        first = store.table("commitlog").version()
+        deadline, sent = time.monotonic() + 1.5, []
+
+        def send() -> None:
+            while time.monotonic() < deadline:
+                sent.append(_commit(producer))
+
+        senders = [threading.Thread(target=send) for _ in range(4)]
+        for t in senders:
+            t.start()
+        for t in senders:
+            t.join()
+        assert _visible(store, set(sent), 10)
+        commits = store.table("commitlog").version() - first
+    if linger:
+        assert commits <= 1.5 / linger + 3, (commits, len(sent))
+    else:
+        assert commits > 1.5 / 0.3 + 3, (commits, len(sent))
+
+
+def test_the_linger_is_zero_on_local_disk_and_a_fifth_of_a_second_on_an_object_store() -> None:
+    assert linger(StoreSettings(), "/data/store") == 0.0
+    assert linger(StoreSettings(), "s3://bucket/store") == OBJECT_STORE_LINGER == 0.2
+    assert linger(StoreSettings(publish_linger=0.5), "/data/store") == 0.5
+    assert linger(StoreSettings(publish_linger=0.0), "s3://bucket/store") == 0.0
