@@ -18,6 +18,9 @@ took the version, its entry is read:
   next version is tried. A compaction (``removes``) conflicts besides with a commit that
   removed one of the files it rewrites.
 
+A commit that rewrites the table as of the version it read (``exclusive``: the locks,
+:mod:`rmq_spark.store.locks`) conflicts with every commit after that version.
+
 A conflict raises ``CommitFailedError``: nothing landed, and ``Store``'s retry starts again
 from the latest snapshot. So does an entry gone before it could be read.
 
@@ -189,7 +192,9 @@ def commit(
                 "timestamp": now,
                 "operation": "OPTIMIZE" if compaction else "WRITE",
                 "operationParameters": (
-                    {} if compaction else {"mode": "Overwrite" if exclusive else "Append"}
+                    {}
+                    if compaction
+                    else {"mode": "Overwrite" if removes or exclusive else "Append"}
                 ),
                 "isBlindAppend": not ours and not removes and not exclusive,
                 "engineInfo": f"rmq-spark/{__version__}",

@@ -100,6 +100,18 @@ def parse_positive_duration(value: object, name: str) -> float:
     return seconds
 
 
+def parse_linger(value: object, name: str) -> float:
+    """:func:`parse_duration`, at most 10 s (the publisher waits that long for more COMMITs
+    before it publishes everyone's)."""
+    seconds = parse_duration(value, name)
+    if seconds > 10:
+        raise InvalidOptionError(
+            f"{name} is how long the publisher waits for more COMMITs; it needs a duration up "
+            f"to '10s' (such as '200ms') but got {value!r}."
+        )
+    return seconds
+
+
 def parse_uris(value: object, name: str) -> tuple[str, ...]:
     """Parse a list of table URIs (or URI prefixes)."""
     if not isinstance(value, list | tuple) or not all(isinstance(v, str) and v for v in value):
@@ -230,10 +242,9 @@ class StoreSettings:
     publish_interval: float = 0.1
     #: How long the holder of the publisher lease waits after one of its process's COMMITs
     #: before it publishes, so that the COMMITs of that moment go out in one commit (Kafka's
-    #: ``linger.ms``). Unset: 0 on a local filesystem, and on an object store
-    #: ``rmq_spark.store.publish_loop.OBJECT_STORE_LINGER`` (every publish commit there is
-    #: about six billed requests; at tens of transactions a second, a fifth of a second more
-    #: to visibility makes several times fewer).
+    #: ``linger.ms``), at most 10 s. Unset: ``rmq_spark.store.publish_loop.LOCAL_LINGER`` (50
+    #: ms) on a local filesystem, ``OBJECT_STORE_LINGER`` (200 ms) on an object store, where every
+    #: publish commit is about six billed requests.
     publish_linger: float | None = None
     #: The publisher lease: held by one producer process at a time, renewed every third of it,
     #: taken over by another within half of it after it ends (its holder stopped renewing it).
@@ -383,7 +394,7 @@ def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
             "publish_max_bytes": lambda v, n: parse_int(v, n, 1),
             "publish_interval": parse_positive_duration,
             "publish_lease": parse_positive_duration,
-            "publish_linger": parse_duration,
+            "publish_linger": parse_linger,
             "log_retention": parse_duration,
             "path": lambda v, n: str(v),
             "storage_options": lambda v, n: {str(k): str(x) for k, x in dict(v).items()},

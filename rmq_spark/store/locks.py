@@ -11,13 +11,18 @@ writer put in the table is dropped or missed.
 
 The commit carries its rows in its ``commitInfo`` too (:data:`ROWS_FIELD`). The rows at a
 version rmq-spark wrote are known from that version's log entry, which a process that follows
-the log reads anyway (its own from memory): a renewal on S3 is a GET that finds no newer
-entry, the data file and entry PUTs and the reachability check, five requests. deltalake's
-MERGE and the read after it made 24 and took half a second at 20 ms a request, and every
-producer process renews two leases every few seconds, idle or not. A version another writer
-made (an older release's MERGE, delta-spark) has its rows read from the table. A table that
-needs more of a writer than Parquet files with statistics (:func:`appendable`) is MERGEd by
-deltalake, as before.
+the log reads anyway (its own from memory): a renewal on S3 by a thread that looked within
+``fresh_seconds`` is a GET that finds no newer entry, the data file and entry PUTs and the
+reachability check, five requests (a thread that looked longer ago loads the snapshot first).
+deltalake's MERGE and the read after it made 24 and took half a second at 20 ms a request, and
+every producer process renews the publisher lease every 3.3 s and its shard's claim every 20 s,
+idle or not. A version another writer made (an older release's MERGE, delta-spark) has its rows
+read from the table. On a filesystem the direct commit does not write (other than local and
+S3) deltalake MERGEs the lock's row, as before.
+
+Every lock of a store shares its one table, so takes of different locks conflict too (one of
+them retries): fine for a few takes a second, the publisher lease, the claims and the
+compaction and maintenance locks.
 """
 
 from __future__ import annotations
@@ -108,7 +113,10 @@ class Locks(StoreConcept):
     def _at(self, version: int) -> _Table:
         """The table at ``version``, from its log entry when a lock commit wrote it, else
         read (at the latest version: what a commit on it checks from)."""
-        info = self.tables.commit_infos("locks", version, version).get(version, {})
+        try:
+            info = self.tables.commit_infos("locks", version, version).get(version, {})
+        except LookupError:  # cleaned under a stalled thread: read the table
+            info = {}
         if ROWS_FIELD in info:
             written = json.loads(info[ROWS_FIELD])
             rows = {n: (h, _moment(us)) for n, h, us in written["rows"]}

@@ -77,6 +77,7 @@ def test_parse_duration_units() -> None:
             "transactionTimeOut is in milliseconds: .* '6000ms'",
         ),
         ('[store]\npublish_lease = "10"\n', "store.publish_lease = '10' has no unit; .* '10s'"),
+        ('[store]\npublish_linger = "1m"\n', "publish_linger is how long .* up to '10s'"),
     ],
 )
 def test_a_duration_without_a_unit_is_refused(tmp_path: Path, text: str, match: str) -> None:

@@ -18,7 +18,7 @@ import pytest
 
 from rmq_spark import LocalTransactionState, Message, Store, TransactionMQProducer
 from rmq_spark.model.config import Settings, StoreSettings
-from rmq_spark.store.publish_loop import LEASE, OBJECT_STORE_LINGER, linger
+from rmq_spark.store.publish_loop import LEASE, LOCAL_LINGER, OBJECT_STORE_LINGER, linger
 from tests.conftest import commitlog
 from tests.unit.test_producer import ScriptedListener
 
@@ -208,8 +208,8 @@ def test_the_publisher_lingers_so_that_the_commits_of_a_moment_go_out_together(
         assert commits > 1.5 / 0.3 + 3, (commits, len(sent))
 
 
-def test_the_linger_is_zero_on_local_disk_and_a_fifth_of_a_second_on_an_object_store() -> None:
-    assert linger(StoreSettings(), "/data/store") == 0.0
+def test_the_linger_is_short_on_local_disk_and_a_fifth_of_a_second_on_an_object_store() -> None:
+    assert linger(StoreSettings(), "/data/store") == LOCAL_LINGER == 0.05
     assert linger(StoreSettings(), "s3://bucket/store") == OBJECT_STORE_LINGER == 0.2
     assert linger(StoreSettings(publish_linger=0.5), "/data/store") == 0.5
     assert linger(StoreSettings(publish_linger=0.0), "s3://bucket/store") == 0.0
