@@ -405,8 +405,8 @@ class TransactionMQProducer:
         back with status ``REFUSED`` and the decision in force.
 
         Returns once the decision is durable. A COMMIT becomes visible to consumers when the
-        store's publisher moves it into the CommitLog, within about ``store.publish_interval``
-        (:mod:`rmq_spark.store.publish_loop`); :meth:`flush` waits for it.
+        store's publisher moves it into the CommitLog, within about ``store.publish_linger``
+        and one publish (:mod:`rmq_spark.store.publish_loop`); :meth:`flush` waits for it.
         """
         with self._admitted() as (_, end):
             return end.submit(self._decision(result, state)).result()
