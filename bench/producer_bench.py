@@ -171,6 +171,10 @@ def rows(count: int, body: bytes) -> pa.Table:
     )
 
 
+#: The runs: this many senders each.
+SENDERS = (1, 8, 64)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--messages", type=int, default=4000)
@@ -182,6 +186,10 @@ def main() -> None:
         help="messages for the per-message append baseline (its cost grows with every commit)",
     )
     args = parser.parse_args()
+    if args.messages < max(SENDERS) or args.baseline_messages < max(SENDERS):
+        parser.error(
+            f"--messages and --baseline-messages need at least {max(SENDERS)}: one a sender"
+        )
     body = b"x" * args.body_bytes
     print(f"producer benchmark: {args.messages} messages of {args.body_bytes} B per run")
     with tempfile.TemporaryDirectory(prefix="rmq-bench-") as tmp:
@@ -197,7 +205,7 @@ def main() -> None:
             f"{'senders':>7} {'transactional msg/s':>20} {'first/last tenth':>17} "
             f"{'plain append/msg msg/s':>23} {'vs per-msg':>10} {'vs bulk':>8}"
         )
-        for senders in (1, 8, 64):
+        for senders in SENDERS:
             total = args.messages if senders > 1 else max(200, args.messages // 10)
             total -= total % senders
             store = Store.open(Path(tmp) / f"store-{senders}")
