@@ -211,9 +211,9 @@ def commit(
     with log.staged(entry) as put:
         failpoint("deltacommit.staged")
         while not put(version):
-            taken = log.taken_from(version)
-            if exclusive:
+            if exclusive:  # whatever took it conflicts: nothing to read
                 raise CommitFailedError(f"version {version} of {uri} was taken after {after}")
+            taken = log.taken_from(version)
             for v in sorted(taken):
                 _check_no_conflict(taken[v], ours, rewritten, uri, v)
             version = max(taken) + 1

@@ -445,7 +445,7 @@ def _log_files(
     on an object store; on a local filesystem from a stat made when asked (None: the file went
     meanwhile). A listing with details stats every entry, about 20 us each: a cleanup every 100
     commits of a busy table looked at thousands (the ten seconds of entries it keeps) to delete
-    its oldest few, a third of a single sender's CPU."""
+    its oldest few, a fifth of a single sender's CPU."""
     if isinstance(fs, LocalFileSystem):
         with os.scandir(log_path) as entries:
             for entry in entries:

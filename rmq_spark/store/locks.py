@@ -103,12 +103,16 @@ class Locks(StoreConcept):
 
     def holder(self, name: str) -> str | None:
         """Who holds the lock ``name`` (None: nobody, or the lock expired)."""
-        return self._at(self.tables.latest_version("locks")).holder(name, self.clock())
+        return self._latest().holder(name, self.clock())
 
     def held(self, *names: str) -> bool:
         """Whether one of the locks ``names`` is held (taken and not expired)."""
-        table, now = self._at(self.tables.latest_version("locks")), self.clock()
+        table, now = self._latest(), self.clock()
         return any(table.holder(n, now) is not None for n in names)
+
+    def _latest(self) -> _Table:
+        """The table at its latest version (the log followed from this thread's last look)."""
+        return self._at(self.tables.latest_version("locks"))
 
     def _at(self, version: int) -> _Table:
         """The table at ``version``, from its log entry when a lock commit wrote it, else
