@@ -439,11 +439,14 @@ class TransactionMQProducer:
     def _end_batch(self, items: list[Decision | Message]) -> list[Any]:
         decisions = [i for i in items if isinstance(i, Decision)]
         normal = [i for i in items if isinstance(i, Message)]
-        ended = iter(self.store.end_transactions(decisions, publish=False) if decisions else [])
-        if self._publisher is not None and any(
-            d.state is LocalTransactionState.COMMIT for d in decisions
-        ):
-            self._publisher.wake()
+        background = self._publisher is not None
+        ended = iter(
+            self.store.end_transactions(decisions, publish=False, land=not background)
+            if decisions
+            else []
+        )
+        if background and decisions:
+            self._publisher.wake()  # lands them, and publishes the COMMITs
         if not normal:
             return [next(ended) for _ in items]
         try:

@@ -16,6 +16,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from rmq_spark.checkback.discards import DECIDED_BY_CHECK_MAX
 from rmq_spark.checkback.state import STATE_COLUMNS
@@ -63,6 +64,44 @@ def decide(
     return applied
 
 
+def recover_unrecorded(store: Store, due: pa.Table, counts: Counter[str]) -> set[str]:
+    """Record in ``op``, without asking, the decisions of due transactions that ``op`` lacks:
+    removed by another Delta writer (:func:`recover_removed`), or won by a decision object
+    whose decider stopped before recording it (:func:`land_unlanded`); return those
+    transactions."""
+    ended = recover_removed(store, due, counts)
+    if ended:
+        gone = pa.array(sorted(ended), pa.string())
+        due = due.filter(pc.invert(pc.is_in(due.column("transaction_id"), value_set=gone)))
+    return ended | land_unlanded(store, due, counts)
+
+
+def land_unlanded(store: Store, due: pa.Table, counts: Counter[str]) -> set[str]:
+    """Record in ``op`` the decisions that the decision objects of due transactions hold
+    (:mod:`rmq_spark.store.arbiter`): their decider (a producer process killed between its
+    decision and its landing) did not; return those transactions. Each costs one read of its
+    object a round while it is due."""
+    found = store.object_decisions(due.column("transaction_id").to_pylist())
+    if not found:
+        return set()
+    log.info(
+        "%d pending transaction(s) were decided (e.g. %s, %s) but not recorded in op: their "
+        "decider stopped first; recording them",
+        len(found),
+        next(iter(found)),
+        next(iter(found.values())).state.value,
+    )
+    rows = due.select(STATE_COLUMNS).to_pylist()
+    for decided_by in sorted({d.decided_by for d in found.values()}):
+        again = [
+            {**r, "answer": found[r["transaction_id"]].state.value}
+            for r in rows
+            if r["transaction_id"] in found and found[r["transaction_id"]].decided_by == decided_by
+        ]
+        decide(store, again, decided_by, counts)
+    return set(found)
+
+
 def recover_removed(store: Store, due: pa.Table, counts: Counter[str]) -> set[str]:
     """Record again, without asking, the decisions another Delta writer removed from
     ``op`` (a RESTORE or DELETE) of due transactions, and return those transactions.
@@ -102,5 +141,8 @@ def recover_removed(store: Store, due: pa.Table, counts: Counter[str]) -> set[st
         (discarded, "ROLLBACK", DECIDED_BY_CHECK_MAX),
     ):
         again = [{**r, "answer": answer} for r in rows if r["transaction_id"] in found]
-        counts["already_decided"] += len(decide(store, again, decided_by, counts))
+        # Applied here (op lacked them) or refused by their decision objects (which decide()
+        # counts): already decided either way.
+        applied = decide(store, again, decided_by, counts)
+        counts["already_decided"] += len(applied)
     return published | discarded | decided

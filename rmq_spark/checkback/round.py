@@ -28,7 +28,7 @@ from rmq_spark.checkback.batch import (
     UNROUTED,
     check_batch,
 )
-from rmq_spark.checkback.decisions import DECIDED_BY_CHECKER, decide, recover_removed
+from rmq_spark.checkback.decisions import DECIDED_BY_CHECKER, decide, recover_unrecorded
 from rmq_spark.checkback.discards import DECIDED_BY_CHECK_MAX, insert_discards, repair_discards
 from rmq_spark.checkback.epoch_checker import WRITER_ALIVE, EpochChecker
 from rmq_spark.checkback.pending import PendingUpdate, update_pending
@@ -148,7 +148,7 @@ class CheckRound:
 
         Returns the answers and the transactions that are now decided."""
         due = pending.filter(pc.equal(pending.column("reason"), CHECK))
-        ended = recover_removed(self.store, due, counts)
+        ended = recover_unrecorded(self.store, due, counts)
         if ended:
             gone = pa.array(sorted(ended), pa.string())
             due = due.filter(pc.invert(pc.is_in(due.column("transaction_id"), value_set=gone)))

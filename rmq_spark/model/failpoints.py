@@ -22,12 +22,14 @@ new pending rows, committed nothing yet), ``deltacommit.staged`` and ``deltacomm
 :mod:`rmq_spark.delta.checkpoints`), ``store.maintain``
 (a compaction and log cleanup that a commit asked for starts); the steps of making a shard
 (:meth:`rmq_spark.store.shards.Shards.grow`): ``shards.marked`` (the root's marker says
-layout 3, no shard made yet), ``storage.probed`` (an S3 conditional-write probe is written,
+layout 3 or more, no shard made yet), ``storage.probed`` (an S3 conditional-write probe is written,
 not yet removed), ``layout.table`` (a new store's or shard's first table is created, the
 others not yet), ``layout.staged`` (a marker is staged on local disk, not renamed into place)
 and ``shards.made`` (the shards' markers are in place, the root's count not raised yet);
 ``deliveries.decided`` (messages decided for a dead-letter topic are committed, not yet
-published there; :mod:`rmq_spark.store.deliveries`).
+published there; :mod:`rmq_spark.store.deliveries`); ``decision.claimed`` (transactions'
+decision objects are put, their decisions not recorded in ``op``;
+:mod:`rmq_spark.store.decisions`).
 """
 
 from __future__ import annotations

@@ -376,11 +376,15 @@ SHARD_QUEUE_STRIDE = 1000
 #: The most shards a store may have.
 MAX_SHARDS = 1000
 
+#: What follows :func:`new_id` in a transaction id decided by its decision object
+#: (:func:`shard_transaction_id`, :mod:`rmq_spark.store.arbiter`): lower case, so never a digit.
+OBJECT_DECIDED_MARK = "d"
 #: A transaction id of shard ``k`` >= 1 (:func:`shard_transaction_id`); group 1 is ``k``.
-SHARD_ID_PATTERN = r"^[0-9A-F]{32}\.([1-9][0-9]*)$"
+SHARD_ID_PATTERN = r"^[0-9A-F]{32}d?\.([1-9][0-9]*)$"
 _SHARD_SUFFIX = re.compile(SHARD_ID_PATTERN, re.ASCII)
 #: What an id of a shard looks like to a reader, canonical or not (``<id>.01``, ``<id>.0``).
-_SHARD_SHAPED = re.compile(r"^[0-9A-F]{32}\.[0-9]+$", re.ASCII)
+_SHARD_SHAPED = re.compile(r"^[0-9A-F]{32}d?\.[0-9]+$", re.ASCII)
+_OBJECT_DECIDED = re.compile(r"^[0-9A-F]{32}d(?:\.[1-9][0-9]*)?$", re.ASCII)
 
 
 def shard_of(transaction_id: str) -> int:
@@ -403,10 +407,22 @@ def shard_of(transaction_id: str) -> int:
     return int(found.group(1)) if found else 0
 
 
-def shard_transaction_id(shard: int) -> str:
+def shard_transaction_id(shard: int, *, object_decided: bool = False) -> str:
     """A new transaction id of shard ``shard`` (:func:`new_id`, with ``.<shard>`` after it
-    beyond shard 0), so that every decider finds the transaction's shard in its id."""
-    return f"{new_id()}.{shard}" if shard else new_id()
+    beyond shard 0), so that every decider finds the transaction's shard in its id.
+
+    ``object_decided``: the id says (:data:`OBJECT_DECIDED_MARK` after :func:`new_id`) that the
+    transaction's first decision is the one whose decision object is put first
+    (:mod:`rmq_spark.store.arbiter`), so that every decider uses the same arbiter.
+    """
+    mark = OBJECT_DECIDED_MARK if object_decided else ""
+    return f"{new_id()}{mark}.{shard}" if shard else f"{new_id()}{mark}"
+
+
+def object_decided(transaction_id: str) -> bool:
+    """Whether a transaction's decision object decides it (see :func:`shard_transaction_id`);
+    any other transaction is decided in its shard's ``op`` alone."""
+    return _OBJECT_DECIDED.match(transaction_id) is not None
 
 
 def shard_of_queue(queue_id: int) -> int:

@@ -225,8 +225,11 @@ class ClientCheckBack:
                 if clock - r["store_timestamp"] >= timedelta(seconds=self._timeout(r))
                 and now - self._last_asked.get(r["transaction_id"], -interval) >= interval
             ]
-            # The list is as old as the job's last round: not those decided since.
-            decided = shard.decisions([r["transaction_id"] for r in ripe]) if ripe else {}
+            # The list is as old as the job's last round: not those decided since (in op, or
+            # by a decision object that a killed process never recorded there).
+            decided = set(shard.decisions([r["transaction_id"] for r in ripe]) if ripe else ())
+            ripe = [r for r in ripe if r["transaction_id"] not in decided]
+            decided = set(shard.object_decisions([r["transaction_id"] for r in ripe]))
             ripe = [r for r in ripe if r["transaction_id"] not in decided]
             if not ripe:
                 continue

@@ -497,11 +497,14 @@ class MessagingService(ConsumerCalls, service_grpc.MessagingServiceServicer):
     def _end_batch(self, items: list[Decision | tuple[Message, str]]) -> list[Any]:
         decisions = [i for i in items if isinstance(i, Decision)]
         normal = [i for i in items if not isinstance(i, Decision)]
-        ended = iter(self.store.end_transactions(decisions, publish=False) if decisions else [])
-        if self._publisher is not None and any(
-            d.state is LocalTransactionState.COMMIT for d in decisions
-        ):
-            self._publisher.wake()
+        background = self._publisher is not None
+        ended = iter(
+            self.store.end_transactions(decisions, publish=False, land=not background)
+            if decisions
+            else []
+        )
+        if background and decisions:
+            self._publisher.wake()  # lands them, and publishes the COMMITs
         try:
             sent: Sequence[Any] = self._writer.publish(normal, latest=False).sent if normal else []
         except Exception as exc:

@@ -3,14 +3,21 @@
 * **Invisible until committed** (rule 1). :meth:`Decisions.prepare` writes half messages into
   ``half`` only; consumers read only ``commitlog``.
 * **Nothing is lost** (rule 4). ``prepare`` returns only after the half message's Delta commit.
-* **First decision wins** (rule 3). ``op`` has one row per decided transaction. A decision is an
-  append made on the snapshot in which the transaction was read as undecided, and it records a
-  Delta application transaction for the bucket of each transaction id it decides
-  (:func:`decision_app_id`). Two deciders racing on the same transaction set the same id, so
-  Delta's optimistic concurrency check refuses the second commit; the loser retries, sees the
-  winner's row, and reports the request as refused (or as a no-op when it asked for the same
-  thing). An append costs a few milliseconds where a MERGE cost tens; two deciders of
-  different transactions in one bucket only retry.
+* **First decision wins** (rule 3). A transaction whose id says so
+  (:func:`rmq_spark.model.messages.object_decided`: every id this store makes on a local
+  filesystem or S3) is decided by its decision object, one conditional put
+  (:mod:`rmq_spark.store.arbiter`); its decision is then *landed* in ``op``, at once or (a
+  producer's, :meth:`Decisions.end` with ``land=False``) by the process's background publisher
+  with the other decisions of that moment, in one commit. The decision object says which
+  decision won; ``op`` only ever records that one.
+* ``op`` has one row per decided transaction. A decision (or a landing) is an append made on the
+  snapshot in which the transaction was read as undecided, and it records a Delta application
+  transaction for the bucket of each transaction id it decides (:func:`decision_app_id`). Two
+  writers racing on the same transaction set the same id, so Delta's optimistic concurrency
+  check refuses the second commit; the loser retries and sees the winner's row. For the other
+  transactions (ids from an older rmq-spark, or of a filesystem with no put-if-absent) that is
+  the arbiter: the loser reports the request as refused (or as a no-op when it asked for the
+  same thing). Two writers of different transactions in one bucket only retry.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import threading
 import time
 import zlib
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
@@ -32,17 +39,20 @@ from deltalake import DeltaTable
 
 from rmq_spark.delta.retry import retry_commits
 from rmq_spark.model.errors import RmqSparkError
+from rmq_spark.model.failpoints import failpoint
 from rmq_spark.model.messages import (
     LocalTransactionState,
     Message,
     check_group,
     new_id,
+    object_decided,
     queue_for,
     shard_of,
     shard_transaction_id,
     validate_message,
 )
 from rmq_spark.model.schema import HALF_SCHEMA, OP_SCHEMA, WRITER_COLUMNS
+from rmq_spark.store.arbiter import DecisionObjects, supports_objects
 from rmq_spark.store.context import StoreConcept, StoreContext
 from rmq_spark.store.oplog import COMMITS_KEY, DECIDED_BY_RECOVERY
 from rmq_spark.store.reads import decisions_of
@@ -223,10 +233,24 @@ def _forget(counts: Counter[T], keys: frozenset[T]) -> None:
 class Decisions(StoreConcept):
     """Half messages written and transactions decided in one store's ``half`` and ``op``."""
 
-    def __init__(self, context: StoreContext) -> None:
+    def __init__(self, context: StoreContext, raise_layout: Callable[[], None]) -> None:
         super().__init__(context)
         self._own = threading.local()
         self._made = _Made()
+        #: Raises the store's layout (:func:`rmq_spark.store.layout.raise_layout`); called once,
+        #: before the first transaction id that a decision object decides is made.
+        self._raise_layout: Callable[[], None] | None = raise_layout
+        root = self.tables.root
+        self._objects = (
+            DecisionObjects(self.tables.uri("op"), self.tables.storage_options)
+            if supports_objects(root)
+            else None
+        )
+        #: Decisions won by their objects and not landed in ``op`` yet (``end(land=False)``).
+        self._unlanded: list[Decision] = []
+        self._queue_lock = threading.Lock()
+        #: One landing at a time: a flush waits for the one under way.
+        self._landing = threading.Lock()
 
     def prepare(
         self,
@@ -267,7 +291,13 @@ class Decisions(StoreConcept):
         fresh_ids = transaction_ids is None
         made = time.monotonic()
         if transaction_ids is None:
-            transaction_ids = [shard_transaction_id(self.shard) for _ in messages]
+            by_object = self._objects is not None
+            if by_object and self._raise_layout is not None:
+                self._raise_layout()
+                self._raise_layout = None
+            transaction_ids = [
+                shard_transaction_id(self.shard, object_decided=by_object) for _ in messages
+            ]
         if len(transaction_ids) != len(messages):
             raise RmqSparkError("transaction_ids must have one entry per message.")
         self._check_shard(transaction_ids)
@@ -304,7 +334,9 @@ class Decisions(StoreConcept):
             for mid, tid, qid in zip(msg_ids, transaction_ids, queue_ids, strict=True)
         ]
 
-    def end(self, decisions: Sequence[Decision]) -> list[EndTransactionResult]:
+    def end(
+        self, decisions: Sequence[Decision], *, land: bool = True
+    ) -> list[EndTransactionResult]:
         """Decide transactions; the first decision recorded for a transaction wins.
 
         Parameters
@@ -312,6 +344,11 @@ class Decisions(StoreConcept):
         decisions : sequence of Decision
             COMMIT or ROLLBACK requests. A transaction named twice in one call is decided by
             its first entry.
+        land : bool, default True
+            Record the decisions in ``op`` before returning. False: the decisions won by their
+            decision objects are durable when this returns and wait for :meth:`land` (a
+            producer's background publisher lands them with the others of that moment; a
+            process that dies first leaves them to the check-back job).
 
         Returns
         -------
@@ -327,7 +364,19 @@ class Decisions(StoreConcept):
         first: dict[str, Decision] = {}
         for d in decisions:
             first.setdefault(d.transaction_id, d)
-        before = self._record_decisions(list(first.values()))
+        self._check_shard(list(first))
+        by_object = [d for t, d in first.items() if object_decided(t)]
+        before, landing = self._claim(by_object)
+        if landing:
+            failpoint("decision.claimed")
+        rest = [d for t, d in first.items() if not object_decided(t)]
+        if rest:
+            before.update(self._record_decisions(rest))
+        if landing and land:
+            self._land(landing)
+        elif landing:
+            with self._queue_lock:
+                self._unlanded.extend(landing)
         self.recent.discard(
             t for t, d in first.items() if before.get(t, d.state) is LocalTransactionState.ROLLBACK
         )
@@ -351,6 +400,83 @@ class Decisions(StoreConcept):
                 refused[0].decision.value,
             )
         return results
+
+    def _claim(
+        self, decisions: list[Decision]
+    ) -> tuple[dict[str, LocalTransactionState], list[Decision]]:
+        """Put the decision objects of ``decisions``; return the decisions that were already
+        there (as :meth:`_record_decisions`) and what to land in ``op``: each transaction's
+        decision in force (the request itself when it asked for that decision, so that a
+        recovery's COMMIT stays unpublished: :data:`DECIDED_BY_RECOVERY`)."""
+        if not decisions:
+            return {}, []
+        if self._objects is None:
+            raise RmqSparkError(
+                f"transaction {decisions[0].transaction_id!r} is decided by a decision object, "
+                f"which {self.tables.root!r} cannot hold (no put-if-absent on this filesystem); "
+                "decide it where the store is on a local filesystem or S3."
+            )
+        claims = self._objects.claim(
+            [(d.transaction_id, d.producer_group, d.state, d.decided_by) for d in decisions],
+            self.clock(),
+        )
+        before: dict[str, LocalTransactionState] = {}
+        landing = []
+        for d, c in zip(decisions, claims, strict=True):
+            if not c.won:
+                before[d.transaction_id] = c.state
+            if c.state is d.state:
+                landing.append(d)
+            else:
+                landing.append(Decision(c.transaction_id, c.producer_group, c.state, c.decided_by))
+        return before, landing
+
+    def land(self) -> int:
+        """Record in ``op`` the decisions :meth:`end` left unlanded (``land=False``) so far, in
+        one commit; return how many COMMITs that was. One landing at a time: a call waits for
+        the one under way. A failed landing keeps its decisions for the next."""
+        with self._landing:
+            with self._queue_lock:
+                batch, self._unlanded = self._unlanded, []
+            if not batch:
+                return 0
+            # A transaction decided twice here (a rival refused): its object's decision, once.
+            first: dict[str, Decision] = {}
+            for d in batch:
+                first.setdefault(d.transaction_id, d)
+            batch = list(first.values())
+            try:
+                self._land(batch)
+            except BaseException:
+                with self._queue_lock:
+                    self._unlanded[:0] = batch
+                raise
+            return sum(d.state is LocalTransactionState.COMMIT for d in batch)
+
+    def object_decisions(self, transaction_ids: Sequence[str]) -> dict[str, Decision]:
+        """The decisions in force of those of ``transaction_ids`` that their decision objects
+        decided (:mod:`rmq_spark.store.arbiter`), landed in ``op`` or not."""
+        ids = [t for t in transaction_ids if object_decided(t)]
+        if not ids or self._objects is None:
+            return {}
+        return {
+            t: Decision(t, c.producer_group, c.state, c.decided_by)
+            for t, c in self._objects.read(ids).items()
+        }
+
+    def _land(self, decisions: list[Decision]) -> None:
+        """Record in ``op`` decisions their objects decided (one per transaction)."""
+        recorded = self._record_decisions(decisions)
+        wrong = [d for d in decisions if recorded.get(d.transaction_id, d.state) != d.state]
+        if wrong:
+            log.error(
+                "op records %s for transaction %s against its decision object's %s: another "
+                "writer (an rmq-spark before decision objects, or a foreign Delta writer) "
+                "decided it there; consumers see op's decision",
+                recorded[wrong[0].transaction_id].value,
+                wrong[0].transaction_id,
+                wrong[0].state.value,
+            )
 
     def _record_decisions(self, decisions: list[Decision]) -> dict[str, LocalTransactionState]:
         """Append new decisions to ``op``; return the decisions that were already there.

@@ -49,6 +49,7 @@ from rmq_spark.store.layout import (
     SHARDED_COMMITLOGS_LAYOUT,
     normalise_root,
     open_or_create,
+    raise_layout,
     shard_uri,
 )
 from rmq_spark.store.maintenance import UNNEEDED_LOG_SECONDS, Maintenance
@@ -99,7 +100,7 @@ class Store:
         self._tables = DeltaTables(root, TABLES, settings.storage_options, fresh, located)
         context = StoreContext(self._tables, settings, self.clock, RecentHalves(), shard)
         self._recent = context.recent
-        self._decisions = Decisions(context)
+        self._decisions = Decisions(context, lambda: raise_layout(owner._tables))
         self._deliveries = None if shard else Deliveries(context, self._send_dead_letters)
         # The root publishes every shard's COMMITs with its own, in the same commits.
         lanes = None if shard else self._other_publishers
@@ -273,7 +274,7 @@ class Store:
         )
 
     def end_transactions(
-        self, decisions: Sequence[Decision], *, publish: bool = True
+        self, decisions: Sequence[Decision], *, publish: bool = True, land: bool = True
     ) -> list[EndTransactionResult]:
         """Decide transactions; the first decision recorded for a transaction wins.
 
@@ -283,7 +284,10 @@ class Store:
             COMMIT or ROLLBACK requests. A transaction named twice in one call is decided by
             its first entry.
         publish : bool, default True
-            Publish committed messages into ``commitlog`` before returning.
+            Publish committed messages into ``commitlog`` before returning (with ``land``).
+        land : bool, default True
+            Record the decisions in ``op`` before returning; False leaves a decision that its
+            decision object decided to :meth:`land_decisions` (see :meth:`Decisions.end`).
 
         Returns
         -------
@@ -294,17 +298,35 @@ class Store:
         for i, d in enumerate(decisions):
             by_shard.setdefault(shard_of(d.transaction_id), []).append(i)
         if set(by_shard) <= {self.shard}:
-            results = self._decisions.end(decisions)
-            if publish:
+            results = self._decisions.end(decisions, land=land)
+            if publish and land:
                 self.publish(latest=False)
             return results
         ended: dict[int, EndTransactionResult] = {}
         for shard, indexes in by_shard.items():
             part = self.shard_store(shard).end_transactions(
-                [decisions[i] for i in indexes], publish=publish
+                [decisions[i] for i in indexes], publish=publish, land=land
             )
             ended.update(zip(indexes, part, strict=True))
         return [ended[i] for i in range(len(decisions))]
+
+    def land_decisions(self) -> int:
+        """Record in ``op`` the decisions of this process that ``end_transactions(...,
+        land=False)`` left to it, in every shard opened here; return how many COMMITs."""
+        return sum(s._decisions.land() for s in self._shards.opened())
+
+    def object_decisions(self, transaction_ids: Sequence[str]) -> dict[str, Decision]:
+        """The decisions in force of the transactions among ``transaction_ids`` that a decision
+        object decided (:mod:`rmq_spark.store.arbiter`), whether ``op`` records them yet or not;
+        the others are absent."""
+        by_shard: dict[int, list[str]] = {}
+        for t in transaction_ids:
+            by_shard.setdefault(shard_of(t), []).append(t)
+        found: dict[str, Decision] = {}
+        for shard, ids in by_shard.items():
+            store = self if shard == self.shard else self.shard_store(shard)
+            found.update(store._decisions.object_decisions(ids))
+        return found
 
     def write_decisions(self, op: DeltaTable, decisions: Sequence[Decision]) -> int:
         """Append ``decisions``, undecided in the ``op`` snapshot ``op``, in one commit that

@@ -43,10 +43,12 @@ from rmq_spark.model.schema import COLUMNS_ADDED_LATER, TABLES
 
 log = logging.getLogger(__name__)
 
-#: The newest layout this rmq-spark reads. Layout 3 is a store of several shards with one
-#: CommitLog, the root's (:mod:`rmq_spark.store.shards`): its root says so, so that a release
+#: The newest layout this rmq-spark reads. Layout 4 is a store whose transactions may be
+#: decided by decision objects (:mod:`rmq_spark.store.arbiter`): a release that decides in
+#: ``op`` alone would let a second decision win, so it refuses the store. Layout 3 is a store
+#: of several shards with one CommitLog, the root's (:mod:`rmq_spark.store.shards`): a release
 #: that reads one shard only, or a CommitLog per shard, refuses it instead of missing messages.
-LAYOUT_VERSION = 3
+LAYOUT_VERSION = 4
 #: A store of shards that each had a CommitLog (rmq-spark of 2026-11-25 to 27): a writer that
 #: opens it merges them into the root's (:meth:`rmq_spark.store.shards.Shards.merge_commitlogs`).
 SHARDED_COMMITLOGS_LAYOUT = 2
@@ -141,12 +143,13 @@ def _write_marker(fs: fsspec.AbstractFileSystem, marker: str, meta: dict) -> Non
     fs.mv(staged, marker)
 
 
-def mark_sharded(tables: DeltaTables, shards: int = 1) -> None:
-    """Raise the root marker of a store to :data:`LAYOUT_VERSION` before its first shard
-    beyond the root is made (idempotent): from then on an older rmq-spark, which would read
-    the root's tables only, refuses the store. With ``shards``, once they are made, record
-    that the store has at least that many (the marker's count never goes down), so that a
-    shard removed by hand is an error, not messages silently gone."""
+def raise_layout(tables: DeltaTables, shards: int = 1) -> None:
+    """Raise the root marker of a store to :data:`LAYOUT_VERSION` (idempotent) before its first
+    shard beyond the root is made, or its first transaction id that a decision object decides:
+    from then on an older rmq-spark, which would read the root's tables only or decide in
+    ``op`` alone, refuses the store. With ``shards``, once they are made, record that the store
+    has at least that many (the marker's count never goes down), so that a shard removed by
+    hand is an error, not messages silently gone."""
     fs, root = filesystem(tables.root, tables.storage_options)
     marker = f"{root.rstrip('/')}/{MARKER_FILE}"
     meta = _check_marker(tables.root, fs, marker)

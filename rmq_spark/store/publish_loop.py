@@ -1,9 +1,11 @@
 """Publishing in the background: one process at a time moves every producer's COMMITs into the
 CommitLog.
 
-A producer's end-transaction returns once its decision is durable in ``op`` (RocketMQ's
-end-transaction is a one-way request too); moving the committed messages into ``commitlog`` is
-left to a :class:`BackgroundPublisher`. Producers on many hosts that each published their own
+A producer's end-transaction returns once its decision is durable in its decision object
+(RocketMQ's end-transaction is a one-way request too); recording it in ``op`` (landing it, with
+the other decisions of the process of that moment, in one commit) and moving the committed
+messages into ``commitlog`` are left to a :class:`BackgroundPublisher`, which lands in every
+process and publishes in one. Producers on many hosts that each published their own
 COMMITs would race for ``commitlog``'s log, and every loser re-reads the winners' entries: on an
 object store, adding producers made the store slower. So the loop of one process, the holder of
 the lease :data:`LEASE` in the root's ``locks``, publishes everything committed (by anyone, in
@@ -105,11 +107,13 @@ def publish_own(store: Store, who: str) -> None:
     ``who`` names the caller in the log (``"this producer"``, ``"this server"``).
     """
     try:
+        store.land_decisions()
         store.publish(latest=False)
     except Exception as exc:
         log.warning(
             "publishing %s's COMMITs failed (%s); they are recorded, and the holder of the "
-            "publisher lease or the check-back job publishes them",
+            "publisher lease or the check-back job publishes them (and lands those only "
+            "their decision objects hold)",
             who,
             exc,
         )
@@ -247,15 +251,21 @@ class BackgroundPublisher:
         return self._claim is not None and self._claim.held
 
     def wake(self) -> None:
-        """Publish now if this process holds the lease (it has just recorded a COMMIT)."""
+        """Land this process's decisions, and publish if this process holds the lease (it has
+        just decided transactions)."""
         self._wake.set()
 
     def stop(self) -> None:
-        """Stop the loop (waiting for a publish under way) and give the leases back."""
+        """Stop the loop (waiting for a publish under way), land the decisions left, and give
+        the leases back."""
         self._stopping.set()
         self._wake.set()
         self._thread.join()
         _running.discard(self)
+        try:
+            self.store.land_decisions()
+        except Exception as exc:  # durable in their objects: the check-back job lands them
+            log.warning("could not record the last decisions in op (%s); check-back will", exc)
         for lease in (self._lease, self._claim):
             if lease is not None:
                 lease.stop()
@@ -271,6 +281,7 @@ class BackgroundPublisher:
                 return
             try:
                 published = 0
+                self.store.land_decisions()
                 if self.holding:
                     published = self._publish(woken)
                 # An idle store is looked at less and less often (each look lists op's log: a

@@ -42,7 +42,7 @@ from rmq_spark.delta.retry import retry_commits
 from rmq_spark.delta.txnlog import app_transactions
 from rmq_spark.model.errors import StoreError
 from rmq_spark.model.failpoints import failpoint
-from rmq_spark.store.layout import mark_sharded, open_or_create, shard_uri, shards_found
+from rmq_spark.store.layout import open_or_create, raise_layout, shard_uri, shards_found
 from rmq_spark.store.queues import (
     FOREIGN_OP_APP_ID,
     OP_CURSOR_APP_ID,
@@ -98,6 +98,11 @@ class Shards:
         with self._lock:
             return [self._open[k] for k in numbers]
 
+    def opened(self) -> list[Store]:
+        """The shards' stores opened so far in this process, by number."""
+        with self._lock:
+            return [self._open[k] for k in sorted(self._open)]
+
     def get(self, shard: int) -> Store:
         """Shard ``shard``'s store, opened on first use (a process that writes to one shard
         opens only that one); looks for new shards when it is not known yet."""
@@ -118,11 +123,11 @@ class Shards:
         missing = [k for k in range(1, count) if k not in self.numbers(refresh=True)]
         if not missing:
             return
-        mark_sharded(self.root._tables)
+        raise_layout(self.root._tables)
         failpoint("shards.marked")
         self._add(missing, create=True)
         failpoint("shards.made")
-        mark_sharded(self.root._tables, count)
+        raise_layout(self.root._tables, count)
         log.info("store %s: %d shard(s) now (made %s)", self.root.root, count, missing)
 
     def merge_commitlogs(self) -> None:
@@ -138,7 +143,7 @@ class Shards:
             )
             if moved:
                 log.info("store %s: merged %d message(s) of shard %d", self.root.root, moved, k)
-        mark_sharded(self.root._tables)
+        raise_layout(self.root._tables)
 
     def _merge(self, k: int) -> int:
         """One attempt at :meth:`merge_commitlogs` of shard ``k``; the messages it moved."""

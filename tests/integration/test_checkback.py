@@ -700,3 +700,40 @@ def test_rows_a_foreign_compaction_stored_twice_change_no_outcome(
     assert pending(store) == set()
     runs = store.read("check_runs")
     assert set(runs.column("status").to_pylist()) == {"finished"}, runs.to_pylist()
+
+
+def test_a_decision_its_killed_producer_never_recorded_is_recorded_not_asked(
+    spark, store: Store
+) -> None:
+    """A producer's end-transaction returns once its decision object is put; its process lands
+    the decision in ``op`` a linger later. Killed (SIGKILL) in between, it leaves the
+    transaction pending in ``op``: the round records the object's COMMIT without asking the
+    checker (which would answer ROLLBACK for this tag), and it is published."""
+    child = (
+        "import time\n"
+        "from rmq_spark import LocalTransactionState, Message, Store, TransactionMQProducer\n"
+        "from rmq_spark.model.config import StoreSettings\n"
+        "from tests.unit.test_producer import ScriptedListener\n"
+        f"store = Store.open({store.root!r}, settings=StoreSettings(queue_nums=2, "
+        "publish_linger=10.0))\n"
+        "with TransactionMQProducer('pg', ScriptedListener(), store=store) as producer:\n"
+        "    sent = producer.send_message_in_transaction(\n"
+        "        Message('Orders', b'x', tags='ROLLBACK'), LocalTransactionState.UNKNOWN)\n"
+        "    producer.end_transaction(sent, LocalTransactionState.COMMIT)\n"
+        "    print(sent.transaction_id, flush=True)\n"
+        "    time.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", child], cwd=REPO, stdout=subprocess.PIPE)
+    try:
+        tid = proc.stdout.readline().decode().strip()
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert pending(store) == {tid}
+    clock = Clock()
+    start_clocks(spark, store, clock)
+    s = job(spark, store, clock).run_once().summary
+    assert (s.checked, s.already_decided, s.committed, s.rolled_back) == (0, 1, 0, 0)
+    assert store.decisions([tid]) == {tid: LocalTransactionState.COMMIT}
+    store.publish()
+    assert visible_ids(store) == [tid]

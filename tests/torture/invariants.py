@@ -73,6 +73,27 @@ def _shard_rows(roots: dict[int, str], name: str, columns: list[str] | None = No
     ]
 
 
+def _decision_objects(roots: dict[int, str]) -> dict[str, str]:
+    """Every shard's decision objects (``op/_rmqtx_decisions``): the decision of each
+    transaction, found through fsspec."""
+    from rmq_spark.delta.storage import filesystem
+    from rmq_spark.store.arbiter import DECISIONS_DIR
+
+    found: dict[str, str] = {}
+    for root in roots.values():
+        fs, path = filesystem(root, {})
+        folder = f"{path.rstrip('/')}/op/{DECISIONS_DIR}"
+        fs.invalidate_cache(folder)
+        try:
+            names = [n for n in fs.ls(folder, detail=False) if n.endswith(".json")]
+        except FileNotFoundError:
+            continue
+        for data in fs.cat(names).values():
+            body = json.loads(data)
+            found[body["transaction_id"]] = body["decision"]
+    return found
+
+
 def _jsonl(path: Path) -> list:
     """The values of a JSON-lines file the orchestrator appends to (none if it never did)."""
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
@@ -478,6 +499,18 @@ def check_invariants(run: dict, root: str) -> Results:
                 f"key {halves[0]['keys']}): {store.explain(halves[0]['keys'])}",
             )
         )
+    # First decision wins: op records the decision of a transaction's decision object.
+    objects = _decision_objects(store.roots)
+    results.facts["decision_objects"] = len(objects)
+    for txn, decision in sorted(objects.items()):
+        op = store.op.get(txn)
+        if op is not None and op["decision"] != decision:
+            results.violations.append(
+                Violation(
+                    "op records another decision than the decision object",
+                    f"txn {txn}: object {decision}, op {op['decision']} by {op['decided_by']}",
+                )
+            )
     # Retention removes a published transaction's half rows, then its op row: a visible
     # message with no op row is fine once its half rows are gone too.
     staged = {h["transaction_id"] for h in store.half}

@@ -410,6 +410,9 @@ level = "INFO"
                     ["sink.staged", "sink.closed", "sink.published"]
                     + ["delta.staged", "delta.written", "delta.closed"]
                 )
+        elif w.kind == "producer" and self.rng.random() < 0.25:
+            # Dies with decisions in their objects only: check-back records them.
+            w.failpoint = "decision.claimed"
         if w.failpoint:
             self.stats.failpoints_armed[w.failpoint] += 1
         log_path = self.logs / f"{w.name}.log"

@@ -522,6 +522,7 @@ def test_a_checkpoint_a_newer_one_covers_is_skipped_without_a_warning(
         store.prepare([Message("T", f"m{n}")], "pg")
     later = datetime.now(UTC) + timedelta(minutes=2)
     assert Store.open(store.root, settings=store.settings, clock=lambda: later).clean_log("half")
+    caplog.clear()
     with caplog.at_level("WARNING"):
         _checkpoint(Checkpointer({}), store.table_uri("half"), 10)
     assert not caplog.records

@@ -19,6 +19,7 @@ from rmq_spark import Decision, LocalTransactionState, Message, Store
 from rmq_spark.checkback.discards import DECIDED_BY_CHECK_MAX, insert_discards, redrive
 from rmq_spark.delta.txnlog import checkpoint_guess
 from rmq_spark.model.errors import CorruptStoreError, DataLossError
+from rmq_spark.model.messages import shard_transaction_id
 from rmq_spark.model.schema import CHECK_STATE_SCHEMA, CHECKPOINT_INTERVAL, COMMITLOG_SCHEMA
 from rmq_spark.spark.offsets import latest_offsets
 from rmq_spark.spark.reading import TASK_ROWS, plan_slices, read_slice
@@ -174,10 +175,12 @@ def test_a_read_of_a_dense_commitlog_is_planned_as_before(store: Store) -> None:
     assert _read(slices).num_rows == 80 - len(end["T"])
 
 
-def _rolled_back_at_check_max(store: Store) -> tuple[str, int]:
+def _rolled_back_at_check_max(store: Store, *, object_decided: bool = False) -> tuple[str, int]:
     """A transaction rolled back at the check max (its ROLLBACK in op, its messages in
-    discard is the caller's choice), and the op version before its ROLLBACK."""
-    (p,) = store.prepare([Message("T", b"maxed", keys="k")], "pg")
+    discard is the caller's choice), and the op version before its ROLLBACK. By default one
+    of an older release (decided in op alone, no decision object)."""
+    t = shard_transaction_id(0, object_decided=object_decided)
+    (p,) = store.prepare([Message("T", b"maxed", keys="k")], "pg", transaction_ids=[t])
     before = DeltaTable(store.table_uri("op")).version()
     store.end_transactions(
         [Decision(p.transaction_id, "pg", LocalTransactionState.ROLLBACK, DECIDED_BY_CHECK_MAX)]
@@ -200,6 +203,21 @@ def test_a_late_commit_after_a_restore_removed_a_check_max_rollback_is_not_publi
         store.end_transactions([Decision(maxed, "pg", COMMIT)])
     assert maxed not in commitlog(store).column("transaction_id").to_pylist()
     assert "in discard" in caplog.text
+    (again,) = redrive(store)
+    store.end_transactions([Decision(again, "pg", COMMIT)])
+    assert commitlog(store).column("body").to_pylist() == [b"maxed"]
+
+
+def test_a_late_commit_after_a_restore_is_refused_by_the_decision_object(store: Store) -> None:
+    """The same RESTORE with a transaction of this release: its decision object still holds the
+    check max's ROLLBACK, so the late COMMIT is refused and op records the ROLLBACK again."""
+    maxed, before = _rolled_back_at_check_max(store, object_decided=True)
+    insert_discards(store, [maxed], store.clock(), 3)
+    DeltaTable(store.table_uri("op")).restore(before)
+    (late,) = store.end_transactions([Decision(maxed, "pg", COMMIT)])
+    assert (late.status.value, late.decision) == ("REFUSED", LocalTransactionState.ROLLBACK)
+    assert store.decisions([maxed]) == {maxed: LocalTransactionState.ROLLBACK}
+    assert maxed not in commitlog(store).column("transaction_id").to_pylist()
     (again,) = redrive(store)
     store.end_transactions([Decision(again, "pg", COMMIT)])
     assert commitlog(store).column("body").to_pylist() == [b"maxed"]

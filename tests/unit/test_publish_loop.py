@@ -112,12 +112,21 @@ def test_the_lease_holder_publishes_every_producers_commits_and_another_takes_ov
 def test_end_transaction_returns_once_recorded_and_flush_waits_for_the_publish(
     tmp_path: Path,
 ) -> None:
-    """With another holder of the lease that does not publish (stalled), a COMMIT is recorded
-    but not visible; ``flush`` publishes it."""
+    """With another holder of the lease that does not publish (stalled), a COMMIT is durable
+    when ``end_transaction`` returns (its decision object), recorded in ``op`` by the producer's
+    background publisher, but not visible; ``flush`` publishes it."""
     store = Store.open(settings=_settings(tmp_path / "store"))
     assert store.lock(LEASE, "stalled-host:1:x", 600)
     with TransactionMQProducer("pg", ScriptedListener(), store=store) as producer:
-        msg_id = _commit(producer)
+        sent = producer.send_message_in_transaction(
+            Message("T", b"x"), LocalTransactionState.UNKNOWN
+        )
+        producer.end_transaction(sent, COMMIT)
+        msg_id = sent.msg_id
+        assert store.object_decisions([sent.transaction_id])[sent.transaction_id].state is COMMIT
+        deadline = time.monotonic() + 10
+        while not store.read("op").num_rows and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert store.read("op").column("decision").to_pylist() == ["COMMIT"]
         assert not _visible(store, {msg_id}, 1.0)
         producer.flush()

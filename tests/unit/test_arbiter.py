@@ -1,0 +1,186 @@
+"""Decision objects: the first decision wins in one conditional put (rule 3), on local disk and
+S3, and ``op`` records that decision and no other."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+from deltalake import DeltaTable
+
+from rmq_spark import Decision, LocalTransactionState, Message, Store
+from rmq_spark.model.errors import CorruptStoreError
+from rmq_spark.model.messages import object_decided, shard_of, shard_transaction_id
+from rmq_spark.store.arbiter import DECISIONS_DIR
+from rmq_spark.store.decisions import EndTransactionStatus
+from rmq_spark.store.layout import LAYOUT_VERSION, MARKER_FILE
+
+COMMIT, ROLLBACK = LocalTransactionState.COMMIT, LocalTransactionState.ROLLBACK
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _op_rows(store: Store) -> list[tuple[str, str]]:
+    op = store.read("op")
+    return sorted(
+        zip(op.column("transaction_id").to_pylist(), op.column("decision").to_pylist(), strict=True)
+    )
+
+
+def test_ids_say_which_arbiter_decides_them() -> None:
+    for shard in (0, 1, 12):
+        made = shard_transaction_id(shard, object_decided=True)
+        assert object_decided(made) and shard_of(made) == shard
+        older = shard_transaction_id(shard)
+        assert not object_decided(older) and shard_of(older) == shard
+    for other in ("order-17", "d", "a" * 32 + "d", "A" * 31 + "d", "A" * 32 + "d.0"):
+        assert not object_decided(other)
+
+
+def test_racing_deciders_one_wins_and_op_records_it(any_store: Store) -> None:
+    """Eight threads decide each of five transactions at once, half COMMIT and half ROLLBACK:
+    one of them applies, every other is refused or already decided with the winner's decision,
+    and ``op`` holds one row, the winner's."""
+    prepared = any_store.prepare([Message("T", f"m{i}".encode()) for i in range(5)], "pg")
+    ids = [p.transaction_id for p in prepared]
+    assert all(object_decided(t) for t in ids)
+    barrier = threading.Barrier(8)
+    results: dict[int, list] = {}
+
+    def decide(n: int) -> None:
+        barrier.wait()
+        state = COMMIT if n % 2 else ROLLBACK
+        results[n] = any_store.end_transactions(
+            [Decision(t, "pg", state, f"decider-{n}") for t in ids], publish=False
+        )
+
+    threads = [threading.Thread(target=decide, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, t in enumerate(ids):
+        outcomes = [results[n][i] for n in range(8)]
+        applied = [o for o in outcomes if o.status is EndTransactionStatus.APPLIED]
+        assert len(applied) == 1
+        winner = applied[0].decision
+        assert {o.decision for o in outcomes} == {winner}
+        for o in outcomes:
+            if o is not applied[0]:
+                expected = (
+                    EndTransactionStatus.ALREADY_DECIDED
+                    if o.requested is winner
+                    else EndTransactionStatus.REFUSED
+                )
+                assert o.status is expected
+        assert any_store.object_decisions([t])[t].state is winner
+    assert _op_rows(any_store) == sorted(
+        (t, any_store.object_decisions([t])[t].state.value) for t in ids
+    )
+
+
+def test_a_decision_left_unlanded_is_durable_and_lands_once(any_store: Store) -> None:
+    """``land=False`` (a producer's end-transaction): the decision is in force when the call
+    returns, ``op`` records it when the process lands it, and a late rival's decision is
+    refused before and after."""
+    (p,) = any_store.prepare([Message("T", b"x")], "pg")
+    t = p.transaction_id
+    (first,) = any_store.end_transactions([Decision(t, "pg", COMMIT)], publish=False, land=False)
+    assert first.status is EndTransactionStatus.APPLIED
+    assert _op_rows(any_store) == []
+    (late,) = any_store.end_transactions([Decision(t, "pg", ROLLBACK, "check-back")], land=False)
+    assert (late.status, late.decision) == (EndTransactionStatus.REFUSED, COMMIT)
+    assert any_store.land_decisions() == 1  # the COMMIT, once (the rival saw it too)
+    assert _op_rows(any_store) == [(t, "COMMIT")]
+    assert any_store.land_decisions() == 0
+    (again,) = any_store.end_transactions([Decision(t, "pg", COMMIT)])
+    assert again.status is EndTransactionStatus.ALREADY_DECIDED
+    assert _op_rows(any_store) == [(t, "COMMIT")]
+    any_store.publish()
+    assert any_store.read("commitlog").column("transaction_id").to_pylist() == [t]
+
+
+def test_ids_of_an_older_release_are_still_decided_in_op(store: Store) -> None:
+    """A transaction whose id has no mark (made by an older rmq-spark) keeps ``op`` as its
+    arbiter: no decision object is ever put for it."""
+    t = shard_transaction_id(0)
+    store.prepare([Message("T", b"x")], "pg", transaction_ids=[t])
+    (r,) = store.end_transactions([Decision(t, "pg", ROLLBACK)])
+    assert r.status is EndTransactionStatus.APPLIED
+    (late,) = store.end_transactions([Decision(t, "pg", COMMIT)])
+    assert late.status is EndTransactionStatus.REFUSED
+    assert store.object_decisions([t]) == {}
+    assert not (Path(store.table_uri("op")) / DECISIONS_DIR).exists()
+
+
+def test_the_first_object_decided_id_raises_the_layout(tmp_path: Path) -> None:
+    """An older rmq-spark decides in ``op`` alone: the store's marker goes to the layout it
+    refuses before the first id that a decision object decides is handed out."""
+    root = tmp_path / "store"
+    store = Store.open(root)
+    assert json.loads((root / MARKER_FILE).read_text())["layout_version"] == 1
+    store.prepare([Message("T", b"x")], "pg")
+    assert json.loads((root / MARKER_FILE).read_text())["layout_version"] == LAYOUT_VERSION == 4
+
+
+def test_a_damaged_decision_object_is_an_error_that_names_it(store: Store) -> None:
+    (p,) = store.prepare([Message("T", b"x")], "pg")
+    folder = Path(store.table_uri("op")) / DECISIONS_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{p.transaction_id}.json").write_text("not json")
+    with pytest.raises(CorruptStoreError, match=f"{p.transaction_id}.json is not one rmq-spark"):
+        store.end_transactions([Decision(p.transaction_id, "pg", COMMIT)])
+    assert _op_rows(store) == []
+
+
+def test_vacuum_of_op_keeps_the_decision_objects(store: Store) -> None:
+    """deltalake's VACUUM (with no retention) skips folders that start with an underscore."""
+    (p,) = store.prepare([Message("T", b"x")], "pg")
+    store.end_transactions([Decision(p.transaction_id, "pg", COMMIT)])
+    DeltaTable(store.table_uri("op")).vacuum(
+        retention_hours=0, enforce_retention_duration=False, dry_run=False
+    )
+    assert store.object_decisions([p.transaction_id])[p.transaction_id].state is COMMIT
+
+
+def test_a_producer_killed_before_landing_leaves_its_decision_in_force(tmp_path: Path) -> None:
+    """A producer process whose end-transaction returned is SIGKILLed before its background
+    publisher landed the decision (a linger of ten seconds): the decision object holds it, a
+    later decider is refused, and landing it records the producer's decision."""
+    root = tmp_path / "store"
+    child = textwrap.dedent(
+        f"""
+        import sys, time
+        from rmq_spark import LocalTransactionState, Message, Store, TransactionMQProducer
+        from rmq_spark.model.config import StoreSettings
+        from tests.unit.test_producer import ScriptedListener
+        store = Store.open({str(root)!r}, settings=StoreSettings(publish_linger=10.0))
+        with TransactionMQProducer("pg", ScriptedListener(), store=store) as producer:
+            sent = producer.send_message_in_transaction(
+                Message("T", b"x"), LocalTransactionState.UNKNOWN
+            )
+            producer.end_transaction(sent, LocalTransactionState.COMMIT)
+            print(sent.transaction_id, flush=True)
+            time.sleep(600)
+        """
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", child], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        t = proc.stdout.readline().strip()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert object_decided(t)
+    store = Store.open(root)
+    assert _op_rows(store) == []
+    (late,) = store.end_transactions([Decision(t, "pg", ROLLBACK, "check-back")], publish=False)
+    assert (late.status, late.decision) == (EndTransactionStatus.REFUSED, COMMIT)
+    assert _op_rows(store) == [(t, "COMMIT")]
+    store.publish()
+    assert store.read("commitlog").column("transaction_id").to_pylist() == [t]
