@@ -42,7 +42,12 @@ from rmq_spark.model.messages import (
 )
 from rmq_spark.store.decisions import Decision, EndTransactionResult, PreparedMessage
 from rmq_spark.store.facade import Store
-from rmq_spark.store.publish_loop import BackgroundPublisher, publish_own, publisher_for
+from rmq_spark.store.publish_loop import (
+    BackgroundPublisher,
+    end_in_background,
+    publish_own,
+    publisher_for,
+)
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +112,7 @@ class TransactionSendResult:
 
     ``local_transaction_state`` is what the listener answered. The end-transaction request
     is sent asynchronously, as RocketMQ's oneway ``endTransaction`` is; call
-    :meth:`TransactionMQProducer.flush` to wait until it is recorded and published.
+    :meth:`TransactionMQProducer.flush` to wait until it is recorded in ``op`` and published.
     """
 
     send_status: SendStatus
@@ -250,8 +255,8 @@ class TransactionMQProducer:
         self.shutdown()
 
     def flush(self, timeout: float | None = None) -> None:
-        """Block until every end-transaction sent so far is recorded and what it committed is
-        published (visible to consumers), or ``timeout`` seconds went by."""
+        """Block until every end-transaction sent so far is recorded in ``op`` and what it
+        committed is published (visible to consumers), or ``timeout`` seconds went by."""
         with self._lock:
             pending = list(self._pending)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -439,18 +444,11 @@ class TransactionMQProducer:
     def _end_batch(self, items: list[Decision | Message]) -> list[Any]:
         decisions = [i for i in items if isinstance(i, Decision)]
         normal = [i for i in items if isinstance(i, Message)]
-        background = self._publisher is not None
-        ended = iter(
-            self.store.end_transactions(decisions, publish=False, land=not background)
-            if decisions
-            else []
-        )
-        if background and decisions:
-            self._publisher.wake()  # lands them, and publishes the COMMITs
+        ended = iter(end_in_background(self.store, self._publisher, decisions, normal=bool(normal)))
         if not normal:
             return [next(ended) for _ in items]
         try:
-            # Normal messages are sent by publishing them (with what was committed up to the
+            # Normal messages are sent by publishing them (after what was committed up to the
             # op version this thread knows: no listing of op's log).
             published = self._writer.publish(
                 [(m, self.producer_group) for m in normal], latest=False
@@ -458,7 +456,7 @@ class TransactionMQProducer:
         except Exception as exc:
             if not decisions:
                 raise
-            # The decisions are recorded: their callers succeeded. The normal messages failed.
+            # The decisions are durable: their callers succeeded. The normal messages failed.
             return [next(ended) if isinstance(i, Decision) else exc for i in items]
         sent = iter(
             SendResult(SendStatus.SEND_OK, mid, m.topic, qid, offset)

@@ -64,24 +64,26 @@ def decide(
     return applied
 
 
-def recover_unrecorded(store: Store, due: pa.Table, counts: Counter[str]) -> set[str]:
-    """Record in ``op``, without asking, the decisions of due transactions that ``op`` lacks:
-    removed by another Delta writer (:func:`recover_removed`), or won by a decision object
-    whose decider stopped before recording it (:func:`land_unlanded`); return those
-    transactions."""
+def recover_unrecorded(
+    store: Store, due: pa.Table, ripe: pa.Table, counts: Counter[str]
+) -> set[str]:
+    """Record in ``op``, without asking, the decisions that ``op`` lacks: of ``due``
+    transactions, those another Delta writer removed (:func:`recover_removed`); of ``ripe``
+    ones (past the transaction timeout), those won by a decision object whose decider stopped
+    before recording them (:func:`land_unlanded`). Return those transactions."""
     ended = recover_removed(store, due, counts)
     if ended:
         gone = pa.array(sorted(ended), pa.string())
-        due = due.filter(pc.invert(pc.is_in(due.column("transaction_id"), value_set=gone)))
-    return ended | land_unlanded(store, due, counts)
+        ripe = ripe.filter(pc.invert(pc.is_in(ripe.column("transaction_id"), value_set=gone)))
+    return ended | land_unlanded(store, ripe, counts)
 
 
-def land_unlanded(store: Store, due: pa.Table, counts: Counter[str]) -> set[str]:
-    """Record in ``op`` the decisions that the decision objects of due transactions hold
+def land_unlanded(store: Store, ripe: pa.Table, counts: Counter[str]) -> set[str]:
+    """Record in ``op`` the decisions that the decision objects of ``ripe`` transactions hold
     (:mod:`rmq_spark.store.arbiter`): their decider (a producer process killed between its
     decision and its landing) did not; return those transactions. Each costs one read of its
-    object a round while it is due."""
-    found = store.object_decisions(due.column("transaction_id").to_pylist())
+    object a round while it is pending."""
+    found = store.object_decisions(ripe.column("transaction_id").to_pylist())
     if not found:
         return set()
     log.info(
@@ -91,7 +93,7 @@ def land_unlanded(store: Store, due: pa.Table, counts: Counter[str]) -> set[str]
         next(iter(found)),
         next(iter(found.values())).state.value,
     )
-    rows = due.select(STATE_COLUMNS).to_pylist()
+    rows = ripe.select(STATE_COLUMNS).to_pylist()
     for decided_by in sorted({d.decided_by for d in found.values()}):
         again = [
             {**r, "answer": found[r["transaction_id"]].state.value}

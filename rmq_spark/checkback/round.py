@@ -148,7 +148,17 @@ class CheckRound:
 
         Returns the answers and the transactions that are now decided."""
         due = pending.filter(pc.equal(pending.column("reason"), CHECK))
-        ended = recover_unrecorded(self.store, due, counts)
+        # Decisions a killed decider left in their objects are recorded whatever the routing,
+        # age cap or immunity: nothing but the transaction timeout holds them back.
+        ripe = pending.filter(
+            pc.and_(
+                pc.greater_equal(
+                    pending.column("age_seconds"), self.job.settings.transaction_timeout
+                ),
+                pc.not_equal(pending.column("reason"), MISPLACED),
+            )
+        )
+        ended = recover_unrecorded(self.store, due, ripe, counts)
         if ended:
             gone = pa.array(sorted(ended), pa.string())
             due = due.filter(pc.invert(pc.is_in(due.column("transaction_id"), value_set=gone)))

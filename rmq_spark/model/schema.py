@@ -43,7 +43,8 @@ HALF_SCHEMA = pa.schema([*_HALF_MESSAGE, *WRITER_COLUMNS])
 #: The message columns of ``half`` (what ``discard`` keeps of a half message).
 HALF_MESSAGE_SCHEMA = pa.schema(_HALF_MESSAGE)
 
-#: RMQ_SYS_TRANS_OP_HALF_TOPIC: one row per decided transaction; the arbiter of rule 3.
+#: RMQ_SYS_TRANS_OP_HALF_TOPIC: one row per decided transaction; the arbiter of rule 3 for the
+#: transactions that no decision object decides (:mod:`rmq_spark.store.arbiter`).
 OP_SCHEMA = pa.schema(
     [
         pa.field("transaction_id", pa.string(), nullable=False),

@@ -63,7 +63,12 @@ from rmq_spark.serve.protocol import (
 from rmq_spark.serve.recovery import Client, Clients
 from rmq_spark.store.decisions import Decision, EndTransactionResult, EndTransactionStatus
 from rmq_spark.store.facade import Store
-from rmq_spark.store.publish_loop import BackgroundPublisher, publish_own, publisher_for
+from rmq_spark.store.publish_loop import (
+    BackgroundPublisher,
+    end_in_background,
+    publish_own,
+    publisher_for,
+)
 
 log = logging.getLogger(__name__)
 
@@ -497,20 +502,13 @@ class MessagingService(ConsumerCalls, service_grpc.MessagingServiceServicer):
     def _end_batch(self, items: list[Decision | tuple[Message, str]]) -> list[Any]:
         decisions = [i for i in items if isinstance(i, Decision)]
         normal = [i for i in items if not isinstance(i, Decision)]
-        background = self._publisher is not None
-        ended = iter(
-            self.store.end_transactions(decisions, publish=False, land=not background)
-            if decisions
-            else []
-        )
-        if background and decisions:
-            self._publisher.wake()  # lands them, and publishes the COMMITs
+        ended = iter(end_in_background(self.store, self._publisher, decisions, normal=bool(normal)))
         try:
             sent: Sequence[Any] = self._writer.publish(normal, latest=False).sent if normal else []
         except Exception as exc:
             if not decisions:
                 raise
-            # The decisions are recorded (their callers succeeded); the normal messages failed.
+            # The decisions are durable (their callers succeeded); the normal messages failed.
             sent = [exc] * len(normal)
         published = iter(sent)
         return [next(ended) if isinstance(i, Decision) else next(published) for i in items]

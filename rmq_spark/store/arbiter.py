@@ -3,8 +3,9 @@
 A transaction whose id says so (:func:`rmq_spark.model.messages.object_decided`) is decided by
 whoever first puts its decision object, ``op/_rmqtx_decisions/<transaction id>.json`` in its
 shard: written only if absent (a hard link of a complete file on a local filesystem, a PUT
-with ``If-None-Match: *`` on S3), never changed and never removed by rmq-spark. A decider that
-finds it there reads the decision in force from it. A decision in ``op`` (one Delta commit:
+with ``If-None-Match: *`` on S3), never changed, and removed only by retention, after its
+transaction's ``half`` and ``op`` rows (a late decision then has nothing to publish). A decider
+that finds it there reads the decision in force from it. A decision in ``op`` (one Delta commit:
 three round trips on an object store) was the arbiter before; one conditional put is one round
 trip, and the decision recorded in ``op`` follows it (landed by the decider, in the background
 for a producer, or by the check-back job for a decider that died first:
@@ -21,6 +22,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
+import threading
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +39,8 @@ from rmq_spark.model.messages import LocalTransactionState
 DECISIONS_DIR = "_rmqtx_decisions"
 #: Puts or reads of one call at once (a check-back round decides thousands).
 _PARALLEL = 16
+#: Conditional PUTs put again after S3's 409 (another PUT of the key under way).
+_CONFLICT_RETRIES = 5
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,7 @@ class DecisionObjects:
         self.path = f"{path.rstrip('/')}/{DECISIONS_DIR}"
         self._made = False
         self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
 
     def claim(
         self, decisions: Sequence[tuple[str, str, LocalTransactionState, str]], at: datetime
@@ -81,9 +88,23 @@ class DecisionObjects:
     def _each(self, work, items: Sequence) -> list:
         if len(items) <= 1:
             return [work(i) for i in items]
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(_PARALLEL, thread_name_prefix="rmqtx-decision")
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(_PARALLEL, thread_name_prefix="rmqtx-decision")
         return list(self._pool.map(work, items))
+
+    def remove(self, transaction_ids: Sequence[str]) -> None:
+        """Delete the decision objects of ``transaction_ids`` (absent ones are skipped): only
+        for transactions retention removed from ``half`` and ``op``, whose late decisions have
+        nothing to publish (:mod:`rmq_spark.store.retention`)."""
+        names = [self._name(t) for t in transaction_ids]
+        if self.local:
+            for name in names:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name)
+        elif names:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm(names)
 
     def _name(self, transaction_id: str) -> str:
         return f"{self.path}/{transaction_id}.json"
@@ -142,8 +163,7 @@ class DecisionObjects:
         """Write ``data`` as ``name`` unless it exists; False when it does."""
         try:
             if not self.local:
-                self.fs.pipe_file(name, data, mode="create")
-                return True
+                return self._put_s3(name, data)
             if not self._made:
                 os.makedirs(self.path, exist_ok=True)
                 self._made = True
@@ -157,11 +177,26 @@ class DecisionObjects:
                     os.unlink(temp)
         except FileExistsError:
             return False
-        except OSError as exc:
-            if "condition" in str(exc).lower():  # S3: 412 Precondition Failed
-                return False
-            raise
         return True
+
+    def _put_s3(self, name: str, data: bytes) -> bool:
+        """A PUT with ``If-None-Match: *``; False on 412. S3 answers 409 to a conditional PUT
+        racing another on the same key (neither has landed yet): put again."""
+        for attempt in range(_CONFLICT_RETRIES + 1):
+            try:
+                self.fs.pipe_file(name, data, mode="create")
+                return True
+            except FileExistsError:
+                return False
+            except OSError as exc:
+                code = getattr(exc.__cause__, "response", {}).get("Error", {}).get("Code")
+                if code == "ConditionalRequestConflict" and attempt < _CONFLICT_RETRIES:
+                    time.sleep(random.uniform(0.01, 0.05) * (attempt + 1))
+                    continue
+                if code == "PreconditionFailed" or (code is None and "condition" in str(exc)):
+                    return False
+                raise
+        raise AssertionError("unreachable")
 
 
 @dataclass(frozen=True)

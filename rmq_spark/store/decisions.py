@@ -370,13 +370,14 @@ class Decisions(StoreConcept):
         if landing:
             failpoint("decision.claimed")
         rest = [d for t, d in first.items() if not object_decided(t)]
-        if rest:
-            before.update(self._record_decisions(rest))
-        if landing and land:
-            self._land(landing)
-        elif landing:
+        try:
+            if rest:
+                before.update(self._record_decisions(rest))
+        finally:  # what the objects decided is in force whatever happens to the rest
             with self._queue_lock:
                 self._unlanded.extend(landing)
+        if land:
+            self.land()
         self.recent.discard(
             t for t, d in first.items() if before.get(t, d.state) is LocalTransactionState.ROLLBACK
         )
@@ -406,8 +407,8 @@ class Decisions(StoreConcept):
     ) -> tuple[dict[str, LocalTransactionState], list[Decision]]:
         """Put the decision objects of ``decisions``; return the decisions that were already
         there (as :meth:`_record_decisions`) and what to land in ``op``: each transaction's
-        decision in force (the request itself when it asked for that decision, so that a
-        recovery's COMMIT stays unpublished: :data:`DECIDED_BY_RECOVERY`)."""
+        decision object (a recovery's COMMIT of a transaction already published lands as
+        :data:`DECIDED_BY_RECOVERY`, so that it is not published again)."""
         if not decisions:
             return {}, []
         if self._objects is None:
@@ -425,10 +426,9 @@ class Decisions(StoreConcept):
         for d, c in zip(decisions, claims, strict=True):
             if not c.won:
                 before[d.transaction_id] = c.state
-            if c.state is d.state:
-                landing.append(d)
-            else:
-                landing.append(Decision(c.transaction_id, c.producer_group, c.state, c.decided_by))
+            recovered = d.decided_by == DECIDED_BY_RECOVERY and c.state is d.state
+            by = d.decided_by if recovered else c.decided_by
+            landing.append(Decision(c.transaction_id, c.producer_group, c.state, by))
         return before, landing
 
     def land(self) -> int:
@@ -463,6 +463,13 @@ class Decisions(StoreConcept):
             t: Decision(t, c.producer_group, c.state, c.decided_by)
             for t, c in self._objects.read(ids).items()
         }
+
+    def remove_objects(self, transaction_ids: Sequence[str]) -> None:
+        """Delete the decision objects of transactions retention removed from ``half`` and
+        ``op`` (:meth:`rmq_spark.store.arbiter.DecisionObjects.remove`)."""
+        ids = [t for t in transaction_ids if object_decided(t)]
+        if ids and self._objects is not None:
+            self._objects.remove(ids)
 
     def _land(self, decisions: list[Decision]) -> None:
         """Record in ``op`` decisions their objects decided (one per transaction)."""

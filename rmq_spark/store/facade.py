@@ -20,6 +20,7 @@ owns files, log entries, retries and checkpoints, and tells maintenance of each 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -56,6 +57,8 @@ from rmq_spark.store.maintenance import UNNEEDED_LOG_SECONDS, Maintenance
 from rmq_spark.store.publishing import Publisher, PublishResult
 from rmq_spark.store.recent import RecentHalves
 from rmq_spark.store.shards import Shards
+
+log = logging.getLogger(__name__)
 
 
 def _now() -> datetime:
@@ -312,8 +315,26 @@ class Store:
 
     def land_decisions(self) -> int:
         """Record in ``op`` the decisions of this process that ``end_transactions(...,
-        land=False)`` left to it, in every shard opened here; return how many COMMITs."""
-        return sum(s._decisions.land() for s in self._shards.opened())
+        land=False)`` left to it, in every shard opened here; return how many COMMITs.
+
+        A shard whose landing fails keeps its decisions for the next call (they are in force
+        in their decision objects meanwhile) and holds up no other shard: the failure is
+        logged, and raised once every shard was tried."""
+        landed, failure = 0, None
+        for shard in self._shards.opened():
+            try:
+                landed += shard._decisions.land()
+            except Exception as exc:
+                log.warning("recording decisions in op of %s failed (%s)", shard.root, exc)
+                failure = exc
+        if failure is not None:
+            raise failure
+        return landed
+
+    def remove_decision_objects(self, transaction_ids: Sequence[str]) -> None:
+        """Delete the decision objects of transactions of this shard that retention removed
+        from ``half`` and ``op``."""
+        self._decisions.remove_objects(transaction_ids)
 
     def object_decisions(self, transaction_ids: Sequence[str]) -> dict[str, Decision]:
         """The decisions in force of the transactions among ``transaction_ids`` that a decision

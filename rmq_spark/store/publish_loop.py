@@ -26,6 +26,7 @@ published yet goes out with the next publish of anyone, the check-back job's inc
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import random
@@ -34,12 +35,14 @@ import threading
 import time
 import uuid
 import weakref
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from rmq_spark.delta.storage import scheme
 from rmq_spark.model.config import StoreSettings
 
 if TYPE_CHECKING:
+    from rmq_spark.store.decisions import Decision, EndTransactionResult
     from rmq_spark.store.facade import Store
 
 log = logging.getLogger(__name__)
@@ -106,8 +109,9 @@ def publish_own(store: Store, who: str) -> None:
 
     ``who`` names the caller in the log (``"this producer"``, ``"this server"``).
     """
-    try:
+    with contextlib.suppress(Exception):  # logged; the publish goes on without them
         store.land_decisions()
+    try:
         store.publish(latest=False)
     except Exception as exc:
         log.warning(
@@ -117,6 +121,32 @@ def publish_own(store: Store, who: str) -> None:
             who,
             exc,
         )
+
+
+def end_in_background(
+    store: Store,
+    publisher: BackgroundPublisher | None,
+    decisions: Sequence[Decision],
+    *,
+    normal: bool,
+) -> list[EndTransactionResult]:
+    """End a producer process's ``decisions`` (a producer's or a server's batch): durable in
+    their decision objects when this returns, landed in ``op`` and published by ``publisher``
+    (woken; without one, landed at once). With ``normal`` messages to publish next, every
+    decision of the process is landed first, so those come after the COMMITs sent before them.
+    """
+    results = (
+        store.end_transactions(decisions, publish=False, land=publisher is None)
+        if decisions
+        else []
+    )
+    if publisher is not None:
+        if normal:
+            with contextlib.suppress(Exception):  # logged; the messages go out regardless
+                store.land_decisions()
+        if decisions:
+            publisher.wake()  # lands them, and publishes the COMMITs
+    return results
 
 
 class Lease:
@@ -262,10 +292,8 @@ class BackgroundPublisher:
         self._wake.set()
         self._thread.join()
         _running.discard(self)
-        try:
+        with contextlib.suppress(Exception):  # logged; in force in their objects meanwhile
             self.store.land_decisions()
-        except Exception as exc:  # durable in their objects: the check-back job lands them
-            log.warning("could not record the last decisions in op (%s); check-back will", exc)
         for lease in (self._lease, self._claim):
             if lease is not None:
                 lease.stop()
@@ -279,9 +307,11 @@ class BackgroundPublisher:
             self._wake.clear()
             if self._stopping.is_set():
                 return
+            # A landing that fails (logged) holds up no publish of what others landed.
+            with contextlib.suppress(Exception):
+                self.store.land_decisions()
             try:
                 published = 0
-                self.store.land_decisions()
                 if self.holding:
                     published = self._publish(woken)
                 # An idle store is looked at less and less often (each look lists op's log: a

@@ -17,7 +17,9 @@ does, in this order:
    their age. Its ``half`` rows go first and its ``op`` rows last: while a half row exists,
    its ``op`` row is what keeps a late, opposite decision from publishing it; once the half
    rows are gone, a late decision finds nothing to publish. A run killed in between leaves
-   only ``op`` rows, which the next run removes.
+   only ``op`` rows, which the next run removes. Their decision objects
+   (:mod:`rmq_spark.store.arbiter`) go after the ``op`` rows (a run killed in between leaves
+   those objects behind).
 
    ``discard`` rows are kept, and so is every transaction a re-drive created (named in
    ``discard.redriven_transaction_id``): a re-drive decides to stage a claimed row by finding
@@ -243,6 +245,8 @@ def _expire_transactions(store: Store, cutoff: datetime, summary: MaintenanceSum
         summary.half_removed += _delete_matching(store, "half", chunk)
         failpoint("maintain.half")
         summary.op_removed += _delete_matching(store, "op", chunk)
+        # Last: a run killed before leaves a few objects behind, never a decision undone.
+        store.remove_decision_objects(ids[start : start + _CHUNK])
 
 
 def _discard_column(store: Store, column: str) -> list[str]:

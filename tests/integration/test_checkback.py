@@ -702,13 +702,15 @@ def test_rows_a_foreign_compaction_stored_twice_change_no_outcome(
     assert set(runs.column("status").to_pylist()) == {"finished"}, runs.to_pylist()
 
 
+@pytest.mark.parametrize("group", ["pg", "unchecked"])
 def test_a_decision_its_killed_producer_never_recorded_is_recorded_not_asked(
-    spark, store: Store
+    spark, store: Store, group: str
 ) -> None:
     """A producer's end-transaction returns once its decision object is put; its process lands
     the decision in ``op`` a linger later. Killed (SIGKILL) in between, it leaves the
     transaction pending in ``op``: the round records the object's COMMIT without asking the
-    checker (which would answer ROLLBACK for this tag), and it is published."""
+    checker (which would answer ROLLBACK for this tag), and it is published; so it is for a
+    group with no checker."""
     child = (
         "import time\n"
         "from rmq_spark import LocalTransactionState, Message, Store, TransactionMQProducer\n"
@@ -716,7 +718,7 @@ def test_a_decision_its_killed_producer_never_recorded_is_recorded_not_asked(
         "from tests.unit.test_producer import ScriptedListener\n"
         f"store = Store.open({store.root!r}, settings=StoreSettings(queue_nums=2, "
         "publish_linger=10.0))\n"
-        "with TransactionMQProducer('pg', ScriptedListener(), store=store) as producer:\n"
+        f"with TransactionMQProducer({group!r}, ScriptedListener(), store=store) as producer:\n"
         "    sent = producer.send_message_in_transaction(\n"
         "        Message('Orders', b'x', tags='ROLLBACK'), LocalTransactionState.UNKNOWN)\n"
         "    producer.end_transaction(sent, LocalTransactionState.COMMIT)\n"

@@ -14,11 +14,13 @@ import pytest
 from deltalake import DeltaTable
 
 from rmq_spark import Decision, LocalTransactionState, Message, Store
+from rmq_spark.checkback.discards import DECIDED_BY_CHECK_MAX
 from rmq_spark.model.errors import CorruptStoreError
 from rmq_spark.model.messages import object_decided, shard_of, shard_transaction_id
 from rmq_spark.store.arbiter import DECISIONS_DIR
 from rmq_spark.store.decisions import EndTransactionStatus
 from rmq_spark.store.layout import LAYOUT_VERSION, MARKER_FILE
+from rmq_spark.store.publish_loop import publish_own
 
 COMMIT, ROLLBACK = LocalTransactionState.COMMIT, LocalTransactionState.ROLLBACK
 REPO = Path(__file__).resolve().parents[2]
@@ -184,3 +186,46 @@ def test_a_producer_killed_before_landing_leaves_its_decision_in_force(tmp_path:
     assert _op_rows(store) == [(t, "COMMIT")]
     store.publish()
     assert store.read("commitlog").column("transaction_id").to_pylist() == [t]
+
+
+def test_a_losing_request_of_the_same_decision_lands_the_winners_author(store: Store) -> None:
+    """A check-max ROLLBACK that loses to the producer's ROLLBACK (put, not landed yet) lands
+    the producer's decision: recorded as the check max's, it would have been repaired into
+    ``discard`` and re-driven, a message its producer rolled back."""
+    (p,) = store.prepare([Message("T", b"x")], "pg")
+    t = p.transaction_id
+    producer = Store.open(store.root)  # another process, which stops before landing
+    producer.end_transactions([Decision(t, "pg", ROLLBACK, "producer")], land=False)
+    (late,) = store.end_transactions([Decision(t, "pg", ROLLBACK, DECIDED_BY_CHECK_MAX)])
+    assert late.status is EndTransactionStatus.ALREADY_DECIDED
+    assert store.read("op").column("decided_by").to_pylist() == ["producer"]
+
+
+def test_a_failing_landing_holds_up_no_publish(store: Store) -> None:
+    """A landing that keeps failing (``op`` altered to ask more of a writer) leaves its
+    decisions in force in their objects, and the COMMITs already landed are published."""
+    a, b = (p.transaction_id for p in store.prepare([Message("T", b"a"), Message("T", b"b")], "pg"))
+    store.end_transactions([Decision(a, "pg", COMMIT)], publish=False)
+    store.end_transactions([Decision(b, "pg", COMMIT)], land=False)
+    DeltaTable(store.table_uri("op")).alter.add_constraint({"known": "decision IS NOT NULL"})
+    publish_own(store, "this test")
+    assert store.read("commitlog").column("transaction_id").to_pylist() == [a]
+    assert store.object_decisions([b])[b].state is COMMIT
+
+
+def test_a_normal_message_sent_after_a_commit_comes_after_it(tmp_path: Path) -> None:
+    """A COMMIT's landing waits for the publisher's linger; a normal message sent to the same
+    queue right after it is still stored after it."""
+    from rmq_spark import TransactionMQProducer
+    from rmq_spark.model.config import StoreSettings
+    from tests.unit.test_producer import ScriptedListener
+
+    store = Store.open(tmp_path / "store", settings=StoreSettings(publish_linger=2.0))
+    with TransactionMQProducer("pg", ScriptedListener(), store=store) as producer:
+        sent = producer.send_message_in_transaction(
+            Message("T", b"committed", keys="k"), LocalTransactionState.UNKNOWN
+        )
+        producer.end_transaction(sent, COMMIT)
+        producer.send(Message("T", b"normal", keys="k"))
+    rows = store.read("commitlog").sort_by("queue_offset")
+    assert rows.column("body").to_pylist() == [b"committed", b"normal"]

@@ -135,6 +135,9 @@ def test_only_decided_published_transactions_leave(store: Store, clock: Clock) -
     expired = {"committed", "rolled_back", "maxed", "maxed_redriven"}
     assert summary.transactions_expired == len(expired)
     assert (summary.half_removed, summary.op_removed) == (4, 4)
+    # Their decision objects go with them; the others' stay (a re-drive's id is decided in op).
+    objects = store.object_decisions(list(ids.values()))
+    assert {name[t] for t in objects} == kept - {"undecided", "redriven"}
     assert commitlog(store).num_rows == visible  # messages follow file_reserved_time only
     # Nothing comes back: only the discard never re-driven is re-driven, and once.
     again = redrive(store)
