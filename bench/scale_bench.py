@@ -17,8 +17,10 @@ machine's CPU busy during the run (near 100%: the run measures the machine, not 
 the producer processes' own CPU time a transaction (every thread, native ones included; MinIO
 and the proxy are not in it), and the requests per transaction the proxy counted, by kind, and
 how many of them were background work: all but the send path's, which are, for each commit of
-``half`` or ``op``, its data file PUT, its log entry PUT and the two GETs of its reachability
-check (:data:`SEND_PATH_PUT`). Last, issue 47's goals for the runs made (``1x4``, ``16x4``,
+``half``, and of ``op`` for the transactions decided there, its data file PUT, its log entry
+PUT and the two GETs of its reachability check (:data:`COMMIT_PUT`), and the PUT of each
+decision object (:data:`DECISION_PUT`; the ``op`` commits that land those decisions are
+background work). Last, issue 47's goals for the runs made (``1x4``, ``16x4``,
 ``1x64``), each with what was measured.
 
 The store of each run has one shard per producer process (``rmq_spark.store.shards``: each
@@ -58,13 +60,16 @@ from rmq_spark import (  # noqa: E402
     TransactionMQProducer,
 )
 from rmq_spark.model.config import StoreSettings  # noqa: E402
+from rmq_spark.model.messages import object_decided  # noqa: E402
 from tests import minio  # noqa: E402
 from tests.latency_proxy import LatencyProxy  # noqa: E402
 
 BODY = b"x" * 256
-#: A PUT of the send path: a data file or a log entry of ``half`` or ``op``, a shard's or the
-#: root's. Each log entry PUT is followed by the two GETs of the commit's reachability check.
-SEND_PATH_PUT = re.compile(r"/(?:half|op)/(?:_delta_log/\d{20}\.json|[^/]+\.parquet)$")
+#: A PUT of a commit of ``half`` or ``op`` (a shard's or the root's): a data file or a log
+#: entry. Each log entry PUT is followed by the two GETs of the commit's reachability check.
+COMMIT_PUT = re.compile(r"/(half|op)/(?:_delta_log/\d{20}\.json|[^/]+\.parquet)$")
+#: The PUT of a transaction's decision object (``rmq_spark.store.arbiter``).
+DECISION_PUT = re.compile(r"/op/_rmqtx_decisions/[^/]+\.json$")
 #: Seconds a producer process stays up after its sends: its last COMMITs are published by the
 #: running publisher, as in a service that goes on running (sixteen processes stopping at one
 #: moment would each publish their own, racing for the CommitLog).
@@ -90,6 +95,7 @@ def worker(
     during the sends, every thread, native ones included) on stdout."""
     store = Store.open(settings=StoreSettings(path=root, storage_options=options), create=False)
     latencies: list[float] = []
+    by_object: list[bool] = []  # list.append is atomic
     lock = threading.Lock()
     group = f"bench-{os.getpid()}"
     with TransactionMQProducer(group, store=store, listener=EndedLater()) as producer:
@@ -99,7 +105,7 @@ def worker(
         end = start + seconds
 
         def send() -> None:
-            mine = []
+            mine: list[float] = []
             due = start + (random.random() / rate if rate else 0.0)  # senders spread out
             while time.time() < end:
                 if rate:
@@ -110,6 +116,7 @@ def worker(
                 producer.end_transaction(result, LocalTransactionState.COMMIT)
                 if time.time() <= end:
                     mine.append(time.perf_counter() - t0)
+                    by_object.append(object_decided(result.transaction_id))
             with lock:
                 latencies.extend(mine)
 
@@ -122,7 +129,8 @@ def worker(
         after = os.times()
         cpu = after.user - before.user + after.system - before.system
         time.sleep(max(0.0, end + LINGER - time.time()))
-    print(json.dumps({"count": len(latencies), "latencies": latencies, "cpu": cpu}), flush=True)
+    counts = {"count": len(latencies), "objects": sum(by_object)}
+    print(json.dumps({**counts, "latencies": latencies, "cpu": cpu}), flush=True)
 
 
 def publish_lags(root: str, options: dict[str, str], since: float, until: float) -> np.ndarray:
@@ -171,7 +179,6 @@ def run(
     time.sleep(seconds)
     busy = _busy(machine, _cpu_times())
     counts = proxy.take_counts() if proxy is not None else {}
-    background = sum(counts.values()) - _send_path(proxy.requests or []) if proxy else 0
     results = []
     for p in procs:
         out, _ = p.communicate(timeout=seconds + 600)
@@ -180,15 +187,26 @@ def run(
         results.append(json.loads(out.decode().strip().splitlines()[-1]))
     latencies = np.array([x for r in results for x in r["latencies"]])
     count = sum(r["count"] for r in results)
+    op_share = 1 - sum(r["objects"] for r in results) / max(count, 1)
+    sent = _send_path(proxy.requests or [], op_share) if proxy else 0
+    background = sum(counts.values()) - sent if proxy else 0
     cpu = sum(r["cpu"] for r in results) / max(count, 1)
     return count / seconds, latencies, counts, background, busy, start, cpu
 
 
-def _send_path(requests: list[tuple[str, str]]) -> int:
-    """How many of ``requests`` (method, target) the send path made (:data:`SEND_PATH_PUT`)."""
+def _send_path(requests: list[tuple[str, str]], op_share: float) -> float:
+    """How many of ``requests`` (method, target) the send path made: the commits of ``half``
+    (:data:`COMMIT_PUT`), the decision objects (:data:`DECISION_PUT`), and the share
+    ``op_share`` of the commits of ``op`` (the transactions decided there; the others' decisions
+    are landed in ``op`` in the background)."""
     puts = [t.partition("?")[0] for m, t in requests if m == "PUT"]
-    sent = [t for t in puts if SEND_PATH_PUT.search(t)]
-    return len(sent) + 2 * sum(1 for t in sent if t.endswith(".json"))
+    costs = {"half": 0, "op": 0}
+    for t in puts:
+        found = COMMIT_PUT.search(t)
+        if found:
+            costs[found.group(1)] += 3 if t.endswith(".json") else 1
+    decisions = sum(1 for t in puts if DECISION_PUT.search(t))
+    return costs["half"] + op_share * costs["op"] + decisions
 
 
 def _cpu_times() -> list[int]:
