@@ -384,7 +384,7 @@ SHARD_ID_PATTERN = r"^[0-9A-F]{32}d?\.([1-9][0-9]*)$"
 _SHARD_SUFFIX = re.compile(SHARD_ID_PATTERN, re.ASCII)
 #: What an id of a shard looks like to a reader, canonical or not (``<id>.01``, ``<id>.0``).
 _SHARD_SHAPED = re.compile(r"^[0-9A-F]{32}d?\.[0-9]+$", re.ASCII)
-_OBJECT_DECIDED = re.compile(r"^[0-9A-F]{32}d(?:\.[1-9][0-9]*)?$", re.ASCII)
+_OBJECT_DECIDED = re.compile(r"^[0-9A-F]{32}d(?:\.[1-9][0-9]*)?\Z", re.ASCII)
 
 
 def shard_of(transaction_id: str) -> int:

@@ -306,8 +306,9 @@ class Decisions(StoreConcept):
             # Their decisions will come as few together: one conditional put each is the
             # cheapest first decision. Many together share one op commit instead.
             by_object = self._objects is not None and len(messages) <= OBJECT_DECIDED_BATCH
-            if by_object and self._raise_layout is not None:
-                self._raise_layout()
+            raise_layout = self._raise_layout
+            if by_object and raise_layout is not None:
+                raise_layout()
                 self._raise_layout = None
             transaction_ids = [
                 shard_transaction_id(self.shard, object_decided=by_object) for _ in messages

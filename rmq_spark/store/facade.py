@@ -37,6 +37,7 @@ from rmq_spark.model.messages import (
     LocalTransactionState,
     Message,
     check_group,
+    object_decided,
     shard_of,
     validate_message,
 )
@@ -342,7 +343,8 @@ class Store:
         the others are absent."""
         by_shard: dict[int, list[str]] = {}
         for t in transaction_ids:
-            by_shard.setdefault(shard_of(t), []).append(t)
+            if object_decided(t):  # any other id (a misplaced row's too) has no object
+                by_shard.setdefault(shard_of(t), []).append(t)
         found: dict[str, Decision] = {}
         for shard, ids in by_shard.items():
             store = self if shard == self.shard else self.shard_store(shard)

@@ -240,3 +240,12 @@ def test_a_prepare_of_many_transactions_leaves_their_decisions_to_op(store: Stor
     assert not any(object_decided(p.transaction_id) for p in many)
     few = store.prepare([Message("T", b"x")] * OBJECT_DECIDED_BATCH, "pg")
     assert all(object_decided(p.transaction_id) for p in few)
+
+
+def test_a_misplaced_or_foreign_id_has_no_decision_object(store: Store) -> None:
+    """Serve's recovery looks up the objects of pending rows: an id naming a shard the store
+    does not have (a foreign writer's misplaced row) is not routed there, and an id with a
+    trailing newline is not object-decided."""
+    stray = shard_transaction_id(7, object_decided=False)
+    assert store.object_decisions([stray, "x" * 3]) == {}
+    assert not object_decided(shard_transaction_id(0, object_decided=True) + "\n")
