@@ -129,11 +129,11 @@ class DecisionObjects:
         if self._put_if_absent(self._name(transaction_id), json.dumps(body).encode()):
             return Claimed(transaction_id, producer_group, state, decided_by, at, True)
         found = self._read(transaction_id)
-        if found is None:  # nobody removes one: the store was damaged by hand
+        if found is None:  # only retention removes one, after its transaction's rows
             raise CorruptStoreError(
                 f"the decision object of transaction {transaction_id!r} was there when this "
-                f"put was refused and is gone now ({self._name(transaction_id)}); decision "
-                f"objects must never be deleted (see storage/README.md)."
+                f"put was refused and is gone now ({self._name(transaction_id)}); only "
+                f"retention may delete decision objects (see storage/README.md)."
             )
         return found if found.token != token else _won(found)
 

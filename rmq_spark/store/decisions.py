@@ -252,10 +252,9 @@ class Decisions(StoreConcept):
         #: Raises the store's layout (:func:`rmq_spark.store.layout.raise_layout`); called once,
         #: before the first transaction id that a decision object decides is made.
         self._raise_layout: Callable[[], None] | None = raise_layout
-        root = self.tables.root
         self._objects = (
             DecisionObjects(self.tables.uri("op"), self.tables.storage_options)
-            if supports_objects(root)
+            if supports_objects(self.tables.root)
             else None
         )
         #: Decisions won by their objects and not landed in ``op`` yet (``end(land=False)``).
