@@ -71,6 +71,7 @@ class DecisionObjects:
         self.path = f"{path.rstrip('/')}/{DECISIONS_DIR}"
         self._made = False
         self._pool: ThreadPoolExecutor | None = None
+        self._pool_pid = 0
         self._pool_lock = threading.Lock()
 
     def claim(
@@ -86,12 +87,21 @@ class DecisionObjects:
         return {c.transaction_id: c for c in found if c is not None}
 
     def _each(self, work, items: Sequence) -> list:
+        """``work`` on each item, up to :data:`_PARALLEL` at once. A pool inherited through a
+        fork has no threads (a forked child makes its own); one shut down with the interpreter
+        takes no work (then the items are done one by one)."""
         if len(items) <= 1:
             return [work(i) for i in items]
         with self._pool_lock:
-            if self._pool is None:
+            if self._pool is None or self._pool_pid != os.getpid():
                 self._pool = ThreadPoolExecutor(_PARALLEL, thread_name_prefix="rmqtx-decision")
-        return list(self._pool.map(work, items))
+                self._pool_pid = os.getpid()
+            pool = self._pool
+        try:
+            futures = [pool.submit(work, i) for i in items]
+        except RuntimeError:  # cannot schedule new futures after interpreter shutdown
+            return [work(i) for i in items]
+        return [f.result() for f in futures]
 
     def remove(self, transaction_ids: Sequence[str]) -> None:
         """Delete the decision objects of ``transaction_ids`` (absent ones are skipped): only

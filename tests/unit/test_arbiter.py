@@ -249,3 +249,41 @@ def test_a_misplaced_or_foreign_id_has_no_decision_object(store: Store) -> None:
     stray = shard_transaction_id(7, object_decided=False)
     assert store.object_decisions([stray, "x" * 3]) == {}
     assert not object_decided(shard_transaction_id(0, object_decided=True) + "\n")
+
+
+@pytest.mark.parametrize("when", ["in a forked child", "at interpreter exit"])
+def test_a_batch_decides_in_a_forked_child_and_at_interpreter_exit(
+    tmp_path: Path, when: str
+) -> None:
+    """Batches of two or more are claimed on a thread pool: a child forked after the parent
+    used it inherits a pool without threads, and at interpreter exit the pool takes no work.
+    Either way the batch is decided (a child that hung or raised would fail here)."""
+    root = tmp_path / "store"
+    child = textwrap.dedent(
+        f"""
+        import atexit, os, sys
+        from rmq_spark import Decision, LocalTransactionState, Message, Store
+        store = Store.open({str(root)!r})
+        def decide():
+            ids = [p.transaction_id for p in store.prepare([Message("T", b"x")] * 2, "pg")]
+            store.end_transactions(
+                [Decision(t, "pg", LocalTransactionState.COMMIT) for t in ids], publish=False
+            )
+            print("decided", flush=True)
+        decide()
+        if {when!r} == "at interpreter exit":
+            atexit.register(decide)
+        else:
+            pid = os.fork()
+            if pid == 0:
+                decide()
+                os._exit(0)
+            os._exit(os.waitpid(pid, 0)[1])
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", child], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["decided", "decided"]
+    assert [d for _, d in _op_rows(Store.open(root))] == ["COMMIT"] * 4
