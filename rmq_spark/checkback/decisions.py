@@ -12,12 +12,14 @@ beside its re-driven copy.
 from __future__ import annotations
 
 import logging
+import threading
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from rmq_spark.checkback.batch import CHECK
 from rmq_spark.checkback.discards import DECIDED_BY_CHECK_MAX
 from rmq_spark.checkback.state import STATE_COLUMNS
 from rmq_spark.model.messages import LocalTransactionState
@@ -30,6 +32,40 @@ log = logging.getLogger(__name__)
 #: ``op.decided_by`` of transactions a checker decided.
 DECIDED_BY_CHECKER = "check-back"
 _DECISION_CHUNK = 20_000
+#: Rounds of a job between two reads of the decision object of a ripe transaction that is not
+#: due (see :class:`ObjectLooks`).
+LOOK_AGAIN_ROUNDS = 10
+
+
+class ObjectLooks:
+    """Whose decision objects a job's rounds on one shard read (:func:`land_unlanded`).
+
+    A due transaction's object is read every round: its checker is asked otherwise. A ripe one
+    that is not due (its group has no checker, it is older than the max check age, it is
+    immune, its writer is alive) may stay pending for days, and its object (a GET, most often
+    of nothing: its producer never decided) is read the first round that finds it ripe, then
+    every :data:`LOOK_AGAIN_ROUNDS` rounds, not every round. A one-shot run reads them all."""
+
+    def __init__(self) -> None:
+        self._round = 0
+        self._last: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def pick(self, ripe: pa.Table) -> pa.Table:
+        """The rows of ``ripe`` whose objects this round reads (one call a round)."""
+        ids = ripe.column("transaction_id").to_pylist()
+        due = [r == CHECK for r in ripe.column("reason").to_pylist()]
+        with self._lock:
+            self._round += 1
+            # Only transactions still ripe are remembered: the others were decided.
+            last = {t: self._last[t] for t in ids if t in self._last}
+            keep = [
+                d or t not in last or self._round - last[t] >= LOOK_AGAIN_ROUNDS
+                for t, d in zip(ids, due, strict=True)
+            ]
+            last.update((t, self._round) for t, k in zip(ids, keep, strict=True) if k)
+            self._last = last
+        return ripe.filter(pa.array(keep, pa.bool_()))
 
 
 def decide(
@@ -69,8 +105,9 @@ def recover_unrecorded(
 ) -> set[str]:
     """Record in ``op``, without asking, the decisions that ``op`` lacks: of ``due``
     transactions, those another Delta writer removed (:func:`recover_removed`); of ``ripe``
-    ones (past the transaction timeout), those won by a decision object whose decider stopped
-    before recording them (:func:`land_unlanded`). Return those transactions."""
+    ones (past the transaction timeout, picked by :meth:`ObjectLooks.pick`), those won by a
+    decision object whose decider stopped before recording them (:func:`land_unlanded`).
+    Return those transactions."""
     ended = recover_removed(store, due, counts)
     if ended:
         gone = pa.array(sorted(ended), pa.string())
@@ -82,7 +119,7 @@ def land_unlanded(store: Store, ripe: pa.Table, counts: Counter[str]) -> set[str
     """Record in ``op`` the decisions that the decision objects of ``ripe`` transactions hold
     (:mod:`rmq_spark.store.arbiter`): their decider (a producer process killed between its
     decision and its landing) did not; return those transactions. Each costs one read of its
-    object a round while it is pending."""
+    object; they are counted as already decided (their producer decided first)."""
     found = store.object_decisions(ripe.column("transaction_id").to_pylist())
     if not found:
         return set()

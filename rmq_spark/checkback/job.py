@@ -42,6 +42,7 @@ from functools import reduce
 from pyspark.sql import DataFrame, SparkSession
 
 from rmq_spark.checkback.checkers import Checker
+from rmq_spark.checkback.decisions import ObjectLooks
 from rmq_spark.checkback.discards import insert_discards
 from rmq_spark.checkback.round import CheckRound
 from rmq_spark.checkback.routing import misconfigured
@@ -105,6 +106,8 @@ class CheckBackJob:
         self.skip_unrouted = skip_unrouted
         self.retention = retention
         self.clock = clock
+        #: Per shard, whose decision objects its rounds read (kept from round to round).
+        self._looks: dict[int, ObjectLooks] = {}
 
     # ------------------------------------------------------------------ entry points
     def run_once(self) -> CheckBackResult:
@@ -127,7 +130,8 @@ class CheckBackJob:
         rounds: dict[int, CheckRound] = {}
 
         def run(shard: Store) -> CheckBackResult:
-            rounds[shard.shard] = CheckRound(self, shard, broken)
+            looks = self._looks.setdefault(shard.shard, ObjectLooks())
+            rounds[shard.shard] = CheckRound(self, shard, broken, looks)
             return rounds[shard.shard].run(run_id)
 
         def combine(

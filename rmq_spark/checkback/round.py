@@ -28,7 +28,12 @@ from rmq_spark.checkback.batch import (
     UNROUTED,
     check_batch,
 )
-from rmq_spark.checkback.decisions import DECIDED_BY_CHECKER, decide, recover_unrecorded
+from rmq_spark.checkback.decisions import (
+    DECIDED_BY_CHECKER,
+    ObjectLooks,
+    decide,
+    recover_unrecorded,
+)
 from rmq_spark.checkback.discards import DECIDED_BY_CHECK_MAX, insert_discards, repair_discards
 from rmq_spark.checkback.epoch_checker import WRITER_ALIVE, EpochChecker
 from rmq_spark.checkback.pending import PendingUpdate, update_pending
@@ -54,12 +59,17 @@ class CheckRound:
         The store (shard) the round resolves.
     broken : dict of str to str
         This run's misconfigured checkers, ``{group: what is wrong}``.
+    looks : ObjectLooks
+        Whose decision objects the job's rounds on this store read.
     """
 
-    def __init__(self, job: CheckBackJob, store: Store, broken: dict[str, str]) -> None:
+    def __init__(
+        self, job: CheckBackJob, store: Store, broken: dict[str, str], looks: ObjectLooks
+    ) -> None:
         self.job = job
         self.store = store
         self._broken = broken
+        self._looks = looks
         #: This round's pending transactions (set when its check batch is made).
         self._pending: PendingUpdate | None = None
         #: The round's summary, once recorded (a failed round's too).
@@ -77,13 +87,8 @@ class CheckRound:
             repair_discards(self.store, self.job.settings.transaction_check_max, self.job.clock)
             batch = self._check_batch(started)
             pending = batch.drop("body", "properties").toArrow()
-            reasons = Counter(pending.column("reason").to_pylist())
             counts["pending_found"] = pending.num_rows
-            counts["not_yet_due"] = reasons[NOT_YET_DUE]
-            counts["skipped_for_age"] = reasons[TOO_OLD]
-            counts["unrouted"] = reasons[UNROUTED] + reasons[MISPLACED]
             oldest = pc.max(pending.column("age_seconds")).as_py()
-            self._report_unrouted(pending)
             answers, ended = self._check_groups(batch, pending, started, counts)
             self._start_clocks(pending, ended)
             batch = batch.join(
@@ -115,10 +120,15 @@ class CheckRound:
             self._pending.stored_ages,
         )
 
-    def _report_unrouted(self, pending: pa.Table) -> None:
-        """Warn about pending transactions of groups with no checker (left pending, counted
-        as unrouted: UNKNOWN for their group, never the end of the round or of the loop);
-        with ``skip_unrouted`` they are expected, and only counted."""
+    def _count_left(self, pending: pa.Table, counts: Counter[str]) -> None:
+        """Count the pending transactions left pending for their reason (not yet due, too old,
+        unrouted); warn about those of groups with no checker (left pending, counted as
+        unrouted: UNKNOWN for their group, never the end of the round or of the loop); with
+        ``skip_unrouted`` they are expected, and only counted."""
+        reasons = Counter(pending.column("reason").to_pylist())
+        counts["not_yet_due"] += reasons[NOT_YET_DUE]
+        counts["skipped_for_age"] = reasons[TOO_OLD]
+        counts["unrouted"] = reasons[UNROUTED] + reasons[MISPLACED]
         misplaced = pending.filter(pc.equal(pending.column("reason"), MISPLACED))
         if misplaced.num_rows:
             log.warning(
@@ -158,11 +168,15 @@ class CheckRound:
                 pc.not_equal(pending.column("reason"), MISPLACED),
             )
         )
-        ended = recover_unrecorded(self.store, due, ripe, counts)
+        ended = recover_unrecorded(self.store, due, self._looks.pick(ripe), counts)
         if ended:
             gone = pa.array(sorted(ended), pa.string())
             due = due.filter(pc.invert(pc.is_in(due.column("transaction_id"), value_set=gone)))
+            pending = pending.filter(
+                pc.invert(pc.is_in(pending.column("transaction_id"), value_set=gone))
+            )
             batch = batch.where(~F.col("transaction_id").isin(gone.to_pylist()))
+        self._count_left(pending, counts)
         answers = [ANSWERS_ARROW.empty_table()]
         for group in sorted(set(due.column("producer_group").to_pylist())):
             mine = due.filter(pc.equal(due.column("producer_group"), group))

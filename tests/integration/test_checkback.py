@@ -736,6 +736,8 @@ def test_a_decision_its_killed_producer_never_recorded_is_recorded_not_asked(
     start_clocks(spark, store, clock)
     s = job(spark, store, clock).run_once().summary
     assert (s.checked, s.already_decided, s.committed, s.rolled_back) == (0, 1, 0, 0)
+    # Recorded, so not also left pending: a one-shot `rmqtx check` exits 3 on unrouted ones.
+    assert (s.pending_found, s.unrouted, s.not_yet_due, s.skipped_for_age) == (1, 0, 0, 0)
     assert store.decisions([tid]) == {tid: LocalTransactionState.COMMIT}
     store.publish()
     assert visible_ids(store) == [tid]

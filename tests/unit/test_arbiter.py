@@ -10,6 +10,7 @@ import textwrap
 import threading
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 from deltalake import DeltaTable
 
@@ -287,3 +288,24 @@ def test_a_batch_decides_in_a_forked_child_and_at_interpreter_exit(
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["decided", "decided"]
     assert [d for _, d in _op_rows(Store.open(root))] == ["COMMIT"] * 4
+
+
+def test_rounds_read_the_objects_of_ripe_transactions_not_due_every_tenth_round() -> None:
+    """A due transaction's decision object is read every round; one left pending for another
+    reason (unrouted, too old, not yet due) the first round and then every tenth; one that is
+    no longer ripe is forgotten."""
+    from rmq_spark.checkback.batch import CHECK, TOO_OLD, UNROUTED
+    from rmq_spark.checkback.decisions import LOOK_AGAIN_ROUNDS, ObjectLooks
+
+    looks = ObjectLooks()
+    ripe = pa.table(
+        {"transaction_id": ["due", "old", "lost"], "reason": [CHECK, TOO_OLD, UNROUTED]}
+    )
+    read = [
+        looks.pick(ripe if n < 3 else ripe.slice(0, 2)) for n in range(2 * LOOK_AGAIN_ROUNDS - 1)
+    ]
+    ids = [r.column("transaction_id").to_pylist() for r in read]
+    assert ids[0] == ["due", "old", "lost"]
+    assert ids[1:LOOK_AGAIN_ROUNDS] == [["due"]] * (LOOK_AGAIN_ROUNDS - 1)
+    assert ids[LOOK_AGAIN_ROUNDS] == ["due", "old"]
+    assert looks.pick(ripe).column("transaction_id").to_pylist() == ["due", "lost"]
