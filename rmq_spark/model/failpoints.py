@@ -26,6 +26,8 @@ layout 3 or more, no shard made yet), ``storage.probed`` (an S3 conditional-writ
 not yet removed), ``layout.table`` (a new store's or shard's first table is created, the
 others not yet), ``layout.staged`` (a marker is staged on local disk, not renamed into place)
 and ``shards.made`` (the shards' markers are in place, the root's count not raised yet);
+``layout.read`` (the root's marker is read to be raised, not rewritten yet;
+:func:`rmq_spark.store.layout.raise_layout`);
 ``deliveries.decided`` (messages decided for a dead-letter topic are committed, not yet
 published there; :mod:`rmq_spark.store.deliveries`); ``decision.claimed`` (transactions'
 decision objects are put, their decisions not recorded in ``op``;

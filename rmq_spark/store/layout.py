@@ -153,11 +153,40 @@ def raise_layout(tables: DeltaTables, shards: int = 1) -> None:
     fs, root = filesystem(tables.root, tables.storage_options)
     marker = f"{root.rstrip('/')}/{MARKER_FILE}"
     meta = _check_marker(tables.root, fs, marker)
+    failpoint("layout.read")
     wanted = {**meta, "layout_version": LAYOUT_VERSION}
     wanted["shards"] = max(int(meta.get("shards", 1)), shards)
-    if wanted != meta:
+    while wanted != meta:
         _write_marker(fs, marker, wanted)
-        log.info("store %s: layout version %d, %d shard(s)", tables.root, LAYOUT_VERSION, shards)
+        log.info(
+            "store %s: layout version %d, %d shard(s)",
+            tables.root,
+            LAYOUT_VERSION,
+            wanted["shards"],
+        )
+        # This rewrite may land after a racing grow's (read before it, stalled): every shard
+        # made before it is listed after it, and counted again.
+        meta = wanted
+        wanted = {**meta, "shards": max(meta["shards"], _made(fs, root, meta["shards"]))}
+
+
+def _listed(fs: fsspec.AbstractFileSystem, root: str) -> set[int]:
+    """The shard numbers that ``shards/`` lists (made, or being made): one listing."""
+    folder = f"{root.rstrip('/')}/{SHARDS_DIR}"
+    fs.invalidate_cache(folder)
+    try:
+        names = [Path(p.rstrip("/")).name for p in fs.ls(folder, detail=False)]
+    except FileNotFoundError:
+        return set()
+    return {int(n) for n in names if n.isdigit() and int(n) > 0}
+
+
+def _made(fs: fsspec.AbstractFileSystem, root: str, counted: int) -> int:
+    """How many shards the store has at least: ``counted``, or one more than the highest
+    shard beyond it whose marker (written last) exists."""
+    folder = f"{root.rstrip('/')}/{SHARDS_DIR}"
+    beyond = sorted((k for k in _listed(fs, root) if k >= counted), reverse=True)
+    return next((k + 1 for k in beyond if fs.exists(f"{folder}/{k}/{MARKER_FILE}")), counted)
 
 
 def shard_uri(root: str, shard: int) -> str:
@@ -179,12 +208,7 @@ def shards_found(tables: DeltaTables, known: Collection[int]) -> list[int]:
     """
     fs, root = filesystem(tables.root, tables.storage_options)
     folder = f"{root.rstrip('/')}/{SHARDS_DIR}"
-    fs.invalidate_cache(folder)
-    try:
-        names = [Path(p.rstrip("/")).name for p in fs.ls(folder, detail=False)]
-    except FileNotFoundError:
-        names = []
-    listed = {int(n) for n in names if n.isdigit() and int(n) > 0}
+    listed = _listed(fs, root)
     recorded = int(
         _check_marker(tables.root, fs, f"{root.rstrip('/')}/{MARKER_FILE}").get("shards", 1)
     )
