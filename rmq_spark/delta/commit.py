@@ -446,10 +446,6 @@ class _Staged:
                     os.link(self.temp, target)
             else:
                 self.log.fs.pipe_file(target, self.entry, mode="create")
-        except FileExistsError:
+        except FileExistsError:  # S3: 412 Precondition Failed (rmq_spark.delta.s3requests)
             return False
-        except OSError as exc:
-            if "condition" in str(exc).lower():  # S3: 412 Precondition Failed
-                return False
-            raise
         return True

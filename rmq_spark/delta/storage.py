@@ -46,6 +46,12 @@ def filesystem(uri: str, options: Mapping[str, str]) -> tuple[fsspec.AbstractFil
         the extra that installs it.
     """
     try:
+        if is_s3(uri):
+            # Whole-object GETs and PUTs signed here (one a tenth of s3fs's CPU).
+            from rmq_spark.delta.s3requests import S3FileSystem
+
+            fs = S3FileSystem(**fsspec_options(uri, options), store_options=options)
+            return fs, fs._strip_protocol(uri)
         return fsspec.core.url_to_fs(uri, **fsspec_options(uri, options))
     except ImportError as exc:
         extra = _FAMILIES.get(scheme(uri), "s3")
@@ -346,12 +352,10 @@ def check_conditional_put(root: str, options: Mapping[str, str]) -> None:
     failpoint("storage.probed")
     try:
         fs.pipe_file(probe, b"second", mode="create")
-    except OSError as exc:
-        if isinstance(exc, FileExistsError) or "condition" in str(exc).lower():
-            with _probed_lock:
-                _probed.add(key)
-            return
-        raise
+    except FileExistsError:
+        with _probed_lock:
+            _probed.add(key)
+        return
     finally:
         fs.rm_file(probe)
     raise StorageConfigError(

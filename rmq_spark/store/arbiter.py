@@ -22,25 +22,18 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
-import threading
-import time
 import uuid
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from rmq_spark.delta.parallel import each
 from rmq_spark.delta.storage import filesystem, scheme
 from rmq_spark.model.errors import CorruptStoreError
 from rmq_spark.model.messages import LocalTransactionState
 
 #: The folder of ``op`` that holds the decision objects.
 DECISIONS_DIR = "_rmqtx_decisions"
-#: Puts or reads of one call at once (a check-back round decides thousands).
-_PARALLEL = 16
-#: Conditional PUTs put again after S3's 409 (another PUT of the key under way).
-_CONFLICT_RETRIES = 5
 
 
 @dataclass(frozen=True)
@@ -70,38 +63,18 @@ class DecisionObjects:
         self.fs, path = filesystem(op_uri, storage_options)
         self.path = f"{path.rstrip('/')}/{DECISIONS_DIR}"
         self._made = False
-        self._pool: ThreadPoolExecutor | None = None
-        self._pool_pid = 0
-        self._pool_lock = threading.Lock()
 
     def claim(
         self, decisions: Sequence[tuple[str, str, LocalTransactionState, str]], at: datetime
     ) -> list[Claimed]:
         """Put the decision object of each ``(transaction_id, producer_group, state,
         decided_by)`` unless one exists; return the decision in force for each, in order."""
-        return self._each(lambda d: self._claim(*d, at), decisions)
+        return each(lambda d: self._claim(*d, at), decisions)
 
     def read(self, transaction_ids: Sequence[str]) -> dict[str, Claimed]:
         """The decision objects found for ``transaction_ids`` (absent: none put yet)."""
-        found = self._each(self._read, transaction_ids)
+        found = each(self._read, transaction_ids)
         return {c.transaction_id: c for c in found if c is not None}
-
-    def _each(self, work, items: Sequence) -> list:
-        """``work`` on each item, up to :data:`_PARALLEL` at once. A pool inherited through a
-        fork has no threads (a forked child makes its own); one shut down with the interpreter
-        takes no work (then the items are done one by one)."""
-        if len(items) <= 1:
-            return [work(i) for i in items]
-        with self._pool_lock:
-            if self._pool is None or self._pool_pid != os.getpid():
-                self._pool = ThreadPoolExecutor(_PARALLEL, thread_name_prefix="rmqtx-decision")
-                self._pool_pid = os.getpid()
-            pool = self._pool
-        try:
-            futures = [pool.submit(work, i) for i in items]
-        except RuntimeError:  # cannot schedule new futures after interpreter shutdown
-            return [work(i) for i in items]
-        return [f.result() for f in futures]
 
     def remove(self, transaction_ids: Sequence[str]) -> None:
         """Delete the decision objects of ``transaction_ids`` (absent ones are skipped): only
@@ -172,8 +145,9 @@ class DecisionObjects:
     def _put_if_absent(self, name: str, data: bytes) -> bool:
         """Write ``data`` as ``name`` unless it exists; False when it does."""
         try:
-            if not self.local:
-                return self._put_s3(name, data)
+            if not self.local:  # If-None-Match: * (rmq_spark.delta.s3requests)
+                self.fs.pipe_file(name, data, mode="create")
+                return True
             if not self._made:
                 os.makedirs(self.path, exist_ok=True)
                 self._made = True
@@ -188,25 +162,6 @@ class DecisionObjects:
         except FileExistsError:
             return False
         return True
-
-    def _put_s3(self, name: str, data: bytes) -> bool:
-        """A PUT with ``If-None-Match: *``; False on 412. S3 answers 409 to a conditional PUT
-        racing another on the same key (neither has landed yet): put again."""
-        for attempt in range(_CONFLICT_RETRIES + 1):
-            try:
-                self.fs.pipe_file(name, data, mode="create")
-                return True
-            except FileExistsError:
-                return False
-            except OSError as exc:
-                code = getattr(exc.__cause__, "response", {}).get("Error", {}).get("Code")
-                if code == "ConditionalRequestConflict" and attempt < _CONFLICT_RETRIES:
-                    time.sleep(random.uniform(0.01, 0.05) * (attempt + 1))
-                    continue
-                if code == "PreconditionFailed" or (code is None and "condition" in str(exc)):
-                    return False
-                raise
-        raise AssertionError("unreachable")
 
 
 @dataclass(frozen=True)
