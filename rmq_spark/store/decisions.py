@@ -142,13 +142,15 @@ _OWN_COMMITS_KEPT = 256
 
 
 #: A prepare of at most this many new transactions makes ids that decision objects decide
-#: (:mod:`rmq_spark.store.arbiter`); a larger one (many senders at once, a bulk prepare) makes
-#: ids decided in ``op``. On S3 + 20 ms, a decision object is one round trip instead of the
-#: three of an ``op`` commit, but one request (about a millisecond of the process's CPU in
-#: s3fs) per transaction instead of three per commit: with 64 senders, whose decisions come
-#: some thirty together, objects made the process CPU-bound (236 against 276 transactions a
-#: second, ``bench/scale_bench.py``). The arbiter is fixed when the id is made, whoever decides.
-OBJECT_DECIDED_BATCH = 8
+#: (:mod:`rmq_spark.store.arbiter`), on a local filesystem and on S3; a larger one (a bulk
+#: prepare) makes ids decided in ``op``. The arbiter is fixed when the id is made, whoever
+#: decides. On S3 + 20 ms a decision object is one round trip instead of the three of an
+#: ``op`` commit: with 64 senders, whose decisions come some thirty together, objects for all
+#: of them made 367 transactions a second against 320, p99 273 ms against 512
+#: (``bench/scale_bench.py``). On local disk an ``op`` commit is a millisecond and a file per
+#: transaction costs more than it saves: 64 senders made 2,472 to 3,290 a second with objects,
+#: 4,315 to 4,400 without.
+OBJECT_DECIDED_BATCH = {"file": 8, "s3": 64}
 
 #: Transaction ids whose making :class:`_Made` remembers (the oldest are forgotten, and then
 #: looked up as any other).
@@ -257,6 +259,9 @@ class Decisions(StoreConcept):
             if supports_objects(self.tables.root)
             else None
         )
+        self._objects_batch = OBJECT_DECIDED_BATCH[
+            "file" if self._objects is None or self._objects.local else "s3"
+        ]
         #: Decisions won by their objects and not landed in ``op`` yet (``end(land=False)``).
         self._unlanded: list[Decision] = []
         self._queue_lock = threading.Lock()
@@ -304,7 +309,7 @@ class Decisions(StoreConcept):
         if transaction_ids is None:
             # Their decisions will come as few together: one conditional put each is the
             # cheapest first decision. Many together share one op commit instead.
-            by_object = self._objects is not None and len(messages) <= OBJECT_DECIDED_BATCH
+            by_object = self._objects is not None and len(messages) <= self._objects_batch
             raise_layout = self._raise_layout
             if by_object and raise_layout is not None:
                 raise_layout()

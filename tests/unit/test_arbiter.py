@@ -232,14 +232,15 @@ def test_a_normal_message_sent_after_a_commit_comes_after_it(tmp_path: Path) -> 
     assert rows.column("body").to_pylist() == [b"committed", b"normal"]
 
 
-def test_a_prepare_of_many_transactions_leaves_their_decisions_to_op(store: Store) -> None:
+def test_a_prepare_of_many_transactions_leaves_their_decisions_to_op(any_store: Store) -> None:
     """Decisions that come many together share one ``op`` commit: a prepare of more than
-    ``OBJECT_DECIDED_BATCH`` new transactions (many senders at once) makes ids decided there."""
+    ``OBJECT_DECIDED_BATCH`` new transactions (a bulk prepare) makes ids decided there."""
     from rmq_spark.store.decisions import OBJECT_DECIDED_BATCH
 
-    many = store.prepare([Message("T", b"x")] * (OBJECT_DECIDED_BATCH + 1), "pg")
+    most = OBJECT_DECIDED_BATCH["s3" if any_store.root.startswith("s3://") else "file"]
+    many = any_store.prepare([Message("T", b"x")] * (most + 1), "pg")
     assert not any(object_decided(p.transaction_id) for p in many)
-    few = store.prepare([Message("T", b"x")] * OBJECT_DECIDED_BATCH, "pg")
+    few = any_store.prepare([Message("T", b"x")] * most, "pg")
     assert all(object_decided(p.transaction_id) for p in few)
 
 
