@@ -88,7 +88,9 @@ class CheckRound:
             batch = self._check_batch(started)
             pending = batch.drop("body", "properties").toArrow()
             counts["pending_found"] = pending.num_rows
+            counts.update(_left_counts(pending))
             oldest = pc.max(pending.column("age_seconds")).as_py()
+            self._report_unrouted(pending)
             answers, ended = self._check_groups(batch, pending, started, counts)
             self._start_clocks(pending, ended)
             batch = batch.join(
@@ -120,15 +122,10 @@ class CheckRound:
             self._pending.stored_ages,
         )
 
-    def _count_left(self, pending: pa.Table, counts: Counter[str]) -> None:
-        """Count the pending transactions left pending for their reason (not yet due, too old,
-        unrouted); warn about those of groups with no checker (left pending, counted as
-        unrouted: UNKNOWN for their group, never the end of the round or of the loop); with
-        ``skip_unrouted`` they are expected, and only counted."""
-        reasons = Counter(pending.column("reason").to_pylist())
-        counts["not_yet_due"] += reasons[NOT_YET_DUE]
-        counts["skipped_for_age"] = reasons[TOO_OLD]
-        counts["unrouted"] = reasons[UNROUTED] + reasons[MISPLACED]
+    def _report_unrouted(self, pending: pa.Table) -> None:
+        """Warn about pending transactions of groups with no checker (left pending, counted
+        as unrouted: UNKNOWN for their group, never the end of the round or of the loop);
+        with ``skip_unrouted`` they are expected, and only counted."""
         misplaced = pending.filter(pc.equal(pending.column("reason"), MISPLACED))
         if misplaced.num_rows:
             log.warning(
@@ -172,11 +169,11 @@ class CheckRound:
         if ended:
             gone = pa.array(sorted(ended), pa.string())
             due = due.filter(pc.invert(pc.is_in(due.column("transaction_id"), value_set=gone)))
-            pending = pending.filter(
-                pc.invert(pc.is_in(pending.column("transaction_id"), value_set=gone))
+            # Recorded from their objects: not left pending for their reason after all.
+            counts.subtract(
+                _left_counts(pending.filter(pc.is_in(pending.column("transaction_id"), gone)))
             )
             batch = batch.where(~F.col("transaction_id").isin(gone.to_pylist()))
-        self._count_left(pending, counts)
         answers = [ANSWERS_ARROW.empty_table()]
         for group in sorted(set(due.column("producer_group").to_pylist())):
             mine = due.filter(pc.equal(due.column("producer_group"), group))
@@ -253,3 +250,13 @@ class CheckRound:
     def _insert_discards(self, transaction_ids: list[str], now: datetime) -> None:
         """Record the discards of transactions this round rolled back at its check max."""
         insert_discards(self.store, transaction_ids, now, self.job.settings.transaction_check_max)
+
+
+def _left_counts(pending: pa.Table) -> Counter[str]:
+    """The summary's counts of ``pending`` transactions left pending for their reason."""
+    reasons = Counter(pending.column("reason").to_pylist())
+    return Counter(
+        not_yet_due=reasons[NOT_YET_DUE],
+        skipped_for_age=reasons[TOO_OLD],
+        unrouted=reasons[UNROUTED] + reasons[MISPLACED],
+    )

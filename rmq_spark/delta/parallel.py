@@ -1,11 +1,11 @@
-"""Many small requests at once: one thread pool per process for I/O-bound work on objects."""
+"""Many small requests at once: thread pools per process for I/O-bound work on objects."""
 
 from __future__ import annotations
 
 import os
 import threading
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
 #: Requests of one call at once (a check-back round reads thousands of objects).
@@ -13,29 +13,42 @@ PARALLEL = 16
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")
-_pool: ThreadPoolExecutor | None = None
-_pool_pid = 0
+_PREFIX = "rmqtx-each-"
+_pools: dict[str, ThreadPoolExecutor] = {}
 _lock = threading.Lock()
-_NAME = "rmqtx-request"
 
 
-def each(work: Callable[[_T], _R], items: Iterable[_T]) -> list[_R]:
-    """``work`` on each item, up to :data:`PARALLEL` at once; the results in order, or the
-    first item's exception. One item runs on the caller's thread, and so do all when the caller
-    is one of the pool's (its threads waiting on their own pool could wait forever). A pool
-    inherited through a fork has no threads (a forked child makes its own); at interpreter exit
-    the pool takes no work, and the items are done one by one."""
-    global _pool, _pool_pid
+def _forget_pools() -> None:
+    """In a forked child: the parent's pools have no threads there, and its lock may be held."""
+    global _lock
+    _pools.clear()
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pools)
+
+
+def each(work: Callable[[_T], _R], items: Iterable[_T], pool: str) -> list[_R]:
+    """``work`` on each item, up to :data:`PARALLEL` at once on the process's pool named
+    ``pool`` (one a purpose: a decision's puts never queue behind a publisher's reads); the
+    results in order, or the first failing item's exception.
+
+    A call of one item runs on the caller's thread, and so does every item of a call from one
+    of the pools' threads (waiting on a pool from its own threads could wait forever). At
+    interpreter exit the pools take no new work: the items not yet submitted are done on the
+    caller's thread."""
     items = list(items)
-    if len(items) <= 1 or threading.current_thread().name.startswith(_NAME):
+    if len(items) <= 1 or threading.current_thread().name.startswith(_PREFIX):
         return [work(i) for i in items]
     with _lock:
-        if _pool is None or _pool_pid != os.getpid():
-            _pool = ThreadPoolExecutor(PARALLEL, thread_name_prefix=_NAME)
-            _pool_pid = os.getpid()
-        pool = _pool
+        executor = _pools.get(pool)
+        if executor is None:
+            executor = _pools[pool] = ThreadPoolExecutor(PARALLEL, f"{_PREFIX}{pool}")
+    futures: list[Future[_R]] = []
     try:
-        futures = [pool.submit(work, i) for i in items]
+        for item in items:
+            futures.append(executor.submit(work, item))
     except RuntimeError:  # cannot schedule new futures after interpreter shutdown
-        return [work(i) for i in items]
+        inline = [work(i) for i in items[len(futures) :]]
+        return [f.result() for f in futures] + inline
     return [f.result() for f in futures]

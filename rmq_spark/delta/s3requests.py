@@ -15,17 +15,21 @@ a missing object raises ``FileNotFoundError``, a PUT with ``mode="create"`` (``I
 *``) of an existing object ``FileExistsError``. Besides:
 
 * Credentials are botocore's (the store's options, else the environment, the profile, a
-  container or instance role, web identity...), refreshed as botocore refreshes them.
+  container or instance role, web identity...), refreshed as botocore refreshes them; none
+  found is a ``StorageConfigError`` (``AWS_SKIP_SIGNATURE=true`` for a public bucket).
 * Region and endpoint come from the store's options or the environment, as for s3fs.
   Without an endpoint, AWS's virtual-hosted addresses are used (path style for buckets
-  that cannot be host names); a 301 or a 400 naming the bucket's region switches to it.
-  With an endpoint (MinIO, a gateway), path style, unless
-  ``AWS_VIRTUAL_HOSTED_STYLE_REQUEST`` is true.
-* A request is retried, as botocore's standard mode does, after a connection error, a 5xx,
-  a 429 or a throttling answer, with jittered backoff, 5 attempts in all; a conditional PUT
-  answered 409 (another PUT of the key under way) is put again. A PUT whose answer was lost
-  may find its own object the second time: the callers already allow for that (a decision
-  object's token, a commit's conflict check), as they did for botocore's retries.
+  that cannot be host names); a 301 or a 400 naming the bucket's region switches that
+  bucket to it. With an endpoint (MinIO, a gateway), path style under it, or with
+  ``AWS_VIRTUAL_HOSTED_STYLE_REQUEST`` true the endpoint as the bucket's host (as deltalake
+  does). TLS verifies against the system's roots or ``AWS_CA_BUNDLE``. Behind an HTTP proxy
+  (``HTTPS_PROXY`` or ``HTTP_PROXY`` set) s3fs makes these requests too
+  (:func:`rmq_spark.delta.storage.filesystem`).
+* A request is retried after a connection error, a 5xx, a 429 or a throttling answer, with
+  jittered backoff, 5 attempts in all (s3fs's count); a conditional PUT answered 409
+  (another PUT of the key under way) is put again; a keep-alive connection the server closed
+  while idle is replaced at once. A put-if-absent whose answer was lost and whose retry is
+  refused reads the object: its own bytes there mean it wrote them.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import logging
 import os
 import random
 import re
+import ssl
 import threading
 import time
 import urllib.parse
@@ -50,6 +55,7 @@ import s3fs
 from botocore.credentials import Credentials
 
 from rmq_spark.delta.parallel import each
+from rmq_spark.model.errors import StorageConfigError
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +67,8 @@ _EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 _RETRIED_STATUS = {429, 500, 502, 503, 504}
 _THROTTLED = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout"}
 _DNS_BUCKET = re.compile(r"^[a-z0-9][a-z0-9-]{1,61}[a-z0-9]$")
+#: What a write on a keep-alive connection the server closed while idle raises.
+_STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)
 
 
 class S3Error(OSError):
@@ -73,13 +81,17 @@ class S3Requests:
     def __init__(self, options: Mapping[str, str]) -> None:
         opts = {str(k).upper(): str(v) for k, v in options.items()}
         env = os.environ
-        session = botocore.session.Session(profile=opts.get("AWS_PROFILE"))
-        self._credentials = _credentials(opts, session)
+        self._opts = opts
+        self._session = botocore.session.Session(profile=opts.get("AWS_PROFILE"))
+        self._credentials: Any = None
+        self._anonymous = opts.get("AWS_SKIP_SIGNATURE", "").lower() in ("1", "true")
+        #: The region of each bucket (told by S3 when a request went to another), and of any.
+        self._regions: dict[str, str] = {}
         self.region = (
             opts.get("AWS_REGION")
             or opts.get("AWS_DEFAULT_REGION")
             or env.get("AWS_REGION")
-            or session.get_config_variable("region")
+            or self._session.get_config_variable("region")
             or "us-east-1"
         )
         endpoint = (
@@ -89,55 +101,81 @@ class S3Requests:
             or env.get("AWS_ENDPOINT_URL")
         )
         self.endpoint = urllib.parse.urlsplit(endpoint) if endpoint else None
+        # With an endpoint, virtual-hosted requests go to the endpoint as given (deltalake's
+        # object_store: it names the bucket's host); without one, to the bucket's AWS host.
         virtual = opts.get("AWS_VIRTUAL_HOSTED_STYLE_REQUEST", "").lower() in ("1", "true")
         self.virtual = virtual or self.endpoint is None
+        cafile = opts.get("AWS_CA_BUNDLE") or env.get("AWS_CA_BUNDLE")
+        self._tls = ssl.create_default_context(cafile=cafile)
         self._local = threading.local()
         self._keys: dict[tuple[str, str, str], bytes] = {}
 
     # ------------------------------------------------------------------ requests
     def get(self, path: str) -> bytes:
         """The object at ``path`` (``bucket/key``); ``FileNotFoundError`` when absent."""
-        status, body = self._request("GET", path)
+        status, body, _ = self._request("GET", path)
         if status == 404:
             raise FileNotFoundError(path)
         return body
 
     def put(self, path: str, data: bytes, *, if_absent: bool = False) -> None:
         """Write ``data`` as ``path``; with ``if_absent`` only if no object is there
-        (``FileExistsError`` otherwise)."""
+        (``FileExistsError`` otherwise). A put-if-absent sent again after its answer was lost
+        and refused finds its own bytes there: it wrote them, and returns."""
         headers = {"if-none-match": "*"} if if_absent else {}
-        status, _ = self._request("PUT", path, data, headers)
+        status, _, unsure = self._request("PUT", path, data, headers)
+        if status == 404:
+            raise FileNotFoundError(f"s3://{path}: no such bucket")
         if status == 412:
+            if unsure and self._same(path, data):
+                return
             raise FileExistsError(path)
+
+    def _same(self, path: str, data: bytes) -> bool:
+        try:
+            return self.get(path) == data
+        except FileNotFoundError:
+            return False
 
     def _request(
         self, method: str, path: str, body: bytes = b"", headers: Mapping[str, str] | None = None
-    ) -> tuple[int, bytes]:
-        """The status and body of the request's answer: 200 or 204; 404 to a GET; 412 to a
-        PUT. Any other answer raises, after the retries it takes."""
+    ) -> tuple[int, bytes, bool]:
+        """The status and body of the request's answer (200 or 204; 404; 412 to a PUT), and
+        whether an earlier attempt may have been carried out, its answer lost. Any other
+        answer raises, after the retries it takes."""
         bucket, _, key = path.partition("/")
-        answered = {200, 204, 404 if method == "GET" else 412}
-        for attempt in range(1, _ATTEMPTS + 1):
-            host, target, secure = self._address(bucket, key)
-            signed = self._sign(method, host, target, body, dict(headers or {}))
+        answered = {200, 204, 404} | ({412} if method == "PUT" else set())
+        unsure = False
+        attempt = 0
+        while True:
+            attempt += 1
+            region = self._regions.get(bucket, self.region)
+            host, target, secure = self._address(bucket, key, region)
+            signed = self._sign(method, host, target, body, dict(headers or {}), region)
+            reused = self._has_connection(host, secure)
             try:
                 response, data = self._send(host, secure, method, target, body, signed)
+            except ssl.SSLCertVerificationError as exc:
+                self._drop(host, secure)
+                raise S3Error(f"S3 {method} s3://{path}: {exc} (set AWS_CA_BUNDLE?)") from exc
             except (OSError, http.client.HTTPException) as exc:
                 self._drop(host, secure)
+                unsure = unsure or method == "PUT"
+                if reused and isinstance(exc, _STALE):
+                    attempt -= 1  # an idle connection the server closed: again, at once
+                    continue
                 if attempt == _ATTEMPTS:
-                    raise S3Error(f"S3 {method} {path}: {exc}") from exc
+                    raise S3Error(f"S3 {method} s3://{path}: {exc}") from exc
                 _backoff(attempt)
                 continue
             status = response.status
             if status in answered:
-                return status, data
+                return status, data, unsure
             code, message = _error(data)
-            region = response.getheader("x-amz-bucket-region")
-            if region and region != self.region and status in (301, 400):
-                log.info(
-                    "s3://%s is in %s, not %s: addressing it there", bucket, region, self.region
-                )
-                self.region = region
+            told = response.getheader("x-amz-bucket-region")
+            if told and told != region and status in (301, 400) and attempt < _ATTEMPTS:
+                log.info("s3://%s is in %s, not %s: addressing it there", bucket, told, region)
+                self._regions[bucket] = told
                 continue
             conflict = status == 409 and code == "ConditionalRequestConflict"
             if attempt < _ATTEMPTS and (
@@ -147,30 +185,37 @@ class S3Requests:
                 continue
             error = PermissionError if status == 403 else S3Error
             raise error(f"S3 {method} s3://{path}: {status} {code or ''} {message or ''}".strip())
-        raise AssertionError("unreachable")
 
-    def _address(self, bucket: str, key: str) -> tuple[str, str, bool]:
+    def _address(self, bucket: str, key: str, region: str) -> tuple[str, str, bool]:
         """The host, the request target and whether TLS is on, for ``bucket``'s ``key``."""
         quoted = urllib.parse.quote(key, safe="/~")
-        if self.endpoint is None:
-            base, secure = f"s3.{self.region}.amazonaws.com", True
-        else:
-            base, secure = self.endpoint.netloc, self.endpoint.scheme == "https"
-        if self.virtual and _DNS_BUCKET.match(bucket) and "." not in bucket:
-            return f"{bucket}.{base}", f"/{quoted}", secure
-        prefix = self.endpoint.path.rstrip("/") if self.endpoint is not None else ""
-        return base, f"{prefix}/{bucket}/{quoted}", secure
+        if self.endpoint is not None:
+            host, secure = self.endpoint.netloc, self.endpoint.scheme == "https"
+            prefix = self.endpoint.path.rstrip("/")
+            if self.virtual:  # the endpoint is the bucket's own host
+                return host, f"{prefix}/{quoted}", secure
+            return host, f"{prefix}/{bucket}/{quoted}", secure
+        domain = "amazonaws.com.cn" if region.startswith("cn-") else "amazonaws.com"
+        if _DNS_BUCKET.match(bucket) and "." not in bucket:
+            return f"{bucket}.s3.{region}.{domain}", f"/{quoted}", True
+        return f"s3.{region}.{domain}", f"/{bucket}/{quoted}", True
 
     def _sign(
-        self, method: str, host: str, target: str, body: bytes, headers: dict[str, str]
+        self,
+        method: str,
+        host: str,
+        target: str,
+        body: bytes,
+        headers: dict[str, str],
+        region: str,
     ) -> dict[str, str]:
-        """``headers`` with the request signed (AWS Signature Version 4), or as they are
-        without credentials (an anonymous request)."""
+        """``headers`` with the request signed (AWS Signature Version 4), or as they are for
+        an anonymous request (``AWS_SKIP_SIGNATURE``)."""
         payload = hashlib.sha256(body).hexdigest() if body else _EMPTY_SHA256
         headers |= {"host": host, "x-amz-content-sha256": payload}
-        if self._credentials is None:
+        if self._anonymous:
             return headers
-        creds = self._credentials.get_frozen_credentials()
+        creds = self._resolved().get_frozen_credentials()
         stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
         day = stamp[:8]
         headers["x-amz-date"] = stamp
@@ -187,12 +232,12 @@ class S3Requests:
                 payload,
             ]
         )
-        scope = f"{day}/{self.region}/s3/aws4_request"
+        scope = f"{day}/{region}/s3/aws4_request"
         to_sign = "\n".join(
             ["AWS4-HMAC-SHA256", stamp, scope, hashlib.sha256(canonical.encode()).hexdigest()]
         )
         signature = hmac.new(
-            self._signing_key(creds.secret_key, day), to_sign.encode(), hashlib.sha256
+            self._signing_key(creds.secret_key, day, region), to_sign.encode(), hashlib.sha256
         ).hexdigest()
         headers["authorization"] = (
             f"AWS4-HMAC-SHA256 Credential={creds.access_key}/{scope}, "
@@ -200,14 +245,38 @@ class S3Requests:
         )
         return headers
 
-    def _signing_key(self, secret: str, day: str) -> bytes:
-        cached = (secret, day, self.region)
+    def _resolved(self) -> Any:
+        """The credentials: the store's keys when given, else botocore's chain, looked up
+        again while it finds none (an instance role not reachable yet)."""
+        if self._credentials is None:
+            opts = self._opts
+            if "AWS_ACCESS_KEY_ID" in opts and "AWS_SECRET_ACCESS_KEY" in opts:
+                self._credentials = Credentials(
+                    opts["AWS_ACCESS_KEY_ID"],
+                    opts["AWS_SECRET_ACCESS_KEY"],
+                    opts.get("AWS_SESSION_TOKEN"),
+                )
+            else:
+                self._credentials = self._session.get_credentials()
+            if self._credentials is None:
+                raise StorageConfigError(
+                    "no AWS credentials found for the store (not in its storage options, the "
+                    "environment, the profile or an instance or container role); set "
+                    "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_SKIP_SIGNATURE=true "
+                    "for a public bucket."
+                )
+        return self._credentials
+
+    def _signing_key(self, secret: str, day: str, region: str) -> bytes:
+        cached = (secret, day, region)
         key = self._keys.get(cached)
         if key is None:
             key = hmac.new(f"AWS4{secret}".encode(), day.encode(), hashlib.sha256).digest()
-            for part in (self.region, "s3", "aws4_request"):
+            for part in (region, "s3", "aws4_request"):
                 key = hmac.new(key, part.encode(), hashlib.sha256).digest()
-            self._keys = {cached: key}  # one day's, one region's
+            if len(self._keys) > 16:  # days and regions gone by
+                self._keys = {}
+            self._keys[cached] = key
         return key
 
     def _send(
@@ -224,25 +293,32 @@ class S3Requests:
         response = conn.getresponse()
         return response, response.read()
 
-    def _connection(self, host: str, secure: bool) -> http.client.HTTPConnection:
-        """The calling thread's connection to ``host`` (a forked child makes its own: the
-        parent's socket is the parent's)."""
+    def _connections(self) -> dict[tuple[str, bool], http.client.HTTPConnection]:
+        """The calling thread's connections (a forked child makes its own: the parent's
+        sockets are the parent's)."""
         pid = os.getpid()
-        conns: dict[tuple[str, bool], http.client.HTTPConnection] | None = getattr(
-            self._local, "conns", None
-        )
-        if conns is None or getattr(self._local, "pid", None) != pid:
-            conns = self._local.conns = {}
+        if getattr(self._local, "pid", None) != pid:
+            self._local.conns = {}
             self._local.pid = pid
+        return self._local.conns
+
+    def _has_connection(self, host: str, secure: bool) -> bool:
+        conn = self._connections().get((host, secure))
+        return conn is not None and conn.sock is not None
+
+    def _connection(self, host: str, secure: bool) -> http.client.HTTPConnection:
+        conns = self._connections()
         conn = conns.get((host, secure))
         if conn is None:
-            kind = http.client.HTTPSConnection if secure else http.client.HTTPConnection
-            conn = conns[(host, secure)] = kind(host, timeout=_TIMEOUT)
+            conn = conns[(host, secure)] = (
+                http.client.HTTPSConnection(host, timeout=_TIMEOUT, context=self._tls)
+                if secure
+                else http.client.HTTPConnection(host, timeout=_TIMEOUT)
+            )
         return conn
 
     def _drop(self, host: str, secure: bool) -> None:
-        conns = getattr(self._local, "conns", None) or {}
-        conn = conns.pop((host, secure), None)
+        conn = self._connections().pop((host, secure), None)
         if conn is not None:
             conn.close()
 
@@ -276,27 +352,21 @@ class S3FileSystem(s3fs.S3FileSystem):
                     raise
                 return exc
 
-        found = dict(zip(paths, each(read, paths), strict=True))
+        found = dict(zip(paths, each(read, paths, "reads"), strict=True))
         if on_error == "omit":
             return {p: v for p, v in found.items() if isinstance(v, bytes)}
         return found
 
     def pipe_file(self, path: str, value: bytes, mode: str = "overwrite", **kw: Any) -> None:
-        if kw or len(value) > _SMALL or mode not in ("overwrite", "create"):
+        if (
+            kw
+            or mode not in ("overwrite", "create")
+            or (mode == "overwrite" and len(value) > _SMALL)
+        ):
             return super().pipe_file(path, value, mode=mode, **kw)
         self.requests.put(self._strip_protocol(path), bytes(value), if_absent=mode == "create")
         self.invalidate_cache(path)
         return None
-
-
-def _credentials(opts: Mapping[str, str], session: botocore.session.Session) -> Any:
-    """The store's credentials: its keys when given, else botocore's chain; None when there
-    are none (requests go unsigned)."""
-    if "AWS_ACCESS_KEY_ID" in opts and "AWS_SECRET_ACCESS_KEY" in opts:
-        return Credentials(
-            opts["AWS_ACCESS_KEY_ID"], opts["AWS_SECRET_ACCESS_KEY"], opts.get("AWS_SESSION_TOKEN")
-        )
-    return session.get_credentials()
 
 
 @functools.cache

@@ -46,7 +46,7 @@ def filesystem(uri: str, options: Mapping[str, str]) -> tuple[fsspec.AbstractFil
         the extra that installs it.
     """
     try:
-        if is_s3(uri):
+        if is_s3(uri) and not _proxied():
             # Whole-object GETs and PUTs signed here (one a tenth of s3fs's CPU).
             from rmq_spark.delta.s3requests import S3FileSystem
 
@@ -59,6 +59,13 @@ def filesystem(uri: str, options: Mapping[str, str]) -> tuple[fsspec.AbstractFil
             f"{uri!r} needs an fsspec filesystem that is not installed ({exc}); "
             f"install it with: pip install 'rmq-spark[{extra}]'."
         ) from exc
+
+
+def _proxied() -> bool:
+    """Whether requests go out through an HTTP proxy (which only s3fs's client speaks)."""
+    return any(
+        os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy")
+    )
 
 
 def arrow_filesystem(uri: str, options: Mapping[str, str]) -> pafs.FileSystem:
@@ -270,6 +277,7 @@ _FSSPEC_KEYS = {
         "AWS_SESSION_TOKEN": "token",
         "AWS_ENDPOINT": "endpoint_url",
         "AWS_ENDPOINT_URL": "endpoint_url",
+        "AWS_PROFILE": "profile",
     },
     "gcs": {"GOOGLE_SERVICE_ACCOUNT_PATH": "token", "GOOGLE_SERVICE_ACCOUNT": "token"},
     "adls": {

@@ -69,11 +69,11 @@ class DecisionObjects:
     ) -> list[Claimed]:
         """Put the decision object of each ``(transaction_id, producer_group, state,
         decided_by)`` unless one exists; return the decision in force for each, in order."""
-        return each(lambda d: self._claim(*d, at), decisions)
+        return each(lambda d: self._claim(*d, at), decisions, "decisions")
 
     def read(self, transaction_ids: Sequence[str]) -> dict[str, Claimed]:
         """The decision objects found for ``transaction_ids`` (absent: none put yet)."""
-        found = each(self._read, transaction_ids)
+        found = each(self._read, transaction_ids, "decisions")
         return {c.transaction_id: c for c in found if c is not None}
 
     def remove(self, transaction_ids: Sequence[str]) -> None:

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 
 import pytest
 import s3fs
 
 from rmq_spark.delta.s3requests import S3FileSystem, S3Requests
 from rmq_spark.delta.storage import filesystem
+from rmq_spark.model.errors import StorageConfigError
 
 pytestmark = pytest.mark.objectstore
 
@@ -102,25 +104,146 @@ def test_a_forked_child_makes_its_own_connection(minio) -> None:
 
 
 @pytest.mark.parametrize(
-    ("endpoint", "bucket", "expected"),
+    ("endpoint", "virtual", "bucket", "region", "expected"),
     [
-        (None, "my-bucket", ("my-bucket.s3.eu-west-1.amazonaws.com", "/k/a%20b.json", True)),
         (
             None,
+            False,
+            "my-bucket",
+            "eu-west-1",
+            ("my-bucket.s3.eu-west-1.amazonaws.com", "/k/a%20b.json", True),
+        ),
+        (
+            None,
+            False,
             "my.dotted.bucket",
+            "eu-west-1",
             ("s3.eu-west-1.amazonaws.com", "/my.dotted.bucket/k/a%20b.json", True),
         ),
-        ("http://127.0.0.1:9000", "b1", ("127.0.0.1:9000", "/b1/k/a%20b.json", False)),
-        ("https://gw.example/s3", "b1", ("gw.example", "/s3/b1/k/a%20b.json", True)),
+        (
+            None,
+            False,
+            "my-bucket",
+            "cn-north-1",
+            ("my-bucket.s3.cn-north-1.amazonaws.com.cn", "/k/a%20b.json", True),
+        ),
+        (
+            "http://127.0.0.1:9000",
+            False,
+            "b1",
+            "eu-west-1",
+            ("127.0.0.1:9000", "/b1/k/a%20b.json", False),
+        ),
+        (
+            "https://gw.example/s3",
+            False,
+            "b1",
+            "eu-west-1",
+            ("gw.example", "/s3/b1/k/a%20b.json", True),
+        ),
+        (
+            "https://b1.oss.example",
+            True,
+            "b1",
+            "eu-west-1",
+            ("b1.oss.example", "/k/a%20b.json", True),
+        ),
     ],
 )
-def test_addresses(endpoint: str | None, bucket: str, expected: tuple) -> None:
+def test_addresses(
+    endpoint: str | None, virtual: bool, bucket: str, region: str, expected: tuple
+) -> None:
     """AWS: virtual-hosted addresses for buckets that can be host names, path style for the
-    others; a configured endpoint: path style under its own path."""
-    options = {"AWS_REGION": "eu-west-1", "AWS_ACCESS_KEY_ID": "a", "AWS_SECRET_ACCESS_KEY": "s"}
+    others, China's domain in its regions; a configured endpoint: path style under its own
+    path, or with virtual-hosted requests the endpoint as the bucket's host (deltalake's
+    reading of the option)."""
+    options = {"AWS_ACCESS_KEY_ID": "a", "AWS_SECRET_ACCESS_KEY": "s"}
     if endpoint:
         options["AWS_ENDPOINT_URL"] = endpoint
-    assert S3Requests(options)._address(bucket, "k/a b.json") == expected
+    if virtual:
+        options["AWS_VIRTUAL_HOSTED_STYLE_REQUEST"] = "true"
+    assert S3Requests(options)._address(bucket, "k/a b.json", region) == expected
+
+
+class _LosesFirstAnswer:
+    """A TCP proxy to MinIO that passes the first connection's request on, waits for the
+    answer and closes the connection without passing it back (a request timed out after it
+    was carried out); later connections pass both ways."""
+
+    def __init__(self, target: int) -> None:
+        self.target = target
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.first = True
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            client, _ = self.listener.accept()
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+            first, self.first = self.first, False
+            threading.Thread(target=_pipe, args=(client, upstream), daemon=True).start()
+            if first:
+                upstream.recv(65536)  # the answer came: lose it
+                for sock in (client, upstream):
+                    sock.shutdown(socket.SHUT_RDWR)
+                    sock.close()
+            else:
+                threading.Thread(target=_pipe, args=(upstream, client), daemon=True).start()
+
+
+def _pipe(source: socket.socket, sink: socket.socket) -> None:
+    try:
+        while data := source.recv(65536):
+            sink.sendall(data)
+    except OSError:
+        pass
+
+
+def test_a_put_if_absent_whose_answer_was_lost_knows_it_wrote(minio) -> None:
+    """The put landed, its answer was lost, its retry is refused (412): the object holds its
+    own bytes, so it wrote them (a log entry taken for a rival's would be committed again at
+    the next version: its messages twice). Another writer's bytes there still refuse it."""
+    proxy = _LosesFirstAnswer(int(minio.endpoint.rsplit(":", 1)[1]))
+    options = dict(minio.storage_options, AWS_ENDPOINT_URL=f"http://127.0.0.1:{proxy.port}")
+    requests = S3Requests(options)
+    root = minio.root().removeprefix("s3://")
+    requests.put(f"{root}/00000000000000000007.json", b"mine", if_absent=True)
+    assert _witness(minio).cat_file(f"{root}/00000000000000000007.json") == b"mine"
+    with pytest.raises(FileExistsError):
+        requests.put(f"{root}/00000000000000000007.json", b"a rival's", if_absent=True)
+
+
+def test_large_objects_are_put_only_if_absent_too(minio) -> None:
+    fs, path = filesystem(minio.root(), minio.storage_options)
+    big = os.urandom(9 * 1024 * 1024)
+    fs.pipe_file(f"{path}/big", big, mode="create")
+    with pytest.raises(FileExistsError):
+        fs.pipe_file(f"{path}/big", b"small", mode="create")
+    assert fs.cat_file(f"{path}/big") == big
+
+
+def test_no_credentials_is_a_clear_error(minio, monkeypatch, tmp_path) -> None:
+    """No keys in the options and none anywhere botocore looks: an error that says what to
+    set, not unsigned requests refused one by one; a public bucket is asked for by name."""
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    options = {"AWS_ENDPOINT_URL": minio.endpoint}
+    root = minio.root().removeprefix("s3://")
+    with pytest.raises(StorageConfigError, match="no AWS credentials"):
+        S3Requests(options).put(f"{root}/x.json", b"x")
+    with pytest.raises(PermissionError, match="403"):
+        S3Requests({**options, "AWS_SKIP_SIGNATURE": "true"}).put(f"{root}/x.json", b"x")
+
+
+def test_behind_an_http_proxy_s3fs_makes_the_requests(minio, monkeypatch) -> None:
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.example:3128")
+    fs, _ = filesystem(minio.root(), minio.storage_options)
+    assert type(fs) is s3fs.S3FileSystem
 
 
 def test_unknown_names_are_not_mistaken_for_objects(minio) -> None:
