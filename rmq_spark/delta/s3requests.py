@@ -61,7 +61,8 @@ log = logging.getLogger(__name__)
 
 _ATTEMPTS = 5
 _TIMEOUT = 60.0
-#: Objects larger than this go through s3fs (a multipart upload above its chunk size).
+#: Overwrites larger than this go through s3fs (a multipart upload above its chunk size);
+#: a put-if-absent is one PUT whatever its size (s3fs's multipart upload drops the condition).
 _SMALL = 8 * 1024 * 1024
 _EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 _RETRIED_STATUS = {429, 500, 502, 503, 504}
@@ -371,8 +372,8 @@ class S3FileSystem(s3fs.S3FileSystem):
 
 @functools.cache
 def requests_for(options: tuple[tuple[str, str], ...]) -> S3Requests:
-    """One :class:`S3Requests` a process for a store's options (its credentials are resolved
-    once, as botocore resolves them: an instance role takes a request)."""
+    """One :class:`S3Requests` a process for a store's options: its connections and its
+    credentials (botocore's chain asks an instance role over the network) are shared."""
     return S3Requests(dict(options))
 
 
