@@ -48,7 +48,9 @@ def each(work: Callable[[_T], _R], items: Iterable[_T], pool: str) -> list[_R]:
     try:
         for item in items:
             futures.append(executor.submit(work, item))
-    except RuntimeError:  # cannot schedule new futures after interpreter shutdown
+    except RuntimeError as exc:  # cannot schedule new futures after interpreter shutdown
+        if "shutdown" not in str(exc):
+            raise  # e.g. no thread could start: the item may be queued and run yet
         inline = [work(i) for i in items[len(futures) :]]
         return [f.result() for f in futures] + inline
     return [f.result() for f in futures]

@@ -179,6 +179,8 @@ class S3Requests:
                 self._regions[bucket] = told
                 continue
             conflict = status == 409 and code == "ConditionalRequestConflict"
+            # A 5xx may come back after the write landed (a gateway's timeout).
+            unsure = unsure or (method == "PUT" and (status >= 500 or conflict))
             if attempt < _ATTEMPTS and (
                 status in _RETRIED_STATUS or code in _THROTTLED or conflict
             ):
