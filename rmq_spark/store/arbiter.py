@@ -73,7 +73,7 @@ class DecisionObjects:
 
     def read(self, transaction_ids: Sequence[str]) -> dict[str, Claimed]:
         """The decision objects found for ``transaction_ids`` (absent: none put yet)."""
-        found = each(self._read, transaction_ids, "decisions")
+        found = each(self._read, transaction_ids, "decision-reads")
         return {c.transaction_id: c for c in found if c is not None}
 
     def remove(self, transaction_ids: Sequence[str]) -> None:
