@@ -67,6 +67,12 @@ class ObjectLooks:
             self._last = last
         return ripe.filter(pa.array(keep, pa.bool_()))
 
+    def forget(self, picked: pa.Table) -> None:
+        """Read the objects of ``picked`` (a round's pick whose reads failed) next round."""
+        with self._lock:
+            for t in picked.column("transaction_id").to_pylist():
+                self._last.pop(t, None)
+
 
 def decide(
     store: Store, rows: Sequence[Mapping[str, object]], decided_by: str, counts: Counter[str]

@@ -165,7 +165,12 @@ class CheckRound:
                 pc.not_equal(pending.column("reason"), MISPLACED),
             )
         )
-        ended = recover_unrecorded(self.store, due, self._looks.pick(ripe), counts)
+        picked = self._looks.pick(ripe)
+        try:
+            ended = recover_unrecorded(self.store, due, picked, counts)
+        except Exception:
+            self._looks.forget(picked)  # not read after all
+            raise
         if ended:
             gone = pa.array(sorted(ended), pa.string())
             due = due.filter(pc.invert(pc.is_in(due.column("transaction_id"), value_set=gone)))

@@ -46,10 +46,11 @@ import ssl
 import threading
 import time
 import urllib.parse
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
+import botocore.exceptions
 import botocore.session
 import s3fs
 from botocore.credentials import Credentials
@@ -69,7 +70,9 @@ _RETRIED_STATUS = {429, 500, 502, 503, 504}
 _THROTTLED = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout"}
 _DNS_BUCKET = re.compile(r"^[a-z0-9][a-z0-9-]{1,61}[a-z0-9]$")
 #: What a write on a keep-alive connection the server closed while idle raises.
-_STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)
+_STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError, ssl.SSLEOFError)
+#: How long a credential chain that found nothing is not asked again (each request would).
+_NO_CREDENTIALS_SECONDS = 5.0
 
 
 class S3Error(OSError):
@@ -85,6 +88,8 @@ class S3Requests:
         self._opts = opts
         self._session = botocore.session.Session(profile=opts.get("AWS_PROFILE"))
         self._credentials: Any = None
+        self._credentials_lock = threading.Lock()
+        self._none_found_at = -_NO_CREDENTIALS_SECONDS
         self._anonymous = opts.get("AWS_SKIP_SIGNATURE", "").lower() in ("1", "true")
         #: The region of each bucket (told by S3 when a request went to another), and of any.
         self._regions: dict[str, str] = {}
@@ -92,7 +97,7 @@ class S3Requests:
             opts.get("AWS_REGION")
             or opts.get("AWS_DEFAULT_REGION")
             or env.get("AWS_REGION")
-            or self._session.get_config_variable("region")
+            or _profiled(self._session.get_config_variable, "region")
             or "us-east-1"
         )
         endpoint = (
@@ -250,25 +255,33 @@ class S3Requests:
 
     def _resolved(self) -> Any:
         """The credentials: the store's keys when given, else botocore's chain, looked up
-        again while it finds none (an instance role not reachable yet)."""
-        if self._credentials is None:
-            opts = self._opts
-            if "AWS_ACCESS_KEY_ID" in opts and "AWS_SECRET_ACCESS_KEY" in opts:
-                self._credentials = Credentials(
-                    opts["AWS_ACCESS_KEY_ID"],
-                    opts["AWS_SECRET_ACCESS_KEY"],
-                    opts.get("AWS_SESSION_TOKEN"),
-                )
-            else:
-                self._credentials = self._session.get_credentials()
+        again (at most every few seconds) while it finds none: an instance role not
+        reachable yet."""
+        with self._credentials_lock:
             if self._credentials is None:
-                raise StorageConfigError(
-                    "no AWS credentials found for the store (not in its storage options, the "
-                    "environment, the profile or an instance or container role); set "
-                    "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_SKIP_SIGNATURE=true "
-                    "for a public bucket."
-                )
-        return self._credentials
+                self._credentials = self._looked_up()
+            return self._credentials
+
+    def _looked_up(self) -> Any:
+        opts = self._opts
+        if "AWS_ACCESS_KEY_ID" in opts and "AWS_SECRET_ACCESS_KEY" in opts:
+            return Credentials(
+                opts["AWS_ACCESS_KEY_ID"],
+                opts["AWS_SECRET_ACCESS_KEY"],
+                opts.get("AWS_SESSION_TOKEN"),
+            )
+        found = None
+        if time.monotonic() - self._none_found_at >= _NO_CREDENTIALS_SECONDS:
+            found = _profiled(self._session.get_credentials)
+        if found is None:
+            self._none_found_at = time.monotonic()
+            raise StorageConfigError(
+                "no AWS credentials found for the store (not in its storage options, the "
+                "environment, the profile or an instance or container role); set "
+                "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_SKIP_SIGNATURE=true "
+                "for a public bucket."
+            )
+        return found
 
     def _signing_key(self, secret: str, day: str, region: str) -> bytes:
         cached = (secret, day, region)
@@ -351,7 +364,8 @@ class S3FileSystem(s3fs.S3FileSystem):
             try:
                 return self.requests.get(p)
             except Exception as exc:
-                if on_error == "raise":
+                # Not the object's: the store's configuration or rights, for every object.
+                if on_error == "raise" or isinstance(exc, (StorageConfigError, PermissionError)):
                     raise
                 return exc
 
@@ -377,6 +391,17 @@ def requests_for(options: tuple[tuple[str, str], ...]) -> S3Requests:
     """One :class:`S3Requests` a process for a store's options: its connections and its
     credentials (botocore's chain asks an instance role over the network) are shared."""
     return S3Requests(dict(options))
+
+
+def _profiled(lookup: Callable[..., Any], *args: Any) -> Any:
+    """``lookup(*args)`` of botocore's session; an unknown profile is a ``StorageConfigError``."""
+    try:
+        return lookup(*args)
+    except botocore.exceptions.ProfileNotFound as exc:
+        raise StorageConfigError(
+            f"{exc}: set AWS_PROFILE (in the store's storage options or the environment) to a "
+            "profile of ~/.aws/config or ~/.aws/credentials."
+        ) from exc
 
 
 def _error(body: bytes) -> tuple[str | None, str | None]:

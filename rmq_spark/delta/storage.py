@@ -87,6 +87,8 @@ def _arrow_s3(options: tuple[tuple[str, str], ...]) -> pafs.S3FileSystem:
         "secret_key": opts.get("AWS_SECRET_ACCESS_KEY"),
         "session_token": opts.get("AWS_SESSION_TOKEN"),
         "region": opts.get("AWS_REGION") or opts.get("AWS_DEFAULT_REGION"),
+        "tls_ca_file_path": opts.get("AWS_CA_BUNDLE") or os.environ.get("AWS_CA_BUNDLE"),
+        "anonymous": opts.get("AWS_SKIP_SIGNATURE", "").lower() in ("1", "true") or None,
     }
     endpoint = (
         opts.get("AWS_ENDPOINT_URL")
@@ -258,10 +260,13 @@ def fsspec_options(root: str, options: Mapping[str, str]) -> dict[str, Any]:
     opts = _upper(options)
     kw: dict[str, Any] = {"use_listings_cache": False}
     kw |= {key: opts[name] for name, key in _FSSPEC_KEYS[family].items() if name in opts}
-    region = opts.get("AWS_REGION") or opts.get("AWS_DEFAULT_REGION")
-    if family == "s3" and region:
-        kw["client_kwargs"] = {"region_name": region}
     if family == "s3":
+        region = opts.get("AWS_REGION") or opts.get("AWS_DEFAULT_REGION")
+        client = {"region_name": region, "verify": opts.get("AWS_CA_BUNDLE")}
+        if any(client.values()):
+            kw["client_kwargs"] = {k: v for k, v in client.items() if v}
+        if opts.get("AWS_SKIP_SIGNATURE", "").lower() in ("1", "true"):
+            kw["anon"] = True  # a public bucket, as deltalake reads it
         # A whole-file read is one GET. Otherwise s3fs first asks for the size (a HEAD, and
         # for a missing file a LIST too) to cut large files into ranges read at once; what
         # is read through fsspec (log entries, hints, markers) is small.

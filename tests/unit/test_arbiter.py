@@ -310,3 +310,7 @@ def test_rounds_read_the_objects_of_ripe_transactions_not_due_every_tenth_round(
     assert ids[1:LOOK_AGAIN_ROUNDS] == [["due"]] * (LOOK_AGAIN_ROUNDS - 1)
     assert ids[LOOK_AGAIN_ROUNDS] == ["due", "old"]
     assert looks.pick(ripe).column("transaction_id").to_pylist() == ["due", "lost"]
+    # A round whose reads failed read nothing: the next reads them again.
+    failed = ObjectLooks()
+    failed.forget(failed.pick(ripe))
+    assert failed.pick(ripe).column("transaction_id").to_pylist() == ["due", "old", "lost"]

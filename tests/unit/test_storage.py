@@ -30,6 +30,14 @@ def test_s3fs_kwargs_have_no_aws_keys():
     }
 
 
+def test_a_public_bucket_and_a_ca_bundle_reach_s3fs():
+    kw = fsspec_options(
+        "s3://b/root", {"AWS_SKIP_SIGNATURE": "true", "AWS_CA_BUNDLE": "/etc/ca.pem"}
+    )
+    assert kw["anon"] is True
+    assert kw["client_kwargs"] == {"verify": "/etc/ca.pem"}
+
+
 def test_local_root_gets_no_fsspec_kwargs():
     assert fsspec_options("/tmp/store", MINIO) == {}
 
