@@ -12,6 +12,7 @@ append). A publish reads a large version from ``half`` the same way, a batch at 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -25,6 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from functools import cached_property
+from typing import Any
 from urllib.parse import quote
 
 import fsspec
@@ -82,6 +84,8 @@ _UNIQUE_COLUMNS = frozenset({"body", "msg_id", "queue_offset"})
 #: Columns without Parquet statistics: no reader filters on them, and a min/max of every
 #: body costs as much again.
 _LARGE_COLUMNS = frozenset({"body", "properties"})
+#: Columns of at most this many rows get their statistics in Python (:func:`_min_max`).
+_FEW_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -407,14 +411,14 @@ class _File:
             self.path, buffer_size=STREAM_BUFFER_BYTES
         )
         self.tee = None if kept is None else _Tee(self.stream)
+        dictionary, statistics, self.columns = _column_choices(schema)
         self.writer = pq.ParquetWriter(
             self.stream if self.tee is None else self.tee,
             schema,
             compression="snappy",
-            use_dictionary=[n for n in schema.names if n not in _UNIQUE_COLUMNS],
-            write_statistics=[n for n in schema.names if n not in _LARGE_COLUMNS],
+            use_dictionary=dictionary,
+            write_statistics=statistics,
         )
-        self.columns = [n for n in schema.names if n in _STATS_COLUMNS]
         self.rows = 0
         self.data_change = data_change
         self.low: dict[str, object] = {}
@@ -433,10 +437,10 @@ class _File:
         for name in self.columns:
             column = rows.column(name)
             self.nulls[name] += column.null_count
-            low, high = pc.min_max(column).values()
-            if low.is_valid:
-                self.low[name] = min(self.low.get(name, low.as_py()), low.as_py())
-                self.high[name] = max(self.high.get(name, high.as_py()), high.as_py())
+            low, high = _min_max(column)
+            if low is not None:
+                self.low[name] = min(self.low.get(name, low), low)
+                self.high[name] = max(self.high.get(name, high), high)
 
     def discard(self) -> None:
         """Close a file no commit will add (a write that failed): it is left for VACUUM, as
@@ -467,6 +471,30 @@ class _File:
             data_change=self.data_change,
             stats=json.dumps(stats),
         )
+
+
+@functools.cache
+def _column_choices(schema: pa.Schema) -> tuple[list[str], list[str], list[str]]:
+    """The columns of ``schema`` that are dictionary encoded, that carry Parquet statistics,
+    and whose Delta statistics a file records."""
+    names = schema.names
+    return (
+        [n for n in names if n not in _UNIQUE_COLUMNS],
+        [n for n in names if n not in _LARGE_COLUMNS],
+        [n for n in names if n in _STATS_COLUMNS],
+    )
+
+
+def _min_max(column: pa.ChunkedArray) -> tuple[Any, Any]:
+    """The least and greatest value of ``column`` (None, None when all are null). A few rows
+    (a producer's commit) are compared in Python, a tenth of a compute kernel's call: ids
+    and names as strings (code point order is UTF-8's byte order, as Arrow compares them),
+    numbers and timestamps as such."""
+    if len(column) <= _FEW_ROWS:
+        values = [v for v in column.to_pylist() if v is not None]
+        return (min(values), max(values)) if values else (None, None)
+    low, high = pc.min_max(column).values()
+    return low.as_py(), high.as_py()
 
 
 def _stat(value: object, rounding: object) -> object:

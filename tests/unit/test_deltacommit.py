@@ -548,3 +548,39 @@ def test_written_files_keep_the_newest_small_files_up_to_their_bound(tmp_path: P
     paths = [f"{uri}/{a.path}" for a in (small, large)]
     found = kept.take(paths)
     assert list(found) == paths[:1] and found[paths[0]] == Path(paths[0]).read_bytes()
+
+
+@pytest.mark.parametrize("rows", [3, 40])
+def test_a_written_files_statistics_are_those_of_its_rows(tmp_path: Path, rows: int) -> None:
+    """A file's min/max statistics (what readers skip files by) are its rows' least and
+    greatest values as Arrow orders them, nulls left out, whether computed in Python (a few
+    rows) or by Arrow: strings beyond ASCII, timestamps, integers and an all-null column."""
+    import pyarrow.compute as pc
+
+    schema = pa.schema([f.with_nullable(True) for f in HALF_SCHEMA])  # nulls anywhere
+    names = ["zeta", "Ωmega", "éclair", "alpha", None, "日本"]
+    born = datetime(2026, 1, 1, tzinfo=UTC)
+    table = pa.Table.from_pydict(
+        {
+            f.name: [None] * rows
+            for f in schema
+            if f.name not in ("transaction_id", "topic", "queue_id", "born_timestamp")
+        }
+        | {
+            "transaction_id": [new_id() for _ in range(rows)],
+            "topic": [names[i % len(names)] for i in range(rows)],
+            "queue_id": [(i * 7919) % 13 - 6 for i in range(rows)],
+            "born_timestamp": [born + timedelta(microseconds=i * 999_999) for i in range(rows)],
+        },
+        schema=schema,
+    )
+    (tmp_path / "t").mkdir()
+    (add,) = write_files(str(tmp_path / "t"), iter([table]), schema, None, {})
+    stats = json.loads(add.stats)
+    assert stats["numRecords"] == rows
+    for name in ("transaction_id", "topic", "queue_id"):
+        low, high = (v.as_py() for v in pc.min_max(table.column(name)).values())
+        assert (stats["minValues"][name], stats["maxValues"][name]) == (low, high), name
+    assert stats["nullCount"]["topic"] == table.column("topic").null_count
+    assert stats["minValues"]["born_timestamp"] == "2026-01-01T00:00:00.000Z"
+    assert "sink_id" not in stats["minValues"]  # all null: no min, no max
