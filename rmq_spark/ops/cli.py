@@ -253,8 +253,10 @@ def _check(args: argparse.Namespace, settings: Settings) -> int:
         if unrouted and not args.skip_unrouted:
             print(
                 f"rmqtx check: {unrouted} pending transaction(s) were not checked: their producer "
-                "group has no checker. Route it ([checkers.<group>] in the settings, or "
-                "--checker GROUP=MODULE:FUNCTION), or pass --skip-unrouted if that is meant.",
+                "group has no checker (route it: [checkers.<group>] in the settings, or "
+                "--checker GROUP=MODULE:FUNCTION; or pass --skip-unrouted if that is meant), or "
+                "their ids name another shard (rows another Delta writer put there: see the "
+                "warning above).",
                 file=sys.stderr,
             )
             return EXIT_UNROUTED

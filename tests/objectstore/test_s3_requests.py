@@ -263,3 +263,37 @@ def test_unknown_names_are_not_mistaken_for_objects(minio) -> None:
     fs.pipe_file(f"{path}/folder/inside.json", b"x")
     with pytest.raises(FileNotFoundError):
         fs.cat_file(f"{path}/folder")
+
+
+@pytest.mark.parametrize("gathered", [True, False], ids=["one-put", "past-the-limit"])
+def test_data_files_are_put_whole_or_streamed_past_the_limit(minio, monkeypatch, gathered) -> None:
+    """A small data file is one signed PUT of bytes gathered in memory; one past
+    ``GATHERED_BYTES`` goes on through arrow's stream. Either reads back whole, and a write
+    that fails before its file is closed stores nothing of a gathered file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rmq_spark.delta import files
+    from rmq_spark.delta.files import write_files
+
+    assert files._signed_put(minio.root(), minio.storage_options) is not None
+    if not gathered:
+        monkeypatch.setattr(files, "GATHERED_BYTES", 1024)
+    schema = pa.schema([("id", pa.int64()), ("body", pa.binary())])
+    rows = pa.table({"id": list(range(200)), "body": [os.urandom(64) for _ in range(200)]})
+    uri = f"{minio.root()}/table"
+    (add,) = write_files(uri, iter([rows]), schema, None, minio.storage_options)
+    witness = _witness(minio)
+    path = f"{uri.removeprefix('s3://')}/{add.path}"
+    assert witness.size(path) == add.size
+    with witness.open(path, "rb") as f:
+        assert pq.read_table(f).equals(rows.cast(schema))
+
+    def failing():
+        yield rows
+        raise RuntimeError("the rows ran out")
+
+    with pytest.raises(RuntimeError):
+        write_files(f"{uri}-failed", failing(), schema, None, minio.storage_options)
+    left = witness.find(f"{uri.removeprefix('s3://')}-failed")
+    assert left == [] if gathered else len(left) <= 1
