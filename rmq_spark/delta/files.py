@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 import queue
 import threading
@@ -536,8 +535,8 @@ class _File:
             self.kept.add(self.path, b"".join(self.tee.parts))
         stats = {
             "numRecords": self.rows,
-            "minValues": {k: _stat(v, math.floor) for k, v in self.low.items()},
-            "maxValues": {k: _stat(v, math.ceil) for k, v in self.high.items()},
+            "minValues": {k: _stat(v, up=False) for k, v in self.low.items()},
+            "maxValues": {k: _stat(v, up=True) for k, v in self.high.items()},
             "nullCount": self.nulls,
         }
         return AddAction(
@@ -574,11 +573,14 @@ def _min_max(column: pa.ChunkedArray) -> tuple[Any, Any]:
     return low.as_py(), high.as_py()
 
 
-def _stat(value: object, rounding: object) -> object:
-    """A statistic as Delta writes it: timestamps in milliseconds (rounded outwards, so that
-    the range still holds every row), ISO 8601 in UTC."""
+def _stat(value: object, up: bool) -> object:
+    """A statistic as Delta writes it: timestamps in milliseconds, rounded outwards (``up``
+    for a maximum) so that the range still holds every row, ISO 8601 in UTC. In whole
+    numbers: a float of microseconds since 1970 rounds a date past the 23rd century to the
+    wrong millisecond, and a reader pruning by it would skip the row."""
     if not isinstance(value, datetime):
         return value
-    millis = rounding(value.timestamp() * 1000)  # type: ignore[operator]
-    moment = _EPOCH + timedelta(milliseconds=int(millis))
-    return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
+    micros = (value.replace(tzinfo=value.tzinfo or UTC) - _EPOCH) // timedelta(microseconds=1)
+    millis = -(-micros // 1000) if up else micros // 1000
+    moment = _EPOCH + timedelta(milliseconds=millis)
+    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")

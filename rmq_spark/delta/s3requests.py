@@ -88,6 +88,9 @@ class S3Requests:
         self._opts = opts
         self._session = botocore.session.Session(profile=opts.get("AWS_PROFILE"))
         self._credentials: Any = None
+        #: The process whose lock :attr:`_credentials_lock` is (a forked child makes its own:
+        #: the parent's may have been held by another thread at the fork).
+        self._lock_pid = os.getpid()
         self._credentials_lock = threading.Lock()
         self._none_found_at = -_NO_CREDENTIALS_SECONDS
         self._anonymous = opts.get("AWS_SKIP_SIGNATURE", "").lower() in ("1", "true")
@@ -223,7 +226,7 @@ class S3Requests:
         headers |= {"host": host, "x-amz-content-sha256": payload}
         if self._anonymous:
             return headers
-        creds = self._resolved().get_frozen_credentials()
+        creds = _profiled(self._resolved().get_frozen_credentials)  # refreshed when due
         stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
         day = stamp[:8]
         headers["x-amz-date"] = stamp
@@ -257,6 +260,11 @@ class S3Requests:
         """The credentials: the store's keys when given, else botocore's chain, looked up
         again (at most every few seconds) while it finds none: an instance role not
         reachable yet."""
+        found = self._credentials
+        if found is not None:
+            return found
+        if self._lock_pid != os.getpid():
+            self._lock_pid, self._credentials_lock = os.getpid(), threading.Lock()
         with self._credentials_lock:
             if self._credentials is None:
                 self._credentials = self._looked_up()
@@ -272,7 +280,11 @@ class S3Requests:
             )
         found = None
         if time.monotonic() - self._none_found_at >= _NO_CREDENTIALS_SECONDS:
-            found = _profiled(self._session.get_credentials)
+            try:
+                found = _profiled(self._session.get_credentials)
+            except StorageConfigError:
+                self._none_found_at = time.monotonic()
+                raise
         if found is None:
             self._none_found_at = time.monotonic()
             raise StorageConfigError(
@@ -394,7 +406,9 @@ def requests_for(options: tuple[tuple[str, str], ...]) -> S3Requests:
 
 
 def _profiled(lookup: Callable[..., Any], *args: Any) -> Any:
-    """``lookup(*args)`` of botocore's session; an unknown profile is a ``StorageConfigError``."""
+    """``lookup(*args)`` of botocore's configuration or credentials; what it fails with (an
+    unknown profile, a key without its secret, a failing ``credential_process`` or role) is a
+    ``StorageConfigError``: the store's, not an object's."""
     try:
         return lookup(*args)
     except botocore.exceptions.ProfileNotFound as exc:
@@ -402,6 +416,8 @@ def _profiled(lookup: Callable[..., Any], *args: Any) -> Any:
             f"{exc}: set AWS_PROFILE (in the store's storage options or the environment) to a "
             "profile of ~/.aws/config or ~/.aws/credentials."
         ) from exc
+    except botocore.exceptions.BotoCoreError as exc:
+        raise StorageConfigError(f"the store's AWS credentials: {exc}") from exc
 
 
 def _error(body: bytes) -> tuple[str | None, str | None]:

@@ -88,8 +88,9 @@ def _arrow_s3(options: tuple[tuple[str, str], ...]) -> pafs.S3FileSystem:
         "session_token": opts.get("AWS_SESSION_TOKEN"),
         "region": opts.get("AWS_REGION") or opts.get("AWS_DEFAULT_REGION"),
         "tls_ca_file_path": opts.get("AWS_CA_BUNDLE") or os.environ.get("AWS_CA_BUNDLE"),
-        "anonymous": opts.get("AWS_SKIP_SIGNATURE", "").lower() in ("1", "true") or None,
     }
+    if opts.get("AWS_SKIP_SIGNATURE", "").lower() in ("1", "true"):  # keys or not, unsigned
+        kw |= {"anonymous": True, "access_key": None, "secret_key": None, "session_token": None}
     endpoint = (
         opts.get("AWS_ENDPOINT_URL")
         or opts.get("AWS_ENDPOINT")

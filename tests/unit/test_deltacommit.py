@@ -570,7 +570,9 @@ def test_a_written_files_statistics_are_those_of_its_rows(tmp_path: Path, rows: 
             "transaction_id": [new_id() for _ in range(rows)],
             "topic": [names[i % len(names)] for i in range(rows)],
             "queue_id": [(i * 7919) % 13 - 6 for i in range(rows)],
-            "born_timestamp": [born + timedelta(microseconds=i * 999_999) for i in range(rows)],
+            # The last: past the 23rd century, where a float's milliseconds round inwards.
+            "born_timestamp": [born + timedelta(microseconds=i * 999_999) for i in range(rows - 1)]
+            + [datetime(2300, 6, 1, 0, 0, 0, 999, tzinfo=UTC)],
         },
         schema=schema,
     )
@@ -583,4 +585,7 @@ def test_a_written_files_statistics_are_those_of_its_rows(tmp_path: Path, rows: 
         assert (stats["minValues"][name], stats["maxValues"][name]) == (low, high), name
     assert stats["nullCount"]["topic"] == table.column("topic").null_count
     assert stats["minValues"]["born_timestamp"] == "2026-01-01T00:00:00.000Z"
+    assert stats["maxValues"]["born_timestamp"] == "2300-06-01T00:00:00.001Z"
+    (late,) = write_files(str(tmp_path / "t"), iter([table.slice(rows - 1)]), schema, None, {})
+    assert json.loads(late.stats)["minValues"]["born_timestamp"] == "2300-06-01T00:00:00.000Z"
     assert "sink_id" not in stats["minValues"]  # all null: no min, no max

@@ -138,3 +138,40 @@ def test_a_misspelt_storage_option_names_the_one_meant(tmp_path, typo: str, mean
     settings = Settings(store=StoreSettings(path="s3://b/root", storage_options=options))
     with pytest.raises(StorageConfigError, match=f"'{typo}'.*did you mean '{meant}'"):
         Store.open(settings=settings, create=False)
+
+
+def test_s3_credential_errors_are_the_stores_and_a_forked_child_looks_them_up(
+    monkeypatch, tmp_path
+):
+    """A credential chain that fails (a key without its secret) is a StorageConfigError, not
+    an error of each object read; a child forked while another thread of its parent held the
+    credentials' lock looks them up all the same (its copy of the lock is never released)."""
+    import os
+    import signal
+
+    from rmq_spark.delta.s3requests import S3Requests
+
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "only-the-key")
+    with pytest.raises(StorageConfigError, match="credentials"):
+        S3Requests({"AWS_REGION": "us-east-1"})._resolved()
+
+    requests = S3Requests({**MINIO})
+    with requests._credentials_lock:  # held by "another thread" at the fork
+        child = os.fork()
+        if child == 0:
+            signal.alarm(10)  # a hang ends the child, which the parent sees
+            os._exit(0 if requests._resolved().access_key == "ak" else 1)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_public_bucket_is_read_unsigned_by_pyarrow_even_with_keys_set():
+    from rmq_spark.delta.storage import arrow_filesystem
+
+    fs = arrow_filesystem("s3://b/root", {**MINIO, "AWS_SKIP_SIGNATURE": "true"})
+    assert fs.type_name == "s3"
