@@ -41,6 +41,20 @@ def store(tmp_path: Path) -> Store:
 
 
 @pytest.fixture
+def no_aws_credentials(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No AWS setting in the environment, no configuration or credentials file, no instance
+    role: botocore's chain finds nothing unless a test puts it there."""
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
+@pytest.fixture
 def young_entries_cleaned(monkeypatch: pytest.MonkeyPatch) -> None:
     """Log cleanups in this process may delete entries of any age (no LOG_ENTRY_MIN_AGE): for
     tests of the retention rules that make hours pass with a clock ahead, or clean at once,

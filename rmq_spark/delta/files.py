@@ -368,11 +368,29 @@ class WrittenFiles:
         return found
 
 
-class _Tee:
-    """A file being written (an arrow output stream), whose bytes are copied aside while they
-    are no more than :data:`KEPT_FILE_BYTES` (the Parquet writer writes through it)."""
+class _Sink:
+    """What the Parquet writer writes a data file through (a file object of ours): ``size``
+    bytes so far; closed by its :class:`_File`, not by the writer."""
 
     closed = False
+    size = 0
+
+    def tell(self) -> int:
+        return self.size
+
+    def writable(self) -> bool:
+        return True
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class _Tee(_Sink):
+    """A file being written (an arrow output stream), whose bytes are copied aside while they
+    are no more than :data:`KEPT_FILE_BYTES` (the Parquet writer writes through it)."""
 
     def __init__(self, stream: pa.NativeFile) -> None:
         self.stream = stream
@@ -388,26 +406,12 @@ class _Tee:
             self.parts.append(bytes(data))
         return len(data)
 
-    def tell(self) -> int:
-        return self.size
 
-    def writable(self) -> bool:
-        return True
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:  # the stream is closed by its _File
-        pass
-
-
-class _Gathered:
+class _Gathered(_Sink):
     """A data file on S3 gathered in memory and PUT whole when closed: one request signed by
     :class:`rmq_spark.delta.s3requests.S3Requests`, about a third of the CPU (and a millisecond
     less) of arrow's S3 stream, whose AWS SDK a producer's small files paid on every commit.
     Past :data:`GATHERED_BYTES` it goes on through arrow's stream (a multipart upload)."""
-
-    closed = False
 
     def __init__(self, fs: pafs.FileSystem, path: str, put: Callable[[str, bytes], None]) -> None:
         self._fs, self._path, self._put = fs, path, put
@@ -429,18 +433,6 @@ class _Gathered:
                 self._parts = []
         self.size += len(data)
         return len(data)
-
-    def tell(self) -> int:
-        return self.size
-
-    def writable(self) -> bool:
-        return True
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:  # the Parquet writer's: the file is finished by its _File
-        pass
 
     def finish(self) -> None:
         """Store the file."""

@@ -228,15 +228,9 @@ def test_large_objects_are_put_only_if_absent_too(minio) -> None:
     assert fs.cat_file(f"{path}/big") == big
 
 
-def test_no_credentials_is_a_clear_error(minio, monkeypatch, tmp_path) -> None:
+def test_no_credentials_is_a_clear_error(minio, no_aws_credentials) -> None:
     """No keys in the options and none anywhere botocore looks: an error that says what to
     set, not unsigned requests refused one by one; a public bucket is asked for by name."""
-    for name in list(os.environ):
-        if name.startswith("AWS_"):
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     options = {"AWS_ENDPOINT_URL": minio.endpoint}
     root = minio.root().removeprefix("s3://")
     requests = S3Requests(options)

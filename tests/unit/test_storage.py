@@ -141,7 +141,7 @@ def test_a_misspelt_storage_option_names_the_one_meant(tmp_path, typo: str, mean
 
 
 def test_s3_credential_errors_are_the_stores_and_a_forked_child_looks_them_up(
-    monkeypatch, tmp_path
+    monkeypatch, no_aws_credentials
 ):
     """A credential chain that fails (a key without its secret) is a StorageConfigError, not
     an error of each object read; a child forked while another thread of its parent held the
@@ -151,11 +151,6 @@ def test_s3_credential_errors_are_the_stores_and_a_forked_child_looks_them_up(
 
     from rmq_spark.delta.s3requests import S3Requests
 
-    for name in list(os.environ):
-        if name.startswith("AWS_"):
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "only-the-key")
     with pytest.raises(StorageConfigError, match="credentials"):
         S3Requests({"AWS_REGION": "us-east-1"})._resolved()
