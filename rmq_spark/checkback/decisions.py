@@ -92,6 +92,7 @@ def decide(
                 for r in chunk
             ],
             publish=False,
+            in_half=True,
         )
         for result in results:
             if result.status is EndTransactionStatus.APPLIED:

@@ -2,7 +2,9 @@
 
 * **Invisible until committed** (rule 1). :meth:`Decisions.prepare` writes half messages into
   ``half`` only; consumers read only ``commitlog``.
-* **Nothing is lost** (rule 4). ``prepare`` returns only after the half message's Delta commit.
+* **Nothing is lost** (rule 4). ``prepare`` returns only after the half message's Delta commit,
+  or (``store.intake``) the put of its intake object (:mod:`rmq_spark.store.intake`), which
+  :meth:`Decisions.land` lands in ``half`` before it lands any decision in ``op``.
 * **First decision wins** (rule 3). A transaction whose id says so
   (:func:`rmq_spark.model.messages.object_decided`: every id this store makes on a local
   filesystem or S3) is decided by its decision object, one conditional put
@@ -38,6 +40,7 @@ import pyarrow as pa
 from deltalake import DeltaTable
 
 from rmq_spark.delta.retry import retry_commits
+from rmq_spark.delta.storage import is_s3
 from rmq_spark.model.errors import RmqSparkError
 from rmq_spark.model.failpoints import failpoint
 from rmq_spark.model.messages import (
@@ -54,6 +57,7 @@ from rmq_spark.model.messages import (
 from rmq_spark.model.schema import HALF_SCHEMA, OP_SCHEMA, WRITER_COLUMNS
 from rmq_spark.store.arbiter import DecisionObjects, supports_objects
 from rmq_spark.store.context import StoreConcept, StoreContext
+from rmq_spark.store.intake import Intake
 from rmq_spark.store.oplog import COMMITS_KEY, DECIDED_BY_RECOVERY
 from rmq_spark.store.reads import decisions_of
 
@@ -262,8 +266,22 @@ class Decisions(StoreConcept):
         self._objects_batch = OBJECT_DECIDED_BATCH[
             "file" if self._objects is None or self._objects.local else "s3"
         ]
+        intake = self.settings.intake
+        #: Where the half messages of transactions that decision objects decide are made
+        #: durable in one put (:mod:`rmq_spark.store.intake`); None: in a ``half`` commit.
+        self.intake = (
+            Intake(context)
+            if self._objects is not None
+            and (intake if intake is not None else is_s3(self.tables.root))
+            else None
+        )
         #: Decisions won by their objects and not landed in ``op`` yet (``end(land=False)``).
         self._unlanded: list[Decision] = []
+        #: Of those, the transactions read in ``half`` by their decider (``end(in_half=True)``).
+        self._in_half: set[str] = set()
+        #: The shard's intake objects, read to land those of other processes (no own intake).
+        self._reader: Intake | None = None
+        self._context = context
         self._queue_lock = threading.Lock()
         #: One landing at a time: a flush waits for the one under way.
         self._landing = threading.Lock()
@@ -305,6 +323,7 @@ class Decisions(StoreConcept):
             for message in messages:
                 validate_message(message, self.settings.max_body_bytes)
         fresh_ids = transaction_ids is None
+        by_object = False
         made = time.monotonic()
         if transaction_ids is None:
             # Their decisions will come as few together: one conditional put each is the
@@ -344,7 +363,11 @@ class Decisions(StoreConcept):
             },
             schema=HALF_SCHEMA,
         )
-        version = self.tables.append("half", [half])
+        if fresh_ids and by_object and self.intake is not None:
+            self.intake.stage(half)
+            version = -1
+        else:
+            version = self.tables.append("half", [half])
         if fresh_ids:
             self.recent.add(half)
             self._made.add(transaction_ids, made)
@@ -354,7 +377,7 @@ class Decisions(StoreConcept):
         ]
 
     def end(
-        self, decisions: Sequence[Decision], *, land: bool = True
+        self, decisions: Sequence[Decision], *, land: bool = True, in_half: bool = False
     ) -> list[EndTransactionResult]:
         """Decide transactions; the first decision recorded for a transaction wins.
 
@@ -368,6 +391,9 @@ class Decisions(StoreConcept):
             decision objects are durable when this returns and wait for :meth:`land` (a
             producer's background publisher lands them with the others of that moment; a
             process that dies first leaves them to the check-back job).
+        in_half : bool, default False
+            The caller read these transactions in ``half`` (the check-back job): no intake
+            object of theirs needs landing first (:meth:`land`).
 
         Returns
         -------
@@ -395,6 +421,8 @@ class Decisions(StoreConcept):
         finally:  # what the objects decided is in force whatever happens to the rest
             with self._queue_lock:
                 self._unlanded.extend(landing)
+                if in_half:
+                    self._in_half.update(d.transaction_id for d in landing)
         if land:
             self.land()
         self.recent.discard(
@@ -455,6 +483,8 @@ class Decisions(StoreConcept):
         one commit; return how many COMMITs that was. One landing at a time: a call waits for
         the one under way. A failed landing keeps its decisions for the next."""
         with self._landing:
+            if self.intake is not None:
+                self.intake.land()  # their half messages first: see rmq_spark.store.intake
             with self._queue_lock:
                 batch, self._unlanded = self._unlanded, []
             if not batch:
@@ -465,12 +495,34 @@ class Decisions(StoreConcept):
                 first.setdefault(d.transaction_id, d)
             batch = list(first.values())
             try:
+                self._land_halves([d.transaction_id for d in batch])
                 self._land(batch)
             except BaseException:
                 with self._queue_lock:
                     self._unlanded[:0] = batch
                 raise
             return sum(d.state is LocalTransactionState.COMMIT for d in batch)
+
+    def _land_halves(self, transaction_ids: Sequence[str]) -> None:
+        """Land the intake objects of the shard when a transaction of ``transaction_ids`` was
+        not prepared by this process (whose own objects :meth:`land` landed already): its half
+        messages may still be in an intake object of another process, and ``op`` must not
+        hold a decision before ``half`` holds its messages."""
+        with self._queue_lock:
+            read = {t for t in transaction_ids if t in self._in_half}
+            self._in_half -= read
+        strangers = [t for t in transaction_ids if object_decided(t) and t not in read]
+        if strangers and len(self._made.after(strangers, float("-inf"))) < len(strangers):
+            self.intake_recovery().recover(0.0)
+
+    def intake_recovery(self) -> Intake:
+        """The shard's intake objects, to land those their writers left
+        (:meth:`Intake.recover`): this process's own :attr:`intake`, or one to read them."""
+        if self.intake is not None:
+            return self.intake
+        if self._reader is None:
+            self._reader = Intake(self._context)
+        return self._reader
 
     def object_decisions(self, transaction_ids: Sequence[str]) -> dict[str, Decision]:
         """The decisions in force of those of ``transaction_ids`` that their decision objects

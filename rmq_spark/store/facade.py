@@ -278,7 +278,12 @@ class Store:
         )
 
     def end_transactions(
-        self, decisions: Sequence[Decision], *, publish: bool = True, land: bool = True
+        self,
+        decisions: Sequence[Decision],
+        *,
+        publish: bool = True,
+        land: bool = True,
+        in_half: bool = False,
     ) -> list[EndTransactionResult]:
         """Decide transactions; the first decision recorded for a transaction wins.
 
@@ -292,6 +297,8 @@ class Store:
         land : bool, default True
             Record the decisions in ``op`` before returning; False leaves a decision that its
             decision object decided to :meth:`land_decisions` (see :meth:`Decisions.end`).
+        in_half : bool, default False
+            The caller read these transactions in ``half`` (see :meth:`Decisions.end`).
 
         Returns
         -------
@@ -302,14 +309,14 @@ class Store:
         for i, d in enumerate(decisions):
             by_shard.setdefault(shard_of(d.transaction_id), []).append(i)
         if set(by_shard) <= {self.shard}:
-            results = self._decisions.end(decisions, land=land)
+            results = self._decisions.end(decisions, land=land, in_half=in_half)
             if publish and land:
                 self.publish(latest=False)
             return results
         ended: dict[int, EndTransactionResult] = {}
         for shard, indexes in by_shard.items():
             part = self.shard_store(shard).end_transactions(
-                [decisions[i] for i in indexes], publish=publish, land=land
+                [decisions[i] for i in indexes], publish=publish, land=land, in_half=in_half
             )
             ended.update(zip(indexes, part, strict=True))
         return [ended[i] for i in range(len(decisions))]
@@ -331,6 +338,12 @@ class Store:
         if failure is not None:
             raise failure
         return landed
+
+    def land_intake(self, older_than: float) -> int:
+        """Land in this store's (shard's) ``half`` the intake objects that their writers left
+        unlanded and that are at least ``older_than`` seconds old; return how many
+        transactions that was (:meth:`rmq_spark.store.intake.Intake.recover`)."""
+        return self._decisions.intake_recovery().recover(older_than)
 
     def remove_decision_objects(self, transaction_ids: Sequence[str]) -> None:
         """Delete the decision objects of transactions of this shard that retention removed

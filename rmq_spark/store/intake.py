@@ -1,0 +1,276 @@
+"""Half messages durable in one request: intake objects, landed in ``half`` in the background.
+
+* **Nothing is lost** (rule 4). On an object store a ``half`` commit is three sequential round
+  trips (the data file, the log entry, the check that the entry is reachable). With intake
+  (``store.intake``), :meth:`Intake.stage` makes a prepare's half messages durable in one put
+  of an *intake object*, ``half/_rmqtx_intake/<id>-<token>.arrow`` in its shard (Arrow IPC,
+  ``half``'s schema; Delta readers, VACUUM and rmq-spark's vacuum skip folders that start with
+  an underscore), and the send returns. The process's background publisher lands its intake
+  objects in ``half`` (:meth:`Intake.land`, one commit for all of that moment) before it lands
+  any decision in ``op``; a process killed first leaves them to the check-back job, which lands
+  every intake object older than the transaction timeout before it reads ``half``
+  (:meth:`Intake.recover`), and so does any process that lands in ``op`` a decision of a
+  transaction it did not prepare itself. So ``op`` never holds a decision whose half messages
+  ``half`` lacks (a publisher would find nothing to publish for it).
+* **Landed once.** An object may be landed by its writer and by a recoverer at the same time
+  (a writer stalled, not dead). Each landing records the Delta application id of the bucket of
+  its objects' writer (:func:`intake_app_id`), so two landings of one object conflict and the
+  second, retried on the latest snapshot, looks the object's transactions up in ``half`` and
+  finds them there. A writer skips that lookup while the application id of its bucket is the one
+  its own last landing recorded (no one landed any of its objects since). An object is deleted
+  after its landing; one whose deletion failed is found landed by the next recoverer, which
+  deletes it. No clock or file time is trusted: the age a recoverer waits for only spares a live
+  writer the race.
+
+An intake object left unlanded (its writer killed, no check-back job running) is pending all
+the same, and the check-back job lands it when it runs. An object landed but not deleted must
+not outlive ``retention.transaction_reserved_time`` (72 h) without a check-back round: after
+retention removed its transactions' rows it would be landed again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+import uuid
+import zlib
+from collections.abc import Sequence
+from datetime import UTC, datetime
+
+import pyarrow as pa
+
+from rmq_spark.delta.parallel import each
+from rmq_spark.delta.retry import retry_commits
+from rmq_spark.delta.storage import filesystem, scheme
+from rmq_spark.model.errors import CorruptStoreError
+from rmq_spark.model.failpoints import failpoint
+from rmq_spark.model.messages import new_id
+from rmq_spark.model.schema import HALF_SCHEMA
+from rmq_spark.store.context import StoreConcept, StoreContext
+from rmq_spark.store.reads import rows_by_id
+
+log = logging.getLogger(__name__)
+
+#: The folder of ``half`` that holds the intake objects.
+INTAKE_DIR = "_rmqtx_intake"
+_SUFFIX = ".arrow"
+_APP_ID = "rmqtx.intake.{bucket}"
+#: Buckets of writers for the landing arbiter: ``half``'s snapshot keeps one application id per
+#: bucket, however many processes ever wrote intake objects.
+INTAKE_BUCKETS = 1024
+
+
+def intake_app_id(token: str) -> str:
+    """The application id a landing of the objects of writer ``token`` records (CRC-32)."""
+    return _APP_ID.format(bucket=zlib.crc32(token.encode()) % INTAKE_BUCKETS)
+
+
+def _token_of(name: str) -> str:
+    """The writer token of an intake object's name (``<id>-<token>.arrow``)."""
+    return name.rsplit("/", 1)[-1].removesuffix(_SUFFIX).rsplit("-", 1)[-1]
+
+
+class Intake(StoreConcept):
+    """The intake objects of one shard's ``half`` (see the module docstring)."""
+
+    def __init__(self, context: StoreContext) -> None:
+        super().__init__(context)
+        uri = self.tables.uri("half")
+        self.local = scheme(uri) == "file"
+        self.fs, path = filesystem(uri, self.tables.storage_options)
+        self.path = f"{path.rstrip('/')}/{INTAKE_DIR}"
+        #: This writer's objects are named with it; its bucket's application id is its arbiter.
+        self._token = uuid.uuid4().hex[:16]
+        self._app_id = intake_app_id(self._token)
+        #: The value of ``_app_id`` this writer's last landing recorded (None: none yet).
+        self._landed_at: int | None = None
+        #: Objects staged here and not landed yet: (name, rows), in staging order.
+        self._staged: list[tuple[str, pa.Table]] = []
+        self._lock = threading.Lock()
+        #: One landing at a time (the publisher's loop, a flush, a shutdown).
+        self._landing = threading.Lock()
+        self._made = False
+
+    # ------------------------------------------------------------------ writing
+    def stage(self, rows: pa.Table) -> None:
+        """Make ``rows`` (``half``'s schema) durable in one put of a new intake object; they
+        are landed in ``half`` by :meth:`land` (or a recoverer)."""
+        name = f"{self.path}/{new_id()}-{self._token}{_SUFFIX}"
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, rows.schema) as writer:
+            writer.write_table(rows)
+        self._put(name, sink.getvalue().to_pybytes())
+        with self._lock:
+            self._staged.append((name, rows))
+
+    def _put(self, name: str, data: bytes) -> None:
+        if not self.local:
+            self.fs.pipe_file(name, data, mode="create")  # a unique name: never refused
+            return
+        if not self._made:
+            os.makedirs(self.path, exist_ok=True)
+            self._made = True
+        temp = f"{self.path}/.{uuid.uuid4().hex}.tmp"  # a dot: not listed as an object
+        with open(temp, "wb") as out:
+            out.write(data)
+        os.replace(temp, name)  # whole or not at all
+
+    @property
+    def staged(self) -> int:
+        """How many objects this process staged and has not landed yet."""
+        with self._lock:
+            return len(self._staged)
+
+    # ------------------------------------------------------------------ landing
+    def land(self) -> int:
+        """Land in ``half`` the objects this process staged so far, in one commit, and delete
+        them; return how many transactions' messages that was. A failed landing keeps them
+        for the next call."""
+        with self._landing:
+            with self._lock:
+                batch = list(self._staged)
+            if not batch:
+                return 0
+            failpoint("intake.landing")
+            landed = self._land(batch, own=True)
+            with self._lock:
+                del self._staged[: len(batch)]
+            self._delete([name for name, _ in batch])
+            return landed
+
+    def recover(self, older_than: float) -> int:
+        """Land the intake objects any process staged in this shard and left unlanded (killed,
+        stalled, or not landed yet) that were listed at least ``older_than`` seconds ago by
+        their storage's time (0: all of them), and delete them; return how many transactions'
+        messages were landed (objects landed already are deleted only)."""
+        with self._landing:
+            found = self._listed(older_than)
+            if not found:
+                return 0
+            datas = each(self._read, found, "intake-reads")
+            objects = [(n, r) for n, r in zip(found, datas, strict=True) if r is not None]
+            landed = self._land(objects, own=False) if objects else 0
+            self._delete([n for n, _ in objects])
+            if landed:
+                log.info(
+                    "landed %d transaction(s) of %d intake object(s) that their writer had not "
+                    "landed in %s (e.g. %s)",
+                    landed,
+                    len(objects),
+                    self.tables.uri("half"),
+                    objects[0][0].rsplit("/", 1)[-1],
+                )
+            return landed
+
+    def _land(self, objects: Sequence[tuple[str, pa.Table]], *, own: bool) -> int:
+        """Append the rows of ``objects`` to ``half`` unless they are there; return how many
+        transactions that was (the landing arbiter: see the module docstring)."""
+        ids = sorted({t for _, rows in objects for t in rows.column("transaction_id").to_pylist()})
+        apps = {intake_app_id(_token_of(name)) for name, _ in objects}
+
+        def attempt(n: int) -> tuple[int, int | None]:
+            head = self.tables.head("half", reload=n > 0 or not own)
+            mine = own and n == 0 and head.txns.get(self._app_id) == self._landed_at
+            if not mine and head.snapshot.version() != head.version:
+                head = self.tables.head("half", reload=True)
+            todo = list(objects)
+            if not mine:
+                files = self.tables.data_files("half", head.snapshot)
+                there = set(
+                    rows_by_id(self.tables, files, "half", ids, ["transaction_id"])
+                    .column("transaction_id")
+                    .to_pylist()
+                )
+                todo = [
+                    (name, rows)
+                    for name, rows in objects
+                    if not there.intersection(rows.column("transaction_id").to_pylist())
+                ]
+            if not todo:
+                return 0, None
+            rows = pa.concat_tables([r for _, r in todo])
+            files = self.tables.write("half", [rows])
+            value = head.version + 1
+            self.tables.commit(
+                "half",
+                files,
+                head.snapshot,
+                app_ids=dict.fromkeys(sorted(apps), value),
+                info={"rmqtx.operation": "land-intake"},
+                after=head.version,
+            )
+            failpoint("intake.landed")
+            return len(set(rows.column("transaction_id").to_pylist())), value
+
+        landed, value = retry_commits(f"land {len(objects)} intake object(s)", "half", attempt)
+        if own and value is not None:
+            self._landed_at = value
+        return landed
+
+    # ------------------------------------------------------------------ objects
+    def _listed(self, older_than: float) -> list[str]:
+        """The intake objects of this shard put at least ``older_than`` seconds ago, oldest
+        first."""
+        now = time.time()
+        try:
+            if self.local:
+                entries = [
+                    (e.path, e.stat().st_mtime)
+                    for e in os.scandir(self.path)
+                    if e.name.endswith(_SUFFIX) and not e.name.startswith(".")
+                ]
+            else:
+                entries = [
+                    (i["name"], _seconds(i.get("LastModified") or i.get("mtime")))
+                    for i in self.fs.ls(self.path, detail=True, refresh=True)
+                    if i["name"].endswith(_SUFFIX)
+                ]
+        except FileNotFoundError:
+            return []
+        return sorted(name for name, at in entries if now - at >= older_than)
+
+    def _read(self, name: str) -> pa.Table | None:
+        try:
+            data = self.fs.cat_file(name)
+        except FileNotFoundError:
+            return None  # landed and deleted meanwhile
+        try:
+            rows = pa.ipc.open_stream(data).read_all()
+            return rows.cast(HALF_SCHEMA)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, ValueError) as exc:
+            raise CorruptStoreError(
+                f"the intake object {name} is not one rmq-spark wrote ({exc}); its half "
+                "messages cannot be read: restore it from a backup, or remove it (those "
+                "transactions are then lost)."
+            ) from exc
+
+    def _delete(self, names: Sequence[str]) -> None:
+        """Delete landed objects; a failure is logged (a recoverer finds them landed)."""
+        if not names:
+            return
+        try:
+            if self.local:
+                for name in names:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(name)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    self.fs.rm(list(names))
+        except OSError as exc:
+            log.warning(
+                "could not delete %d landed intake object(s) of %s (%s); the check-back job "
+                "deletes them",
+                len(names),
+                self.tables.uri("half"),
+                exc,
+            )
+
+
+def _seconds(at: object) -> float:
+    """A listing's time as seconds since the epoch."""
+    if isinstance(at, datetime):
+        return (at if at.tzinfo else at.replace(tzinfo=UTC)).timestamp()
+    return float(at)  # type: ignore[arg-type]

@@ -1,0 +1,220 @@
+"""Intake objects (rmq_spark.store.intake): a send durable in one put, landed in ``half`` once,
+before any decision of it reaches ``op``, by its writer or by whoever finds it left."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from deltalake import DeltaTable
+
+from rmq_spark import Decision, LocalTransactionState, Message, Store
+from rmq_spark.model.config import Settings, StoreSettings, load_settings
+from rmq_spark.model.errors import CorruptStoreError, InvalidOptionError
+from rmq_spark.store.decisions import EndTransactionStatus
+from rmq_spark.store.intake import INTAKE_DIR
+
+COMMIT, ROLLBACK = LocalTransactionState.COMMIT, LocalTransactionState.ROLLBACK
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.objectstore)])
+def settings(request: pytest.FixtureRequest, tmp_path: Path) -> Settings:
+    """Settings of a store with intake (on by default on S3, turned on on local disk)."""
+    if request.param == "s3":
+        chosen: Settings = request.getfixturevalue("s3_settings")
+    else:
+        chosen = Settings(store=StoreSettings(path=str(tmp_path / "store"), queue_nums=2))
+    return replace(chosen, store=replace(chosen.store, intake=True))
+
+
+def _open(settings: Settings) -> Store:
+    return Store.open(settings=settings)
+
+
+def _objects(store: Store) -> list[str]:
+    intake = store._decisions.intake_recovery()
+    return intake._listed(0.0)
+
+
+def _half_ids(store: Store) -> list[str]:
+    """Every row of ``half`` as stored (``Store.read`` reads copies once)."""
+    table = DeltaTable(store.table_uri("half"), storage_options=store._storage_options)
+    return sorted(table.to_pyarrow_table(columns=["transaction_id"]).column(0).to_pylist())
+
+
+def test_a_send_is_durable_in_one_object_and_lands_before_its_decision(
+    settings: Settings,
+) -> None:
+    store = _open(settings)
+    (p,) = store.prepare([Message("T", b"x")], "pg")
+    assert _half_ids(store) == [] and len(_objects(store)) == 1
+    (ended,) = store.end_transactions([Decision(p.transaction_id, "pg", COMMIT)], land=False)
+    assert ended.status is EndTransactionStatus.APPLIED
+    assert store.land_decisions() == 1
+    assert _half_ids(store) == [p.transaction_id]
+    assert store.read("op").column("transaction_id").to_pylist() == [p.transaction_id]
+    assert _objects(store) == []
+    store.publish()
+    assert store.read("commitlog").column("transaction_id").to_pylist() == [p.transaction_id]
+
+
+def test_a_decider_in_another_process_lands_the_half_first(settings: Settings) -> None:
+    """A transaction sent through one process and decided through another (two ``rmqtx
+    serve`` behind one address): the decider lands the sender's intake object before it
+    records the decision in ``op``, so the publisher finds the message to publish."""
+    sender, decider = _open(settings), _open(settings)
+    (p,) = sender.prepare([Message("T", b"x")], "pg")
+    decider.end_transactions([Decision(p.transaction_id, "pg", COMMIT)], publish=False)
+    assert _half_ids(decider) == [p.transaction_id]
+    decider.publish()
+    assert decider.read("commitlog").column("transaction_id").to_pylist() == [p.transaction_id]
+    sender.land_decisions()  # its own landing finds it landed
+    assert _half_ids(sender) == [p.transaction_id]
+
+
+def test_a_stalled_writer_and_a_recoverer_land_it_once(settings: Settings) -> None:
+    """The writer stalls after its put; a recoverer lands its objects; the writer resumes and
+    lands them too: ``half`` holds each message once."""
+    writer, recoverer = _open(settings), _open(settings)
+    prepared = writer.prepare([Message("T", b"a"), Message("T", b"b")], "pg")
+    prepared += writer.prepare([Message("T", b"c")], "pg")
+    assert recoverer.land_intake(0.0) == 3
+    assert writer.land_decisions() == 0
+    assert _half_ids(writer) == sorted(p.transaction_id for p in prepared)
+    assert _objects(writer) == []
+
+
+def test_an_object_landed_but_not_deleted_is_not_landed_again(settings: Settings) -> None:
+    """The writer landed its object and its deletion failed (the object is still there): a
+    recoverer finds its transactions in ``half`` and only deletes it."""
+    writer = _open(settings)
+    (p,) = writer.prepare([Message("T", b"x")], "pg")
+    intake = writer._decisions.intake
+    (name,) = _objects(writer)
+    data = intake.fs.cat_file(name)
+    writer.land_decisions()
+    intake._put(name, data)  # as if its deletion had failed
+    recoverer = _open(settings)
+    assert recoverer.land_intake(0.0) == 0
+    assert _half_ids(recoverer) == [p.transaction_id]
+    assert _objects(recoverer) == []
+
+
+def test_writers_and_recoverers_racing_land_each_message_once(settings: Settings) -> None:
+    """Three writers send and land while two recoverers land whatever they find, at once."""
+    writers = [_open(settings) for _ in range(3)]
+    recoverers = [_open(settings) for _ in range(2)]
+    sent: list[str] = []
+    lock = threading.Lock()
+    start = threading.Barrier(5)
+
+    def write(store: Store) -> None:
+        start.wait()
+        for i in range(6):
+            ids = [p.transaction_id for p in store.prepare([Message("T", b"%d" % i)], "pg")]
+            with lock:
+                sent.extend(ids)
+            store.land_decisions()
+
+    def recover(store: Store) -> None:
+        start.wait()
+        for _ in range(12):
+            store.land_intake(0.0)
+
+    threads = [threading.Thread(target=write, args=(w,)) for w in writers]
+    threads += [threading.Thread(target=recover, args=(r,)) for r in recoverers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for w in writers:
+        w.land_decisions()
+    counts = Counter(_half_ids(writers[0]))
+    assert sorted(counts) == sorted(sent) and set(counts.values()) == {1}
+
+
+def test_a_producer_killed_before_landing_leaves_its_sends_to_the_check_back_job(
+    tmp_path: Path,
+) -> None:
+    """A producer whose sends returned is SIGKILLed when its publisher starts landing them: the
+    sends are durable in their objects, the check-back job's landing puts them in ``half``, and
+    the COMMIT in force in its decision object is then landed and published, once."""
+    root = tmp_path / "store"
+    child = textwrap.dedent(
+        f"""
+        import time
+        from rmq_spark import LocalTransactionState, Message, Store, TransactionMQProducer
+        from rmq_spark.model.config import StoreSettings
+        from tests.unit.test_producer import ScriptedListener
+        store = Store.open({str(root)!r}, settings=StoreSettings(intake=True, publish_linger=1.0))
+        with TransactionMQProducer("pg", ScriptedListener(), store=store) as producer:
+            for answer in (LocalTransactionState.COMMIT, LocalTransactionState.UNKNOWN):
+                sent = producer.send_message_in_transaction(Message("T", b"x"), answer)
+                print(sent.transaction_id, flush=True)
+            time.sleep(600)
+        """
+    )
+    env = {**os.environ, "RMQ_SPARK_FAILPOINT": "intake.landing"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", child],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,  # the failpoint kills the child's whole session
+    )
+    try:
+        committed, unknown = proc.stdout.readline().strip(), proc.stdout.readline().strip()
+        assert proc.wait(timeout=60) == -9  # the failpoint's SIGKILL, at the landing
+    finally:
+        proc.kill()
+    store = Store.open(root)
+    assert _half_ids(store) == [] and len(_objects(store)) == 2
+    assert store.land_intake(0.0) == 2
+    assert _half_ids(store) == sorted([committed, unknown])
+    # The check-back job's landing of a decision it finds in a decision object:
+    (late,) = store.end_transactions(
+        [Decision(committed, "pg", ROLLBACK, "check-back")], publish=False, in_half=True
+    )
+    assert (late.status, late.decision) == (EndTransactionStatus.REFUSED, COMMIT)
+    store.publish()
+    assert store.read("commitlog").column("transaction_id").to_pylist() == [committed]
+    assert store.object_decisions([unknown]) == {}
+
+
+def test_a_young_object_is_left_to_its_writer(settings: Settings) -> None:
+    writer, recoverer = _open(settings), _open(settings)
+    writer.prepare([Message("T", b"x")], "pg")
+    assert recoverer.land_intake(3600.0) == 0
+    assert len(_objects(recoverer)) == 1
+
+
+def test_a_damaged_object_is_an_error_that_names_it(settings: Settings) -> None:
+    store = _open(settings)
+    (p,) = store.prepare([Message("T", b"x")], "pg")
+    intake = store._decisions.intake
+    bad = f"{intake.path}/0000-{'f' * 16}.arrow"
+    intake._put(bad, b"not arrow")
+    with pytest.raises(CorruptStoreError, match=f"{INTAKE_DIR}/0000-"):
+        _open(settings).land_intake(0.0)
+    assert _half_ids(store) == []  # nothing landed, nothing removed
+    assert len(_objects(store)) == 2
+    store.land_decisions()  # its writer lands its own
+    assert _half_ids(store) == [p.transaction_id]
+
+
+def test_intake_is_a_boolean_setting(tmp_path: Path) -> None:
+    conf = tmp_path / "rmq.toml"
+    conf.write_text('[store]\nintake = "yes"\n')
+    with pytest.raises(InvalidOptionError, match="store.intake needs true or false"):
+        load_settings(conf)
+    conf.write_text("[store]\nintake = false\n")
+    assert load_settings(conf).store.intake is False
