@@ -17,17 +17,22 @@ machine's CPU busy during the run (near 100%: the run measures the machine, not 
 the producer processes' own CPU time a transaction (every thread, native ones included; MinIO
 and the proxy are not in it), and the requests per transaction the proxy counted, by kind, and
 how many of them were background work: all but the send path's, which are, for each commit of
-``half``, and of ``op`` for the transactions decided there, its data file PUT, its log entry
-PUT and the two GETs of its reachability check (:data:`COMMIT_PUT`), and the PUT of each
-decision object (:data:`DECISION_PUT`; the ``op`` commits that land those decisions are
-background work). Last, issue 47's goals for the runs made (``1x4``, ``16x4``,
+``half`` (with ``store.intake`` off: a run written ``PxS:commit``; with it on, the default on
+S3, the PUT of each intake object instead, :data:`INTAKE_PUT`, and the ``half`` commits that
+land them are background work), and of ``op`` for the transactions decided there, its data
+file PUT, its log entry PUT and the two GETs of its reachability check (:data:`COMMIT_PUT`),
+and the PUT of each decision object (:data:`DECISION_PUT`; the ``op`` commits that land those
+decisions are background work). Last, issue 47's goals for the runs made (``1x4``, ``16x4``,
 ``1x64``), each with what was measured.
 
 The store of each run has one shard per producer process (``rmq_spark.store.shards``: each
 process appends to logs of its own), or ``--shards`` N for every run, or K for one run written
-``PxSxK`` (``16x4x1``: every process appends to the same logs, as before shards).
+``PxSxK`` (``16x4x1``: every process appends to the same logs, as before shards). A run written
+``PxS:commit`` makes each send a ``half`` commit (``store.intake = false``), for a comparison in
+the same run.
 
-Usage: python bench/scale_bench.py [--runs 1x4,16x4,16x4x1,1x64] [--seconds 20] [--delay-ms 20]
+Usage: python bench/scale_bench.py [--runs 1x4,1x4:commit,16x4,16x4x1,1x64] [--seconds 20]
+                                   [--delay-ms 20]
                                    [--rate TX_PER_SENDER_PER_S] [--shards N] [--local]
 """
 
@@ -68,6 +73,8 @@ BODY = b"x" * 256
 #: A PUT of a commit of ``half`` or ``op`` (a shard's or the root's): a data file or a log
 #: entry. Each log entry PUT is followed by the two GETs of the commit's reachability check.
 COMMIT_PUT = re.compile(r"/(half|op)/(?:_delta_log/\d{20}\.json|[^/]+\.parquet)$")
+#: The PUT of an intake object (``rmq_spark.store.intake``).
+INTAKE_PUT = re.compile(r"/half/_rmqtx_intake/[^/]+\.arrow$")
 #: The PUT of a transaction's decision object (``rmq_spark.store.arbiter``).
 DECISION_PUT = re.compile(r"/op/_rmqtx_decisions/[^/]+\.json$")
 #: Seconds a producer process stays up after its sends: its last COMMITs are published by the
@@ -87,13 +94,21 @@ class EndedLater(TransactionListener):
 
 
 def worker(
-    root: str, options: dict[str, str], senders: int, start: float, seconds: float, rate: float
+    root: str,
+    options: dict[str, str],
+    senders: int,
+    start: float,
+    seconds: float,
+    rate: float,
+    intake: bool,
 ):
     """One producer process: ``senders`` threads send from ``start`` (wall clock) on for
     ``seconds``, each ``rate`` transactions a second at most (0: one after the other); print
     ``{"count": n, "latencies": [...], "cpu": s}`` (seconds; ``cpu``: the process's CPU time
-    during the sends, every thread, native ones included) on stdout."""
-    store = Store.open(settings=StoreSettings(path=root, storage_options=options), create=False)
+    during the sends, every thread, native ones included) on stdout. ``intake``: the
+    ``store.intake`` setting."""
+    settings = StoreSettings(path=root, storage_options=options, intake=intake)
+    store = Store.open(settings=settings, create=False)
     latencies: list[float] = []
     by_object: list[bool] = []  # list.append is atomic
     lock = threading.Lock()
@@ -155,6 +170,7 @@ def run(
     seconds: float,
     rate: float,
     proxy: LatencyProxy | None,
+    intake: bool,
 ):
     """Start ``processes`` workers together; return (transactions/s, latencies, requests
     counted by the proxy from the start to the end of the sends, how many of them were not the
@@ -163,6 +179,7 @@ def run(
     start = time.time() + 10 + processes * 1.5  # every worker has opened the store by then
     env = {**os.environ, "RMQ_BENCH_OPTIONS": json.dumps(options)}
     argv = [sys.executable, __file__, "--worker", root, *map(str, (senders, start, seconds, rate))]
+    argv.append("intake" if intake else "commit")
     procs = [
         subprocess.Popen(
             argv,
@@ -188,14 +205,15 @@ def run(
     latencies = np.array([x for r in results for x in r["latencies"]])
     count = sum(r["count"] for r in results)
     op_share = 1 - sum(r["objects"] for r in results) / max(count, 1)
-    sent = _send_path(proxy.requests or [], op_share) if proxy else 0
+    sent = _send_path(proxy.requests or [], op_share, intake) if proxy else 0
     background = sum(counts.values()) - sent if proxy else 0
     cpu = sum(r["cpu"] for r in results) / max(count, 1)
     return count / seconds, latencies, counts, background, busy, start, cpu
 
 
-def _send_path(requests: list[tuple[str, str]], op_share: float) -> float:
-    """How many of ``requests`` (method, target) the send path made: the commits of ``half``
+def _send_path(requests: list[tuple[str, str]], op_share: float, intake: bool) -> float:
+    """How many of ``requests`` (method, target) the send path made: the intake objects
+    (:data:`INTAKE_PUT`) or, with ``intake`` off, the commits of ``half``
     (:data:`COMMIT_PUT`), the decision objects (:data:`DECISION_PUT`), and the share
     ``op_share`` of the commits of ``op`` (the transactions decided there; the others' decisions
     are landed in ``op`` in the background)."""
@@ -206,7 +224,8 @@ def _send_path(requests: list[tuple[str, str]], op_share: float) -> float:
         if found:
             costs[found.group(1)] += 3 if t.endswith(".json") else 1
     decisions = sum(1 for t in puts if DECISION_PUT.search(t))
-    return costs["half"] + op_share * costs["op"] + decisions
+    halves = sum(1 for t in puts if INTAKE_PUT.search(t)) if intake else costs["half"]
+    return halves + op_share * costs["op"] + decisions
 
 
 def _cpu_times() -> list[int]:
@@ -268,7 +287,10 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=0.0)
     parser.add_argument("--local", action="store_true")
     args = parser.parse_args()
-    runs = [[int(n) for n in r.split("x")] for r in args.runs.split(",")]
+    runs = [
+        ([int(n) for n in spec.split("x")], way != "commit", spec + (f":{way}" if way else ""))
+        for spec, _, way in (r.partition(":") for r in args.runs.split(","))
+    ]
     with tempfile.TemporaryDirectory(prefix="rmq-scale-") as tmp:
         server = proxy = None
         if args.local:
@@ -281,35 +303,36 @@ def main() -> None:
             base, where = f"s3://{minio.BUCKET}", f"s3:// (MinIO, +{args.delay_ms:g} ms a request)"
         print(f"scale-out on {where}, {args.seconds:g} s a run, 256 B bodies", flush=True)
         print(
-            f"{'producers':>24} {'shards':>6} {'tx/s':>8} {'ratio':>6} {'p50 ms':>8} "
+            f"{'producers':>34} {'shards':>6} {'tx/s':>8} {'ratio':>6} {'p50 ms':>8} "
             f"{'p99 ms':>8}  {'published p50/p99 ms':>20} {'cpu':>5} {'cpu ms/tx':>9}  "
             "requests/tx (background)"
         )
         first = None
         measured: dict[str, dict[str, float]] = {}
         try:
-            for i, (processes, senders, *fixed) in enumerate(runs):
+            for i, ((processes, senders, *fixed), intake, name) in enumerate(runs):
                 root = f"{base}/run{i}"
                 shards = fixed[0] if fixed else args.shards or processes
                 made = StoreSettings(path=root, storage_options=options, shards=shards)
                 Store.open(settings=made, create=True)
                 tps, lat, counts, background, busy, start, cpu = run(
-                    root, options, processes, senders, args.seconds, args.rate, proxy
+                    root, options, processes, senders, args.seconds, args.rate, proxy, intake
                 )
                 first = first or tps
                 done = max(tps * args.seconds, 1)
                 per_tx = " ".join(f"{k} {v / done:.1f}" for k, v in sorted(counts.items()))
                 per_tx += f" ({background / done:.1f})" if counts else ""
                 label = f"{processes} process(es) x {senders} senders"
+                label += "" if intake else " (commit)"
                 p50, p99 = (np.percentile(lat, q) * 1000 if len(lat) else 0 for q in (50, 99))
                 lags = publish_lags(root, options, start, start + args.seconds) * 1000
                 published = "/".join(f"{np.percentile(lags, q):.0f}" for q in (50, 99))
                 print(
-                    f"{label:>24} {shards:>6} {tps:8.0f} {tps / first:5.1f}x {p50:8.0f} "
+                    f"{label:>34} {shards:>6} {tps:8.0f} {tps / first:5.1f}x {p50:8.0f} "
                     f"{p99:8.0f}  {published:>20} {busy:5.0%} {cpu * 1000:9.1f}  {per_tx or '-'}",
                     flush=True,
                 )
-                measured[f"{processes}x{senders}"] = {
+                measured[name] = {
                     "tps": tps,
                     "p50": p50,
                     "p99": p99,
@@ -327,7 +350,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        root, senders, start, seconds, rate = sys.argv[2:7]
+        root, senders, start, seconds, rate, way = sys.argv[2:8]
         worker(
             root,
             json.loads(os.environ["RMQ_BENCH_OPTIONS"]),
@@ -335,6 +358,7 @@ if __name__ == "__main__":
             float(start),
             float(seconds),
             float(rate),
+            way == "intake",
         )
     else:
         main()

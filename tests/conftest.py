@@ -3,6 +3,7 @@ MinIO server per test session for the object-store tier."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -145,6 +146,12 @@ def foreign_compaction_after_the_stores(store: Store, table: str) -> None:
     assert store.compact(table)[table] > 1
     stale.optimize.compact()
     assert stored() == 2 * before
+
+
+def committing(store: Store) -> Store:
+    """``store``'s root opened with every send a ``half`` commit (``store.intake`` off, as on
+    local disk by default), for tests of those commits: on S3 a send puts an intake object."""
+    return Store.open(store.root, settings=dataclasses.replace(store.settings, intake=False))
 
 
 def commitlog(store: Store) -> pa.Table:

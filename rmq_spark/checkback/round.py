@@ -112,7 +112,7 @@ class CheckRound:
     def _check_batch(self, now: datetime) -> DataFrame:
         """Pending transactions, classified, frozen for the rest of the run."""
         # Half messages still in intake objects their writer left (killed) are pending too.
-        self.store.land_intake(self.job.settings.transaction_timeout)
+        self.store.land_intake(self.job.settings.transaction_timeout, now.timestamp())
         self._pending = update_pending(self.store)
         return check_batch(
             self.job.spark,

@@ -31,7 +31,10 @@ and ``shards.made`` (the shards' markers are in place, the root's count not rais
 ``deliveries.decided`` (messages decided for a dead-letter topic are committed, not yet
 published there; :mod:`rmq_spark.store.deliveries`); ``decision.claimed`` (transactions'
 decision objects are put, their decisions not recorded in ``op``;
-:mod:`rmq_spark.store.decisions`).
+:mod:`rmq_spark.store.decisions`); ``intake.landing`` (a producer's background landing of the
+intake objects it staged starts: its sends returned, nothing of them is in ``half``) and
+``intake.landed`` (a landing's commit is in ``half``, its objects not deleted yet;
+:mod:`rmq_spark.store.intake`).
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ import pyarrow as pa
 from deltalake import DeltaTable
 
 from rmq_spark.delta.retry import retry_commits
-from rmq_spark.delta.storage import is_s3
+from rmq_spark.delta.storage import check_conditional_put, is_s3
 from rmq_spark.model.errors import RmqSparkError
 from rmq_spark.model.failpoints import failpoint
 from rmq_spark.model.messages import (
@@ -131,12 +131,14 @@ class EndTransactionResult:
 
 @dataclass(frozen=True)
 class PreparedMessage:
-    """A half message that is durable in the ``half`` table."""
+    """A half message, durable: in the ``half`` table, or in an intake object landed there later."""
 
     msg_id: str
     transaction_id: str
     queue_id: int
-    half_version: int
+    #: The ``half`` version that holds it; None while it is in an intake object
+    #: (:mod:`rmq_spark.store.intake`), landed later.
+    half_version: int | None
     store_timestamp: datetime
 
 
@@ -365,7 +367,7 @@ class Decisions(StoreConcept):
         )
         if fresh_ids and by_object and self.intake is not None:
             self.intake.stage(half)
-            version = -1
+            version = None
         else:
             version = self.tables.append("half", [half])
         if fresh_ids:
@@ -464,6 +466,9 @@ class Decisions(StoreConcept):
                 f"which {self.tables.root!r} cannot hold (no put-if-absent on this filesystem); "
                 "decide it where the store is on a local filesystem or S3."
             )
+        # Before this process's first write to the store (with intake, a decision can be):
+        # an endpoint that ignores If-None-Match would let two decisions win.
+        check_conditional_put(self.tables.root, self.tables.storage_options)
         claims = self._objects.claim(
             [(d.transaction_id, d.producer_group, d.state, d.decided_by) for d in decisions],
             self.clock(),

@@ -339,11 +339,12 @@ class Store:
             raise failure
         return landed
 
-    def land_intake(self, older_than: float) -> int:
+    def land_intake(self, older_than: float, now: float | None = None) -> int:
         """Land in this store's (shard's) ``half`` the intake objects that their writers left
-        unlanded and that are at least ``older_than`` seconds old; return how many
-        transactions that was (:meth:`rmq_spark.store.intake.Intake.recover`)."""
-        return self._decisions.intake_recovery().recover(older_than)
+        unlanded and that are at least ``older_than`` seconds old at ``now`` (seconds since the
+        epoch; default: the machine's clock); return how many transactions that was
+        (:meth:`rmq_spark.store.intake.Intake.recover`)."""
+        return self._decisions.intake_recovery().recover(older_than, now)
 
     def remove_decision_objects(self, transaction_ids: Sequence[str]) -> None:
         """Delete the decision objects of transactions of this shard that retention removed

@@ -44,7 +44,7 @@ import pyarrow as pa
 
 from rmq_spark.delta.parallel import each
 from rmq_spark.delta.retry import retry_commits
-from rmq_spark.delta.storage import filesystem, scheme
+from rmq_spark.delta.storage import check_conditional_put, filesystem, scheme
 from rmq_spark.model.errors import CorruptStoreError
 from rmq_spark.model.failpoints import failpoint
 from rmq_spark.model.messages import new_id
@@ -98,6 +98,9 @@ class Intake(StoreConcept):
     def stage(self, rows: pa.Table) -> None:
         """Make ``rows`` (``half``'s schema) durable in one put of a new intake object; they
         are landed in ``half`` by :meth:`land` (or a recoverer)."""
+        # Before this process's first write to the store: its decision objects need an
+        # endpoint that honours If-None-Match.
+        check_conditional_put(self.tables.root, self.tables.storage_options)
         name = f"{self.path}/{new_id()}-{self._token}{_SUFFIX}"
         sink = pa.BufferOutputStream()
         with pa.ipc.new_stream(sink, rows.schema) as writer:
@@ -141,13 +144,14 @@ class Intake(StoreConcept):
             self._delete([name for name, _ in batch])
             return landed
 
-    def recover(self, older_than: float) -> int:
+    def recover(self, older_than: float, now: float | None = None) -> int:
         """Land the intake objects any process staged in this shard and left unlanded (killed,
-        stalled, or not landed yet) that were listed at least ``older_than`` seconds ago by
-        their storage's time (0: all of them), and delete them; return how many transactions'
-        messages were landed (objects landed already are deleted only)."""
+        stalled, or not landed yet) that are at least ``older_than`` seconds old at ``now``
+        (seconds since the epoch, default: this machine's clock) by the time their storage
+        lists (0: all of them), and delete them; return how many transactions' messages were
+        landed (objects landed already are deleted only)."""
         with self._landing:
-            found = self._listed(older_than)
+            found = self._listed(older_than, time.time() if now is None else now)
             if not found:
                 return 0
             datas = each(self._read, found, "intake-reads")
@@ -211,10 +215,9 @@ class Intake(StoreConcept):
         return landed
 
     # ------------------------------------------------------------------ objects
-    def _listed(self, older_than: float) -> list[str]:
-        """The intake objects of this shard put at least ``older_than`` seconds ago, oldest
-        first."""
-        now = time.time()
+    def _listed(self, older_than: float, now: float) -> list[str]:
+        """The intake objects of this shard put at least ``older_than`` seconds before ``now``,
+        oldest first."""
         try:
             if self.local:
                 entries = [

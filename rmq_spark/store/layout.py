@@ -43,12 +43,16 @@ from rmq_spark.model.schema import COLUMNS_ADDED_LATER, TABLES
 
 log = logging.getLogger(__name__)
 
-#: The newest layout this rmq-spark reads. Layout 4 is a store whose transactions may be
+#: The newest layout this rmq-spark reads. Layout 5 is a store whose half messages may wait in
+#: intake objects (:mod:`rmq_spark.store.intake`) until they are landed in ``half``: a release
+#: that records a decision in ``op`` without landing them first, or whose check-back job does
+#: not land those a killed producer left, would lose them, so it refuses the store. Layout 4 is
+#: a store whose transactions may be
 #: decided by decision objects (:mod:`rmq_spark.store.arbiter`): a release that decides in
 #: ``op`` alone would let a second decision win, so it refuses the store. Layout 3 is a store
 #: of several shards with one CommitLog, the root's (:mod:`rmq_spark.store.shards`): a release
 #: that reads one shard only, or a CommitLog per shard, refuses it instead of missing messages.
-LAYOUT_VERSION = 4
+LAYOUT_VERSION = 5
 #: A store of shards that each had a CommitLog (rmq-spark of 2026-11-25 to 27): a writer that
 #: opens it merges them into the root's (:meth:`rmq_spark.store.shards.Shards.merge_commitlogs`).
 SHARDED_COMMITLOGS_LAYOUT = 2

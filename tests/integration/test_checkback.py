@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -741,3 +742,49 @@ def test_a_decision_its_killed_producer_never_recorded_is_recorded_not_asked(
     assert store.decisions([tid]) == {tid: LocalTransactionState.COMMIT}
     store.publish()
     assert visible_ids(store) == [tid]
+
+
+def test_sends_a_killed_producer_left_in_intake_objects_are_landed_then_resolved(
+    spark, store: Store
+) -> None:
+    """A producer with intake (the default on S3) is SIGKILLed as its publisher starts landing
+    its sends (the ``intake.landing`` failpoint): their half messages are only in intake
+    objects. A round lands those older than the transaction timeout before it reads ``half``;
+    the one its producer committed (in its decision object) is recorded without asking and
+    published, the one left UNKNOWN is pending like any other."""
+    child = (
+        "import time\n"
+        "from rmq_spark import LocalTransactionState, Message, Store, TransactionMQProducer\n"
+        "from rmq_spark.model.config import StoreSettings\n"
+        "from tests.unit.test_producer import ScriptedListener\n"
+        f"store = Store.open({store.root!r}, settings=StoreSettings(queue_nums=2, intake=True, "
+        "publish_linger=1.0))\n"
+        "with TransactionMQProducer('pg', ScriptedListener(), store=store) as producer:\n"
+        "    for answer in ('COMMIT', 'UNKNOWN'):\n"
+        "        sent = producer.send_message_in_transaction(\n"
+        "            Message('Orders', b'x', tags='ROLLBACK'), LocalTransactionState(answer))\n"
+        "        print(sent.transaction_id, flush=True)\n"
+        "    time.sleep(600)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", child],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        env={**os.environ, "RMQ_SPARK_FAILPOINT": "intake.landing"},
+        start_new_session=True,  # the failpoint kills the child's whole session
+    )
+    try:
+        committed, unknown = (proc.stdout.readline().decode().strip() for _ in range(2))
+        assert proc.wait(timeout=120) == -signal.SIGKILL
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert pending(store) == set()  # nothing in half yet
+    clock = Clock()
+    start_clocks(spark, store, clock)  # too young for its hour-long timeout: left to the writer
+    assert pending(store) == set()
+    s = job(spark, store, clock).run_once().summary
+    assert pending(store) == {unknown}
+    assert (s.pending_found, s.already_decided, s.committed, s.rolled_back) == (2, 1, 0, 0)
+    store.publish()
+    assert visible_ids(store) == [committed]

@@ -34,7 +34,7 @@ from rmq_spark import (
 )
 from rmq_spark.delta.storage import filesystem
 from rmq_spark.model.config import Settings, StoreSettings
-from tests.conftest import commitlog, settings_file
+from tests.conftest import commitlog, committing, settings_file
 
 pytestmark = pytest.mark.objectstore
 REPO = Path(__file__).resolve().parents[2]
@@ -334,6 +334,7 @@ def test_a_reader_looking_for_shards_while_the_store_grows_never_fails(minio) ->
 def test_vacuum_on_s3_deletes_what_was_removed_long_ago_and_only_that(s3_store: Store) -> None:
     """VACUUM by removal time on an object store: the removals written down under the table
     (a prefix that does not exist yet at first), read back when due, deleted in bulk."""
+    s3_store = committing(s3_store)
     import time
 
     from rmq_spark.model.config import RetentionSettings

@@ -75,6 +75,8 @@ class Options:
     #: A store on ``s3://`` (MinIO behind tests.latency_proxy) instead of local disk: the
     #: storage options of the server, given to every process in its environment.
     storage_options: dict = field(default_factory=dict)
+    #: ``[store] intake`` (None: the default, on for S3 only; rmq_spark.store.intake).
+    intake: bool | None = None
 
 
 @dataclass
@@ -237,6 +239,7 @@ path = "{self.store}"
 queue_nums = {QUEUE_NUMS}
 shards = {o.shards}
 {business}
+{"" if o.intake is None else f"intake = {str(o.intake).lower()}"}
 
 [transaction]
 transaction_timeout = "{o.transaction_timeout}s"

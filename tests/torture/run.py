@@ -35,6 +35,11 @@ def main(argv: list[str] | None = None) -> int:
         "ms to every request",
     )
     parser.add_argument(
+        "--intake",
+        choices=("on", "off"),
+        help="[store] intake: sends durable in intake objects (default: on for S3 only)",
+    )
+    parser.add_argument(
         "--no-compactor",
         action="store_true",
         help="no compactor process (the store still compacts each table after its checkpoints)",
@@ -52,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         producers=args.producers,
         shards=args.shards,
         delay_ms=args.s3_delay_ms,
+        intake=None if args.intake is None else args.intake == "on",
     )
     print(report, flush=True)
     return 1 if result["violations"] else 0

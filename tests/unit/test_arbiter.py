@@ -127,7 +127,7 @@ def test_the_first_object_decided_id_raises_the_layout(tmp_path: Path) -> None:
     store = Store.open(root)
     assert json.loads((root / MARKER_FILE).read_text())["layout_version"] == 1
     store.prepare([Message("T", b"x")], "pg")
-    assert json.loads((root / MARKER_FILE).read_text())["layout_version"] == LAYOUT_VERSION == 4
+    assert json.loads((root / MARKER_FILE).read_text())["layout_version"] == LAYOUT_VERSION == 5
 
 
 def test_a_damaged_decision_object_is_an_error_that_names_it(store: Store) -> None:

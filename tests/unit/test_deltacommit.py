@@ -29,6 +29,7 @@ from rmq_spark.delta.txnlog import LOG_ENTRY_MIN_AGE
 from rmq_spark.model.config import Settings, StoreSettings
 from rmq_spark.model.messages import new_id
 from rmq_spark.model.schema import HALF_SCHEMA
+from tests.conftest import committing
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -156,6 +157,7 @@ def test_written_files_are_described_by_their_add_actions(any_store: Store) -> N
 def test_a_commit_after_a_table_change_is_refused_and_the_append_retried(any_store: Store) -> None:
     """A metaData action between the snapshot and the commit conflicts: nothing lands. The
     Store's append then retries on the new snapshot."""
+    any_store = committing(any_store)
     uri, options = any_store.table_uri("half"), any_store.settings.storage_options
     before = any_store.table("half").version()
     files = half_files(any_store)
@@ -188,6 +190,7 @@ def test_a_compaction_loses_to_a_commit_that_removed_a_file_it_rewrites(any_stor
     """A compaction read its files from a snapshot; meanwhile a DELETE (retention) rewrote one
     of them without a row. Committing the compaction would bring the deleted row back (and
     keep the other files' rows twice), so it conflicts; an append meanwhile does not."""
+    any_store = committing(any_store)
     uri, options = any_store.table_uri("half"), any_store.settings.storage_options
     sent = [any_store.prepare([Message("T", f"m{i}".encode())], "pg")[0] for i in range(3)]
     snapshot = any_store.table("half")
@@ -272,6 +275,7 @@ def test_a_writer_that_goes_on_from_its_own_commit_still_sees_another_writers(
     """A writer that has just committed alone goes on from its own commit without reading the
     log. Another writer's append since is found by its put (both land, once each); a table
     change since is found the same way and refused as before, with nothing written."""
+    any_store = committing(any_store)
     (first,) = any_store.prepare([Message("T", b"first")], "pg")
     uri, options = any_store.table_uri("half"), any_store._storage_options
     foreign = DeltaTable(uri, storage_options=options)

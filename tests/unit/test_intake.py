@@ -41,7 +41,7 @@ def _open(settings: Settings) -> Store:
 
 def _objects(store: Store) -> list[str]:
     intake = store._decisions.intake_recovery()
-    return intake._listed(0.0)
+    return intake._listed(0.0, float("inf"))
 
 
 def _half_ids(store: Store) -> list[str]:

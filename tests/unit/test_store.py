@@ -41,7 +41,7 @@ from rmq_spark.model.schema import CHECKPOINT_INTERVAL, LOCKS_SCHEMA
 from rmq_spark.store import decisions as decisions_module
 from rmq_spark.store.decisions import decision_app_id
 from rmq_spark.store.layout import MARKER_FILE
-from tests.conftest import commitlog
+from tests.conftest import commitlog, committing
 from tests.latency_proxy import LatencyProxy
 
 COMMIT, ROLLBACK = LocalTransactionState.COMMIT, LocalTransactionState.ROLLBACK
@@ -52,6 +52,7 @@ def decide(store: Store, prepared, state, **kw):
 
 
 def test_half_messages_are_durable_but_invisible(any_store: Store) -> None:
+    any_store = committing(any_store)
     prepared = any_store.prepare([Message("Orders", b"a"), Message("Orders", b"b")], "pg")
     assert any_store.read("half").num_rows == 2
     assert commitlog(any_store).num_rows == 0
@@ -150,6 +151,7 @@ def test_half_messages_another_writer_stored_twice_are_read_and_published_once(
     those messages twice. They were published twice, and check-back's rounds failed on every
     shard from then on (its MERGE of check state met two rows of one transaction). A message is
     its ``msg_id``: it is read, checked and published once."""
+    any_store = committing(any_store)
     prepared = any_store.prepare([Message("Orders", b"a"), Message("Orders", b"b")], "pg")
     uri, options = any_store.table_uri("half"), any_store._storage_options
     twice = DeltaTable(uri, storage_options=options).to_pyarrow_table()
@@ -534,12 +536,14 @@ def test_a_table_is_maintained_after_each_checkpoint_from_it(minio) -> None:
     try:
         root = minio.root()
         direct = Store.open(
-            settings=Settings(store=StoreSettings(path=root, storage_options=minio.storage_options))
+            settings=Settings(
+                store=StoreSettings(path=root, storage_options=minio.storage_options, intake=False)
+            )
         )
         direct.table("half").alter.set_table_properties({"delta.checkpointInterval": "10"})
         options = dict(minio.storage_options, AWS_ENDPOINT_URL=proxy.endpoint)
         store = Store.open(
-            settings=Settings(store=StoreSettings(path=root, storage_options=options))
+            settings=Settings(store=StoreSettings(path=root, storage_options=options, intake=False))
         )
         store.maintain_in_background()
         bodies: list[bytes] = []
@@ -602,7 +606,7 @@ def _log_entries(store: Store, name: str) -> int:
 def short_log_store(any_store: Store, young_entries_cleaned: None) -> Store:
     """A store whose internal tables' logs are cleaned as soon as a checkpoint covers them
     (on local disk and on S3, whose listings tell the age differently)."""
-    settings = dataclasses.replace(any_store.settings, log_retention=0.0)
+    settings = dataclasses.replace(any_store.settings, log_retention=0.0, intake=False)
     return Store.open(any_store.root, settings=settings)
 
 
@@ -656,6 +660,7 @@ def test_a_writer_appends_after_the_log_was_cleaned_under_its_snapshot(
     snapshot is younger, but the other's clock runs two hours ahead): the log entries after
     its cached snapshot are gone, and deltalake refuses to commit on it ("Invalid table
     version"); every later send of that process failed."""
+    any_store = committing(any_store)
     retention = 3600.0 if skew else 0.0
     settings = dataclasses.replace(any_store.settings, log_retention=retention)
     ahead = (lambda: datetime.now(UTC) + timedelta(hours=2)) if skew else None
