@@ -58,6 +58,7 @@ from rmq_spark.model.schema import HALF_SCHEMA, OP_SCHEMA, WRITER_COLUMNS
 from rmq_spark.store.arbiter import DecisionObjects, supports_objects
 from rmq_spark.store.context import StoreConcept, StoreContext
 from rmq_spark.store.intake import Intake
+from rmq_spark.store.layout import LAYOUT_VERSION, OBJECTS_LAYOUT
 from rmq_spark.store.oplog import COMMITS_KEY, DECIDED_BY_RECOVERY
 from rmq_spark.store.reads import decisions_of
 
@@ -253,13 +254,13 @@ def _forget(counts: Counter[T], keys: frozenset[T]) -> None:
 class Decisions(StoreConcept):
     """Half messages written and transactions decided in one store's ``half`` and ``op``."""
 
-    def __init__(self, context: StoreContext, raise_layout: Callable[[], None]) -> None:
+    def __init__(self, context: StoreContext, raise_layout: Callable[[int], None]) -> None:
         super().__init__(context)
         self._own = threading.local()
         self._made = _Made()
         #: Raises the store's layout (:func:`rmq_spark.store.layout.raise_layout`); called once,
         #: before the first transaction id that a decision object decides is made.
-        self._raise_layout: Callable[[], None] | None = raise_layout
+        self._raise_layout: Callable[[int], None] | None = raise_layout
         self._objects = (
             DecisionObjects(self.tables.uri("op"), self.tables.storage_options)
             if supports_objects(self.tables.root)
@@ -333,7 +334,7 @@ class Decisions(StoreConcept):
             by_object = self._objects is not None and len(messages) <= self._objects_batch
             raise_layout = self._raise_layout
             if by_object and raise_layout is not None:
-                raise_layout()
+                raise_layout(OBJECTS_LAYOUT if self.intake is None else LAYOUT_VERSION)
                 self._raise_layout = None
             transaction_ids = [
                 shard_transaction_id(self.shard, object_decided=by_object) for _ in messages
@@ -488,10 +489,19 @@ class Decisions(StoreConcept):
         one commit; return how many COMMITs that was. One landing at a time: a call waits for
         the one under way. A failed landing keeps its decisions for the next."""
         with self._landing:
-            if self.intake is not None:
-                self.intake.land()  # their half messages first: see rmq_spark.store.intake
+            # The decisions first, then their half messages: each of these transactions was
+            # staged before it was decided, so the intake objects staged by now hold all of
+            # them (taken the other way round, a send staged and decided while its intake
+            # landing was under way would reach op first: see rmq_spark.store.intake).
             with self._queue_lock:
                 batch, self._unlanded = self._unlanded, []
+            try:
+                if self.intake is not None:
+                    self.intake.land()
+            except BaseException:
+                with self._queue_lock:
+                    self._unlanded[:0] = batch
+                raise
             if not batch:
                 return 0
             # A transaction decided twice here (a rival refused): its object's decision, once.
@@ -517,8 +527,10 @@ class Decisions(StoreConcept):
             read = {t for t in transaction_ids if t in self._in_half}
             self._in_half -= read
         strangers = [t for t in transaction_ids if object_decided(t) and t not in read]
-        if strangers and len(self._made.after(strangers, float("-inf"))) < len(strangers):
-            self.intake_recovery().recover(0.0)
+        made = self._made.after(strangers, float("-inf"))
+        if len(made) < len(strangers):
+            # Only the objects whose id range covers them: the others' writers land those.
+            self.intake_recovery().recover(0.0, covering=[t for t in strangers if t not in made])
 
     def intake_recovery(self) -> Intake:
         """The shard's intake objects, to land those their writers left

@@ -104,7 +104,7 @@ class Store:
         self._tables = DeltaTables(root, TABLES, settings.storage_options, fresh, located)
         context = StoreContext(self._tables, settings, self.clock, RecentHalves(), shard)
         self._recent = context.recent
-        self._decisions = Decisions(context, lambda: raise_layout(owner._tables))
+        self._decisions = Decisions(context, lambda v: raise_layout(owner._tables, version=v))
         self._deliveries = None if shard else Deliveries(context, self._send_dead_letters)
         # The root publishes every shard's COMMITs with its own, in the same commits.
         lanes = None if shard else self._other_publishers
@@ -339,12 +339,23 @@ class Store:
             raise failure
         return landed
 
+    @property
+    def stages_in_intake(self) -> bool:
+        """Whether a prepare of new transactions here puts an intake object (``store.intake``,
+        :mod:`rmq_spark.store.intake`) instead of committing to ``half``."""
+        return self._decisions.intake is not None
+
     def land_intake(self, older_than: float, now: float | None = None) -> int:
         """Land in this store's (shard's) ``half`` the intake objects that their writers left
         unlanded and that are at least ``older_than`` seconds old at ``now`` (seconds since the
         epoch; default: the machine's clock); return how many transactions that was
         (:meth:`rmq_spark.store.intake.Intake.recover`)."""
         return self._decisions.intake_recovery().recover(older_than, now)
+
+    def intake_covering(self, transaction_ids: Sequence[str]) -> set[str]:
+        """Those of ``transaction_ids`` an intake object of this store (shard) may hold
+        (:meth:`rmq_spark.store.intake.Intake.covering`)."""
+        return self._decisions.intake_recovery().covering(transaction_ids)
 
     def remove_decision_objects(self, transaction_ids: Sequence[str]) -> None:
         """Delete the decision objects of transactions of this shard that retention removed

@@ -2,16 +2,18 @@
 
 * **Nothing is lost** (rule 4). On an object store a ``half`` commit is three sequential round
   trips (the data file, the log entry, the check that the entry is reachable). With intake
-  (``store.intake``), :meth:`Intake.stage` makes a prepare's half messages durable in one put
-  of an *intake object*, ``half/_rmqtx_intake/<id>-<token>.arrow`` in its shard (Arrow IPC,
-  ``half``'s schema; Delta readers, VACUUM and rmq-spark's vacuum skip folders that start with
-  an underscore), and the send returns. The process's background publisher lands its intake
-  objects in ``half`` (:meth:`Intake.land`, one commit for all of that moment) before it lands
-  any decision in ``op``; a process killed first leaves them to the check-back job, which lands
-  every intake object older than the transaction timeout before it reads ``half``
-  (:meth:`Intake.recover`), and so does any process that lands in ``op`` a decision of a
-  transaction it did not prepare itself. So ``op`` never holds a decision whose half messages
-  ``half`` lacks (a publisher would find nothing to publish for it).
+  (``store.intake``), :meth:`Intake.stage` makes a prepare's half messages durable in one put of
+  an *intake object* in its shard, ``half/_rmqtx_intake/<first id>-<last id>-<writer>.arrow``
+  (Arrow IPC, ``half``'s schema, named by its transactions' id range; Delta readers, VACUUM and
+  rmq-spark's vacuum skip folders that start with an underscore), and the send returns. The
+  process's background publisher lands its intake objects in ``half`` (:meth:`Intake.land`, one
+  commit for all of that moment) before it lands any decision in ``op``; a process killed first
+  leaves them to the check-back job, which lands every intake object older than the transaction
+  timeout before it reads ``half`` (:meth:`Intake.recover`), and so does any process that lands
+  in ``op`` a decision of a transaction it did not prepare itself (the objects whose id range
+  covers it). A process's landing takes the decisions to land before the objects it staged: each
+  of those transactions was staged before it was decided. So ``op`` never holds a decision whose
+  half messages ``half`` lacks (a publisher would find nothing to publish for it).
 * **Landed once.** An object may be landed by its writer and by a recoverer at the same time
   (a writer stalled, not dead). Each landing records the Delta application id of the bucket of
   its objects' writer (:func:`intake_app_id`), so two landings of one object conflict and the
@@ -23,9 +25,10 @@
   writer the race.
 
 An intake object left unlanded (its writer killed, no check-back job running) is pending all
-the same, and the check-back job lands it when it runs. An object landed but not deleted must
-not outlive ``retention.transaction_reserved_time`` (72 h) without a check-back round: after
-retention removed its transactions' rows it would be landed again.
+the same, and the check-back job lands it when it runs. An object landed but not deleted would
+bring its transactions back once retention removed their rows: retention lands (and so deletes)
+every object first, and keeps the rows of the transactions whose ids an object left over still
+covers (:meth:`Intake.covering`).
 """
 
 from __future__ import annotations
@@ -41,13 +44,13 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from rmq_spark.delta.parallel import each
 from rmq_spark.delta.retry import retry_commits
 from rmq_spark.delta.storage import check_conditional_put, filesystem, scheme
 from rmq_spark.model.errors import CorruptStoreError
 from rmq_spark.model.failpoints import failpoint
-from rmq_spark.model.messages import new_id
 from rmq_spark.model.schema import HALF_SCHEMA
 from rmq_spark.store.context import StoreConcept, StoreContext
 from rmq_spark.store.reads import rows_by_id
@@ -58,6 +61,11 @@ log = logging.getLogger(__name__)
 INTAKE_DIR = "_rmqtx_intake"
 _SUFFIX = ".arrow"
 _APP_ID = "rmqtx.intake.{bucket}"
+#: Batches of sends a producer process (or ``rmq serve``) puts at once with intake (the
+#: workers of its prepare committer, :class:`rmq_spark.group_commit.GroupCommitter`): the puts
+#: are independent of each other, so a sender waits for its own batch's round trip only.
+STAGING_WORKERS = 4
+
 #: Buckets of writers for the landing arbiter: ``half``'s snapshot keeps one application id per
 #: bucket, however many processes ever wrote intake objects.
 INTAKE_BUCKETS = 1024
@@ -68,9 +76,18 @@ def intake_app_id(token: str) -> str:
     return _APP_ID.format(bucket=zlib.crc32(token.encode()) % INTAKE_BUCKETS)
 
 
-def _token_of(name: str) -> str:
-    """The writer token of an intake object's name (``<id>-<token>.arrow``)."""
-    return name.rsplit("/", 1)[-1].removesuffix(_SUFFIX).rsplit("-", 1)[-1]
+def _parts(name: str) -> list[str]:
+    """An intake object's name's parts: its first and last transaction ids and its writer
+    token (``<first>-<last>-<token>.arrow``)."""
+    return name.rsplit("/", 1)[-1].removesuffix(_SUFFIX).split("-")
+
+
+def _covers(name: str, transaction_ids: Sequence[str]) -> bool:
+    """Whether the object ``name`` may hold one of ``transaction_ids`` (by its id range)."""
+    parts = _parts(name)
+    if len(parts) != 3:
+        return True  # not named by this release: read it
+    return any(parts[0] <= t <= parts[1] for t in transaction_ids)
 
 
 class Intake(StoreConcept):
@@ -101,7 +118,9 @@ class Intake(StoreConcept):
         # Before this process's first write to the store: its decision objects need an
         # endpoint that honours If-None-Match.
         check_conditional_put(self.tables.root, self.tables.storage_options)
-        name = f"{self.path}/{new_id()}-{self._token}{_SUFFIX}"
+        ids = rows.column("transaction_id")
+        first, last = pc.min_max(ids).values()
+        name = f"{self.path}/{first}-{last}-{self._token}{_SUFFIX}"
         sink = pa.BufferOutputStream()
         with pa.ipc.new_stream(sink, rows.schema) as writer:
             writer.write_table(rows)
@@ -121,12 +140,6 @@ class Intake(StoreConcept):
             out.write(data)
         os.replace(temp, name)  # whole or not at all
 
-    @property
-    def staged(self) -> int:
-        """How many objects this process staged and has not landed yet."""
-        with self._lock:
-            return len(self._staged)
-
     # ------------------------------------------------------------------ landing
     def land(self) -> int:
         """Land in ``half`` the objects this process staged so far, in one commit, and delete
@@ -144,14 +157,22 @@ class Intake(StoreConcept):
             self._delete([name for name, _ in batch])
             return landed
 
-    def recover(self, older_than: float, now: float | None = None) -> int:
+    def recover(
+        self,
+        older_than: float,
+        now: float | None = None,
+        covering: Sequence[str] | None = None,
+    ) -> int:
         """Land the intake objects any process staged in this shard and left unlanded (killed,
         stalled, or not landed yet) that are at least ``older_than`` seconds old at ``now``
         (seconds since the epoch, default: this machine's clock) by the time their storage
-        lists (0: all of them), and delete them; return how many transactions' messages were
-        landed (objects landed already are deleted only)."""
+        lists (0: all of them), or only those whose id range covers one of ``covering``, and
+        delete them; return how many transactions' messages were landed (objects landed
+        already are deleted only)."""
         with self._landing:
             found = self._listed(older_than, time.time() if now is None else now)
+            if covering is not None:
+                found = [name for name in found if _covers(name, covering)]
             if not found:
                 return 0
             datas = each(self._read, found, "intake-reads")
@@ -169,11 +190,18 @@ class Intake(StoreConcept):
                 )
             return landed
 
+    def covering(self, transaction_ids: Sequence[str]) -> set[str]:
+        """Those of ``transaction_ids`` that the id range of an intake object in this shard
+        covers (one listing): retention keeps their rows, which such an object (landed, its
+        deletion failed) would otherwise bring back."""
+        names = self._listed(0.0, float("inf"))
+        return {t for t in transaction_ids if any(_covers(name, [t]) for name in names)}
+
     def _land(self, objects: Sequence[tuple[str, pa.Table]], *, own: bool) -> int:
         """Append the rows of ``objects`` to ``half`` unless they are there; return how many
         transactions that was (the landing arbiter: see the module docstring)."""
         ids = sorted({t for _, rows in objects for t in rows.column("transaction_id").to_pylist()})
-        apps = {intake_app_id(_token_of(name)) for name, _ in objects}
+        apps = {intake_app_id(_parts(name)[-1]) for name, _ in objects}
 
         def attempt(n: int) -> tuple[int, int | None]:
             head = self.tables.head("half", reload=n > 0 or not own)

@@ -53,6 +53,8 @@ log = logging.getLogger(__name__)
 #: of several shards with one CommitLog, the root's (:mod:`rmq_spark.store.shards`): a release
 #: that reads one shard only, or a CommitLog per shard, refuses it instead of missing messages.
 LAYOUT_VERSION = 5
+#: The layout of a store whose transactions may be decided by decision objects, without intake.
+OBJECTS_LAYOUT = 4
 #: A store of shards that each had a CommitLog (rmq-spark of 2026-11-25 to 27): a writer that
 #: opens it merges them into the root's (:meth:`rmq_spark.store.shards.Shards.merge_commitlogs`).
 SHARDED_COMMITLOGS_LAYOUT = 2
@@ -147,9 +149,11 @@ def _write_marker(fs: fsspec.AbstractFileSystem, marker: str, meta: dict) -> Non
     fs.mv(staged, marker)
 
 
-def raise_layout(tables: DeltaTables, shards: int = 1) -> None:
-    """Raise the root marker of a store to :data:`LAYOUT_VERSION` (idempotent) before its first
-    shard beyond the root is made, or its first transaction id that a decision object decides:
+def raise_layout(tables: DeltaTables, shards: int = 1, version: int = OBJECTS_LAYOUT) -> None:
+    """Raise the root marker of a store to ``version`` (:data:`OBJECTS_LAYOUT`, or
+    :data:`LAYOUT_VERSION` before a process's first intake object; idempotent, never lowered)
+    before its first shard beyond the root is made, or its first transaction id that a
+    decision object decides:
     from then on an older rmq-spark, which would read the root's tables only or decide in
     ``op`` alone, refuses the store. With ``shards``, once they are made, record that the store
     has at least that many (the marker's count never goes down), so that a shard removed by
@@ -158,14 +162,14 @@ def raise_layout(tables: DeltaTables, shards: int = 1) -> None:
     marker = f"{root.rstrip('/')}/{MARKER_FILE}"
     meta = _check_marker(tables.root, fs, marker)
     failpoint("layout.read")
-    wanted = {**meta, "layout_version": LAYOUT_VERSION}
+    wanted = {**meta, "layout_version": max(int(meta.get("layout_version", 1)), version)}
     wanted["shards"] = max(int(meta.get("shards", 1)), shards)
     while wanted != meta:
         _write_marker(fs, marker, wanted)
         log.info(
             "store %s: layout version %d, %d shard(s)",
             tables.root,
-            LAYOUT_VERSION,
+            wanted["layout_version"],
             wanted["shards"],
         )
         # This rewrite may land after a racing grow's (read before it, stalled): every shard

@@ -239,6 +239,12 @@ def _expire_transactions(store: Store, cutoff: datetime, summary: MaintenanceSum
         else set()
     )
     ids = sorted(t for t, by in rows if t not in redriven and (by != _CHECK_MAX or t in recorded))
+    if ids:
+        # An intake object landed whose deletion failed would bring its transactions back once
+        # their rows are gone: each is deleted here, and the ids one left over covers wait.
+        store.land_intake(0.0)
+        kept = store.intake_covering(ids)
+        ids = [t for t in ids if t not in kept]
     summary.transactions_expired = len(ids)
     for start in range(0, len(ids), _CHUNK):
         chunk = pa.table({"transaction_id": pa.array(ids[start : start + _CHUNK], pa.string())})

@@ -3,6 +3,7 @@ before any decision of it reaches ``op``, by its writer or by whoever finds it l
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from rmq_spark.model.config import Settings, StoreSettings, load_settings
 from rmq_spark.model.errors import CorruptStoreError, InvalidOptionError
 from rmq_spark.store.decisions import EndTransactionStatus
 from rmq_spark.store.intake import INTAKE_DIR
+from rmq_spark.store.layout import LAYOUT_VERSION, MARKER_FILE, OBJECTS_LAYOUT
 
 COMMIT, ROLLBACK = LocalTransactionState.COMMIT, LocalTransactionState.ROLLBACK
 REPO = Path(__file__).resolve().parents[2]
@@ -70,14 +72,17 @@ def test_a_decider_in_another_process_lands_the_half_first(settings: Settings) -
     """A transaction sent through one process and decided through another (two ``rmqtx
     serve`` behind one address): the decider lands the sender's intake object before it
     records the decision in ``op``, so the publisher finds the message to publish."""
-    sender, decider = _open(settings), _open(settings)
+    other, sender, decider = _open(settings), _open(settings), _open(settings)
+    (unrelated,) = other.prepare([Message("T", b"y")], "pg")
     (p,) = sender.prepare([Message("T", b"x")], "pg")
     decider.end_transactions([Decision(p.transaction_id, "pg", COMMIT)], publish=False)
     assert _half_ids(decider) == [p.transaction_id]
+    assert len(_objects(decider)) == 1  # the other writer's, whose ids do not cover it
     decider.publish()
     assert decider.read("commitlog").column("transaction_id").to_pylist() == [p.transaction_id]
     sender.land_decisions()  # its own landing finds it landed
-    assert _half_ids(sender) == [p.transaction_id]
+    other.land_decisions()
+    assert _half_ids(sender) == sorted([p.transaction_id, unrelated.transaction_id])
 
 
 def test_a_stalled_writer_and_a_recoverer_land_it_once(settings: Settings) -> None:
@@ -201,7 +206,7 @@ def test_a_damaged_object_is_an_error_that_names_it(settings: Settings) -> None:
     store = _open(settings)
     (p,) = store.prepare([Message("T", b"x")], "pg")
     intake = store._decisions.intake
-    bad = f"{intake.path}/0000-{'f' * 16}.arrow"
+    bad = f"{intake.path}/0000-0000-{'f' * 16}.arrow"
     intake._put(bad, b"not arrow")
     with pytest.raises(CorruptStoreError, match=f"{INTAKE_DIR}/0000-"):
         _open(settings).land_intake(0.0)
@@ -218,3 +223,44 @@ def test_intake_is_a_boolean_setting(tmp_path: Path) -> None:
         load_settings(conf)
     conf.write_text("[store]\nintake = false\n")
     assert load_settings(conf).store.intake is False
+
+
+def test_a_decision_that_comes_during_a_landing_waits_for_its_half(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While the publisher lands the objects staged so far, a sender stages another transaction
+    and its decision comes (the prepare and end committers are threads of their own): the
+    landing of decisions that follows must not record that decision in ``op`` before its half
+    message is in ``half`` (a publisher reading ``half`` would publish nothing for it)."""
+    store = _open(settings)
+    store.prepare([Message("T", b"first")], "pg")
+    intake = store._decisions.intake
+    landing = intake._land
+    late: list[str] = []
+
+    def land_while_another_is_sent(objects, *, own):  # noqa: ANN001, ANN202
+        if not late:
+            (p,) = store.prepare([Message("T", b"late")], "pg")
+            store.end_transactions([Decision(p.transaction_id, "pg", COMMIT)], land=False)
+            late.append(p.transaction_id)
+        return landing(objects, own=own)
+
+    monkeypatch.setattr(intake, "_land", land_while_another_is_sent)
+    store.land_decisions()
+    decided = set(store.read("op").column("transaction_id").to_pylist())
+    assert decided <= set(_half_ids(store)), "a decision in op before its half message"
+    store.land_decisions()
+    assert decided | set(late) == set(store.read("op").column("transaction_id").to_pylist())
+    assert set(late) <= set(_half_ids(store))
+
+
+def test_the_first_intake_object_raises_the_layout_past_older_releases(tmp_path: Path) -> None:
+    """A release before intake would record a decision before its half message is in
+    ``half``: the store it could open (layout 4) becomes layout 5 before the first object."""
+    plain = Store.open(tmp_path / "store")
+    plain.prepare([Message("T", b"x")], "pg")
+    marker = tmp_path / "store" / MARKER_FILE
+    assert json.loads(marker.read_text())["layout_version"] == OBJECTS_LAYOUT
+    settings = Settings(store=StoreSettings(path=str(tmp_path / "store"), intake=True))
+    _open(settings).prepare([Message("T", b"x")], "pg")
+    assert json.loads(marker.read_text())["layout_version"] == LAYOUT_VERSION == 5

@@ -18,7 +18,7 @@ import pytest
 from rmq_spark import Decision, LocalTransactionState, Message, Store
 from rmq_spark.checkback.discards import redrive
 from rmq_spark.checkback.job import CheckBackJob
-from rmq_spark.model.config import RetentionSettings
+from rmq_spark.model.config import RetentionSettings, Settings, StoreSettings
 from rmq_spark.spark.offsets import earliest_offsets, latest_offsets
 from rmq_spark.store.retention import maintain
 from tests.conftest import Clock, commitlog, race
@@ -368,3 +368,23 @@ def test_a_file_a_restore_brought_back_is_not_vacuumed(store: Store) -> None:
     assert sorted(store.read("half").column("body").to_pylist()) == [
         f"o-{i}".encode() for i in range(4)
     ]
+
+
+def test_an_intake_object_left_over_brings_no_transaction_back(
+    tmp_path: Path, clock: Clock
+) -> None:
+    """A producer landed its intake object and failed to delete it: retention removes the
+    transaction's rows only once the object is gone, so no later landing brings it back to be
+    checked (and committed, and published) again."""
+    settings = Settings(store=StoreSettings(intake=True))
+    store = Store.open(tmp_path / "store", settings=settings, clock=clock)
+    (p,) = store.prepare([Message("Orders", b"x")], "pg")
+    intake = store._decisions.intake
+    (name,) = intake._listed(0.0, float("inf"))
+    data = intake.fs.cat_file(name)
+    decide(store, [p.transaction_id], COMMIT)
+    intake._put(name, data)  # as if its deletion had failed
+    clock.now = LATER
+    assert maintain(store, RetentionSettings(file_reserved_time=10 * 86400)).half_removed == 1
+    assert store.land_intake(0.0) == 0
+    assert store.read("half").num_rows == 0 and intake._listed(0.0, float("inf")) == []

@@ -29,7 +29,7 @@ from rmq_spark.model.errors import (
 from rmq_spark.model.messages import new_id, shard_of, shard_transaction_id
 from rmq_spark.model.schema import COMMITLOG_SCHEMA, TABLES
 from rmq_spark.store.decisions import Decision, EndTransactionStatus
-from rmq_spark.store.layout import LAYOUT_VERSION, MARKER_FILE, shard_uri
+from rmq_spark.store.layout import MARKER_FILE, OBJECTS_LAYOUT, shard_uri
 from rmq_spark.store.queues import OP_CURSOR_APP_ID, queue_app_id
 from tests.conftest import commitlog, race
 from tests.unit.test_producer import ScriptedListener
@@ -61,7 +61,7 @@ def test_a_store_grows_shards_and_the_root_says_so_first(tmp_path: Path) -> None
     assert _marker(root)["layout_version"] == 1  # a store of one shard: any release reads it
     grown = _open(root, shards=3)
     assert [s.shard for s in grown.shards()] == [0, 1, 2]
-    assert _marker(root)["layout_version"] == LAYOUT_VERSION  # an older release refuses it now
+    assert _marker(root)["layout_version"] == OBJECTS_LAYOUT  # an older release refuses it now
     assert _marker(root / "shards" / "2")["shard"] == 2
     # Another process finds them; fewer shards in its settings remove none.
     assert [s.shard for s in _open(root, shards=2).shards()] == [0, 1, 2]
@@ -396,7 +396,7 @@ def test_a_store_of_a_commitlog_per_shard_is_merged_by_its_first_writer(tmp_path
     results = race(_open_as_writer, [(str(root),), (str(root),)])
     assert sorted(results.values()) == [2, 2]
     store = Store.open(root, create=False)
-    assert _marker(root)["layout_version"] == LAYOUT_VERSION
+    assert _marker(root)["layout_version"] == OBJECTS_LAYOUT
     assert sorted(commitlog(store).column("msg_id").to_pylist()) == sorted(ids)
     assert store.shard_store(1).published_op_version() == 0
     (prepared,) = store.shard_store(1).prepare([Message("T", b"new")], "g")
