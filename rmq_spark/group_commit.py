@@ -71,8 +71,7 @@ _SLOT_CALLBACKS = threading.Lock()
 
 
 class GroupCommitter(Generic[T, R]):
-    """Hands items submitted from many threads to ``handler`` in batches, on one thread (or
-    ``workers``).
+    """Hands items submitted from many threads to ``handler`` in batches, on one thread.
 
     ``handler`` gets a list of items and returns one result per item, in order (an exception
     as an item's result fails that item's caller alone; one raised fails them all). When the
@@ -83,12 +82,6 @@ class GroupCommitter(Generic[T, R]):
     most; without (remote callers, whose requests arrive spread out) the whole ``linger``: a
     batch then holds what arrived in that time, and fewer, larger commits leave more of a
     busy machine's CPU to the callers.
-
-    With ``workers`` above one, a batch is collected (by one worker at a time, so that callers
-    arriving together share it) while others are still being handled: for a handler whose
-    batches are independent of each other, such as puts of objects with names of their own
-    (:mod:`rmq_spark.store.intake`), a caller then waits for its own batch's round trip, not
-    also for the one before it.
     """
 
     _STOP = object()
@@ -100,21 +93,14 @@ class GroupCommitter(Generic[T, R]):
         max_batch: int,
         linger: float = 0.0,
         wave: bool = True,
-        workers: int = 1,
     ) -> None:
         self._handler = handler
         self._max_batch = max_batch
         self._linger = linger
         self._wave = wave
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        #: Held by the worker collecting a batch.
-        self._collecting = threading.Lock()
-        self._threads = [
-            threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True)
-            for i in range(workers)
-        ]
-        for thread in self._threads:
-            thread.start()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
 
     def submit(self, item: T) -> Slot[R]:
         slot: Slot[R] = Slot()
@@ -122,10 +108,8 @@ class GroupCommitter(Generic[T, R]):
         return slot
 
     def close(self) -> None:
-        for _ in self._threads:
-            self._queue.put(self._STOP)
-        for thread in self._threads:
-            thread.join()
+        self._queue.put(self._STOP)
+        self._thread.join()
 
     def _await_wave(self, size: int) -> None:
         """Wait up to ``linger`` seconds for ``size`` items (the last batch's callers coming
@@ -138,25 +122,24 @@ class GroupCommitter(Generic[T, R]):
         stopping = False
         last_batch_size = 0
         while not stopping:
-            with self._collecting:
-                first = self._queue.get()
-                if first is self._STOP:
-                    return
-                if self._linger and last_batch_size > 1:
-                    if self._wave:
-                        self._await_wave(last_batch_size)
-                    else:
-                        time.sleep(self._linger)
-                batch = [first]
-                while len(batch) < self._max_batch:
-                    try:
-                        nxt = self._queue.get_nowait()
-                    except queue.Empty:
-                        break
-                    if nxt is self._STOP:
-                        stopping = True
-                        break
-                    batch.append(nxt)
+            first = self._queue.get()
+            if first is self._STOP:
+                return
+            if self._linger and last_batch_size > 1:
+                if self._wave:
+                    self._await_wave(last_batch_size)
+                else:
+                    time.sleep(self._linger)
+            batch = [first]
+            while len(batch) < self._max_batch:
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is self._STOP:
+                    stopping = True
+                    break
+                batch.append(nxt)
             last_batch_size = len(batch)
             try:
                 results = self._handler([item for item, _ in batch])

@@ -42,7 +42,6 @@ from rmq_spark.model.messages import (
 )
 from rmq_spark.store.decisions import Decision, EndTransactionResult, PreparedMessage
 from rmq_spark.store.facade import Store
-from rmq_spark.store.intake import STAGING_WORKERS
 from rmq_spark.store.publish_loop import (
     BackgroundPublisher,
     end_in_background,
@@ -199,7 +198,6 @@ class TransactionMQProducer:
                     self._prepare_batch,
                     self._max_batch,
                     linger=_LINGER_SECONDS,
-                    workers=STAGING_WORKERS if self._writer.stages_in_intake else 1,
                 )
                 self._end = GroupCommitter(
                     f"rmqtx-end-{self.producer_group}",

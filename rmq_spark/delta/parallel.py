@@ -28,10 +28,12 @@ def _forget_pools() -> None:
 os.register_at_fork(after_in_child=_forget_pools)
 
 
-def each(work: Callable[[_T], _R], items: Iterable[_T], pool: str) -> list[_R]:
-    """``work`` on each item, up to :data:`PARALLEL` at once on the process's pool named
-    ``pool`` (one a purpose: a decision's puts never queue behind a publisher's reads); the
-    results in order, or the first failing item's exception.
+def each(
+    work: Callable[[_T], _R], items: Iterable[_T], pool: str, parallel: int = PARALLEL
+) -> list[_R]:
+    """``work`` on each item, up to ``parallel`` at once (the pool's first call's) on the
+    process's pool named ``pool`` (one a purpose: a decision's puts never queue behind a
+    publisher's reads); the results in order, or the first failing item's exception.
 
     A call of one item runs on the caller's thread, and so does every item of a call from one
     of the pools' threads (waiting on a pool from its own threads could wait forever). At
@@ -43,7 +45,7 @@ def each(work: Callable[[_T], _R], items: Iterable[_T], pool: str) -> list[_R]:
     with _lock:
         executor = _pools.get(pool)
         if executor is None:
-            executor = _pools[pool] = ThreadPoolExecutor(PARALLEL, f"{_PREFIX}{pool}")
+            executor = _pools[pool] = ThreadPoolExecutor(parallel, f"{_PREFIX}{pool}")
     futures: list[Future[_R]] = []
     try:
         for item in items:

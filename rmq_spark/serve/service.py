@@ -63,7 +63,6 @@ from rmq_spark.serve.protocol import (
 from rmq_spark.serve.recovery import Client, Clients
 from rmq_spark.store.decisions import Decision, EndTransactionResult, EndTransactionStatus
 from rmq_spark.store.facade import Store
-from rmq_spark.store.intake import STAGING_WORKERS
 from rmq_spark.store.publish_loop import (
     BackgroundPublisher,
     end_in_background,
@@ -174,7 +173,6 @@ class MessagingService(ConsumerCalls, service_grpc.MessagingServiceServicer):
             self._max_batch,
             _LINGER_SECONDS,
             wave=False,
-            workers=STAGING_WORKERS if self._writer.stages_in_intake else 1,
         )
         self._end = GroupCommitter(
             "rmqtx-serve-end", self._end_batch, self._max_batch, _LINGER_SECONDS, wave=False

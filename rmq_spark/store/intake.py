@@ -61,11 +61,6 @@ log = logging.getLogger(__name__)
 INTAKE_DIR = "_rmqtx_intake"
 _SUFFIX = ".arrow"
 _APP_ID = "rmqtx.intake.{bucket}"
-#: Batches of sends a producer process (or ``rmq serve``) puts at once with intake (the
-#: workers of its prepare committer, :class:`rmq_spark.group_commit.GroupCommitter`): the puts
-#: are independent of each other, so a sender waits for its own batch's round trip only.
-STAGING_WORKERS = 4
-
 #: Buckets of writers for the landing arbiter: ``half``'s snapshot keeps one application id per
 #: bucket, however many processes ever wrote intake objects.
 INTAKE_BUCKETS = 1024
