@@ -749,9 +749,10 @@ def test_sends_a_killed_producer_left_in_intake_objects_are_landed_then_resolved
 ) -> None:
     """A producer with intake (the default on S3) is SIGKILLed as its publisher starts landing
     its sends (the ``intake.landing`` failpoint): their half messages are only in intake
-    objects. A round lands those older than the transaction timeout before it reads ``half``;
-    the one its producer committed (in its decision object) is recorded without asking and
-    published, the one left UNKNOWN is pending like any other."""
+    objects. A round lands those older than the transaction timeout before it reads ``half``
+    (their ages start there, on the store's clock); the one its producer committed (in its
+    decision object) is then recorded without asking and published, the one left UNKNOWN is
+    pending like any other."""
     child = (
         "import time\n"
         "from rmq_spark import LocalTransactionState, Message, Store, TransactionMQProducer\n"
@@ -783,8 +784,13 @@ def test_sends_a_killed_producer_left_in_intake_objects_are_landed_then_resolved
     clock = Clock()
     start_clocks(spark, store, clock)  # too young for its hour-long timeout: left to the writer
     assert pending(store) == set()
+    job(spark, store, clock).run_once()  # lands them; their ages start at the landing
+    assert pending(store) == {committed, unknown}
+    clock.advance(10)
     s = job(spark, store, clock).run_once().summary
-    assert pending(store) == {unknown}
-    assert (s.pending_found, s.already_decided, s.committed, s.rolled_back) == (2, 1, 0, 0)
+    # The COMMIT in force in its object, not the checker's ROLLBACK for the tag; the other
+    # was asked, and rolled back.
+    assert (s.pending_found, s.already_decided, s.committed, s.rolled_back) == (2, 1, 0, 1)
+    assert pending(store) == set()
     store.publish()
     assert visible_ids(store) == [committed]
