@@ -414,8 +414,12 @@ level = "INFO"
                     + ["delta.staged", "delta.written", "delta.closed"]
                 )
         elif w.kind == "producer" and self.rng.random() < 0.25:
-            # Dies with decisions in their objects only: check-back records them.
-            w.failpoint = "decision.claimed"
+            # Dies with decisions in their objects only: check-back records them. With intake,
+            # or with sends in intake objects only, or landed and not deleted: check-back lands
+            # them (once).
+            intake = self.o.intake or (self.o.intake is None and bool(self.o.storage_options))
+            points = ["decision.claimed"] + (["intake.landing", "intake.landed"] if intake else [])
+            w.failpoint = self.rng.choice(points)
         if w.failpoint:
             self.stats.failpoints_armed[w.failpoint] += 1
         log_path = self.logs / f"{w.name}.log"
