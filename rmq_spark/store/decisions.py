@@ -528,14 +528,16 @@ class Decisions(StoreConcept):
             self._in_half -= read
         strangers = [t for t in transaction_ids if object_decided(t) and t not in read]
         made = self._made.after(strangers, float("-inf"))
-        if len(made) < len(strangers):
+        recovery = self.intake_recovery()
+        if len(made) < len(strangers) and recovery is not None:
             # Only the objects whose id range covers them: the others' writers land those.
-            self.intake_recovery().recover(0.0, covering=[t for t in strangers if t not in made])
+            recovery.recover(0.0, covering=[t for t in strangers if t not in made])
 
-    def intake_recovery(self) -> Intake:
+    def intake_recovery(self) -> Intake | None:
         """The shard's intake objects, to land those their writers left
-        (:meth:`Intake.recover`): this process's own :attr:`intake`, or one to read them."""
-        if self.intake is not None:
+        (:meth:`Intake.recover`): this process's own :attr:`intake`, or one to read them; None
+        on a filesystem that holds none (no decision objects)."""
+        if self.intake is not None or self._objects is None:
             return self.intake
         if self._reader is None:
             self._reader = Intake(self._context)

@@ -350,12 +350,14 @@ class Store:
         unlanded and that are at least ``older_than`` seconds old at ``now`` (seconds since the
         epoch; default: the machine's clock); return how many transactions that was
         (:meth:`rmq_spark.store.intake.Intake.recover`)."""
-        return self._decisions.intake_recovery().recover(older_than, now)
+        recovery = self._decisions.intake_recovery()
+        return 0 if recovery is None else recovery.recover(older_than, now)
 
     def intake_covering(self, transaction_ids: Sequence[str]) -> set[str]:
         """Those of ``transaction_ids`` an intake object of this store (shard) may hold
         (:meth:`rmq_spark.store.intake.Intake.covering`)."""
-        return self._decisions.intake_recovery().covering(transaction_ids)
+        recovery = self._decisions.intake_recovery()
+        return set() if recovery is None else recovery.covering(transaction_ids)
 
     def remove_decision_objects(self, transaction_ids: Sequence[str]) -> None:
         """Delete the decision objects of transactions of this shard that retention removed

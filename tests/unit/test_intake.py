@@ -43,6 +43,7 @@ def _open(settings: Settings) -> Store:
 
 def _objects(store: Store) -> list[str]:
     intake = store._decisions.intake_recovery()
+    assert intake is not None
     return intake._listed(0.0, float("inf"))
 
 
