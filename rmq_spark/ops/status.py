@@ -50,13 +50,21 @@ def store_status(store: Store, now: datetime | None = None) -> dict[str, Any]:
     now = now or datetime.now(UTC)
     shards = store.shards(refresh=True)
     groups, pending = producer_groups(shards, now)
+    intake = {s.shard: s.intake_waiting(now.timestamp()) for s in shards}
     topics = topics_view(store, RetentionSettings(), now)["topics"]
     consumers = groups_view(store, RetentionSettings(), now)["groups"]
     return {
         "store": store.root,
         "generated": now.isoformat(),
         "shards": [
-            {"shard": k, "pending_transactions": txns, "pending_messages": msgs}
+            {
+                "shard": k,
+                "pending_transactions": txns,
+                "pending_messages": msgs,
+                # Sends of a killed producer in intake objects (pending too, not counted above
+                # until check-back lands them) or of a running one about to be landed.
+                **dict(zip(("intake_objects", "oldest_intake_seconds"), intake[k], strict=True)),
+            }
             for k, (txns, msgs) in pending.items()
         ],
         "topics": [
@@ -116,11 +124,20 @@ def format_status(status: Mapping[str, Any]) -> str:
     """``store_status`` as readable tables."""
     shards = status["shards"]
     parts = [f"store {status['store']}, {len(shards)} shard(s)  ({status['generated']})", ""]
-    if len(shards) > 1:
+    if len(shards) > 1 or any(s["intake_objects"] for s in shards):
         parts += section(
             "shards",
-            ["shard", "pending txns", "pending msgs"],
-            [[s["shard"], s["pending_transactions"], s["pending_messages"]] for s in shards],
+            ["shard", "pending txns", "pending msgs", "intake objects", "oldest intake"],
+            [
+                [
+                    s["shard"],
+                    s["pending_transactions"],
+                    s["pending_messages"],
+                    s["intake_objects"],
+                    format_duration(s["oldest_intake_seconds"]),
+                ]
+                for s in shards
+            ],
         )
     parts += section(
         "topics",

@@ -353,6 +353,12 @@ class Store:
         recovery = self._decisions.intake_recovery()
         return 0 if recovery is None else recovery.recover(older_than, now)
 
+    def intake_waiting(self, now: float) -> tuple[int, float | None]:
+        """The intake objects of this store (shard) not deleted yet, and the oldest one's age
+        in seconds at ``now`` (:meth:`rmq_spark.store.intake.Intake.waiting`)."""
+        recovery = self._decisions.intake_recovery()
+        return (0, None) if recovery is None else recovery.waiting(now)
+
     def intake_covering(self, transaction_ids: Sequence[str]) -> set[str]:
         """Those of ``transaction_ids`` an intake object of this store (shard) may hold
         (:meth:`rmq_spark.store.intake.Intake.covering`)."""

@@ -238,25 +238,34 @@ class Intake(StoreConcept):
         return landed
 
     # ------------------------------------------------------------------ objects
+    def waiting(self, now: float) -> tuple[int, float | None]:
+        """How many intake objects this shard holds (not landed yet, or landed and not deleted
+        yet), and the age of the oldest at ``now`` (seconds since the epoch) by its storage's
+        time: one listing, for ``rmqtx status``."""
+        times = [at for _, at in self._entries()]
+        return len(times), (max(0.0, now - min(times)) if times else None)
+
     def _listed(self, older_than: float, now: float) -> list[str]:
         """The intake objects of this shard put at least ``older_than`` seconds before ``now``,
         oldest first."""
+        return sorted(name for name, at in self._entries() if now - at >= older_than)
+
+    def _entries(self) -> list[tuple[str, float]]:
+        """Every intake object of this shard with the time its storage lists (one listing)."""
         try:
             if self.local:
-                entries = [
+                return [
                     (e.path, e.stat().st_mtime)
                     for e in os.scandir(self.path)
                     if e.name.endswith(_SUFFIX) and not e.name.startswith(".")
                 ]
-            else:
-                entries = [
-                    (i["name"], _seconds(i.get("LastModified") or i.get("mtime")))
-                    for i in self.fs.ls(self.path, detail=True, refresh=True)
-                    if i["name"].endswith(_SUFFIX)
-                ]
+            return [
+                (i["name"], _seconds(i.get("LastModified") or i.get("mtime")))
+                for i in self.fs.ls(self.path, detail=True, refresh=True)
+                if i["name"].endswith(_SUFFIX)
+            ]
         except FileNotFoundError:
             return []
-        return sorted(name for name, at in entries if now - at >= older_than)
 
     def _read(self, name: str) -> pa.Table | None:
         try:

@@ -265,3 +265,19 @@ def test_the_first_intake_object_raises_the_layout_past_older_releases(tmp_path:
     settings = Settings(store=StoreSettings(path=str(tmp_path / "store"), intake=True))
     _open(settings).prepare([Message("T", b"x")], "pg")
     assert json.loads(marker.read_text())["layout_version"] == LAYOUT_VERSION == 5
+
+
+def test_status_shows_the_intake_objects_waiting(settings: Settings) -> None:
+    """``rmqtx status`` counts the objects not landed yet: a killed producer's sends are
+    pending, but in no table until check-back lands them."""
+    from rmq_spark.ops.status import format_status, store_status
+
+    writer = _open(settings)
+    writer.prepare([Message("T", b"x")], "pg")
+    (shard,) = store_status(writer)["shards"]
+    assert shard["intake_objects"] == 1 and shard["oldest_intake_seconds"] >= 0
+    assert "intake objects" in format_status(store_status(writer))
+    writer.land_decisions()
+    (shard,) = store_status(writer)["shards"]
+    assert (shard["intake_objects"], shard["oldest_intake_seconds"]) == (0, None)
+    assert "intake objects" not in format_status(store_status(writer))

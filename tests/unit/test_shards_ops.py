@@ -211,7 +211,7 @@ def test_check_and_status_write_an_age_the_same_way() -> None:
     status = {
         "store": "s",
         "generated": "now",
-        "shards": [{"shard": 0}],
+        "shards": [{"shard": 0, "intake_objects": 0, "oldest_intake_seconds": None}],
         "topics": [],
         "producer_groups": [group],
         "consumer_groups": [],
