@@ -49,7 +49,6 @@ import pyarrow.compute as pc
 from rmq_spark.delta.parallel import each
 from rmq_spark.delta.retry import retry_commits
 from rmq_spark.delta.storage import check_conditional_put, filesystem, scheme
-from rmq_spark.model.errors import CorruptStoreError
 from rmq_spark.model.failpoints import failpoint
 from rmq_spark.model.schema import HALF_SCHEMA
 from rmq_spark.store.context import StoreConcept, StoreContext
@@ -268,19 +267,25 @@ class Intake(StoreConcept):
             return []
 
     def _read(self, name: str) -> pa.Table | None:
+        """The rows of an intake object; None when it is gone (landed and deleted meanwhile) or
+        damaged: that one is left where it is, with an error logged each time it is read, and
+        holds up no other (a check-back round that failed on it would stop every shard's
+        progress, apache/rocketmq#9500)."""
         try:
             data = self.fs.cat_file(name)
         except FileNotFoundError:
-            return None  # landed and deleted meanwhile
+            return None
         try:
-            rows = pa.ipc.open_stream(data).read_all()
-            return rows.cast(HALF_SCHEMA)
+            return pa.ipc.open_stream(data).read_all().cast(HALF_SCHEMA)
         except (pa.ArrowInvalid, pa.ArrowTypeError, ValueError) as exc:
-            raise CorruptStoreError(
-                f"the intake object {name} is not one rmq-spark wrote ({exc}); its half "
-                "messages cannot be read: restore it from a backup, or remove it (those "
-                "transactions are then lost)."
-            ) from exc
+            log.error(
+                "the intake object %s is not one rmq-spark wrote (%s); its half messages cannot "
+                "be read, so it is left where it is: restore it from a backup, or remove it "
+                "(its transactions are then lost)",
+                name,
+                exc,
+            )
+            return None
 
     def _delete(self, names: Sequence[str]) -> None:
         """Delete landed objects; a failure is logged (a recoverer finds them landed)."""

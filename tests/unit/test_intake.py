@@ -18,7 +18,7 @@ from deltalake import DeltaTable
 
 from rmq_spark import Decision, LocalTransactionState, Message, Store
 from rmq_spark.model.config import Settings, StoreSettings, load_settings
-from rmq_spark.model.errors import CorruptStoreError, InvalidOptionError
+from rmq_spark.model.errors import InvalidOptionError
 from rmq_spark.store.decisions import EndTransactionStatus
 from rmq_spark.store.intake import INTAKE_DIR
 from rmq_spark.store.layout import LAYOUT_VERSION, MARKER_FILE, OBJECTS_LAYOUT
@@ -203,18 +203,23 @@ def test_a_young_object_is_left_to_its_writer(settings: Settings) -> None:
     assert len(_objects(recoverer)) == 1
 
 
-def test_a_damaged_object_is_an_error_that_names_it(settings: Settings) -> None:
+def test_a_damaged_object_is_an_error_that_names_it_and_holds_up_no_other(
+    settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An object that is not Arrow (damaged, or put there by hand) is logged as an error naming
+    it and left where it is; the others are landed (a round failing on it would stop every
+    transaction's progress)."""
     store = _open(settings)
     (p,) = store.prepare([Message("T", b"x")], "pg")
     intake = store._decisions.intake
     bad = f"{intake.path}/0000-0000-{'f' * 16}.arrow"
     intake._put(bad, b"not arrow")
-    with pytest.raises(CorruptStoreError, match=f"{INTAKE_DIR}/0000-"):
-        _open(settings).land_intake(0.0)
-    assert _half_ids(store) == []  # nothing landed, nothing removed
-    assert len(_objects(store)) == 2
-    store.land_decisions()  # its writer lands its own
+    with caplog.at_level("ERROR", logger="rmq_spark.store.intake"):
+        assert _open(settings).land_intake(0.0) == 1
+    assert f"{INTAKE_DIR}/0000-0000-" in caplog.text and "not one rmq-spark wrote" in caplog.text
     assert _half_ids(store) == [p.transaction_id]
+    (left,) = _objects(store)  # the damaged one, untouched
+    assert left.endswith(bad.rsplit("/", 1)[-1]) and intake.fs.cat_file(left) == b"not arrow"
 
 
 def test_intake_is_a_boolean_setting(tmp_path: Path) -> None:
