@@ -339,12 +339,6 @@ class Store:
             raise failure
         return landed
 
-    @property
-    def stages_in_intake(self) -> bool:
-        """Whether a prepare of new transactions here puts an intake object (``store.intake``,
-        :mod:`rmq_spark.store.intake`) instead of committing to ``half``."""
-        return self._decisions.intake is not None
-
     def land_intake(self, older_than: float, now: float | None = None) -> int:
         """Land in this store's (shard's) ``half`` the intake objects that their writers left
         unlanded and that are at least ``older_than`` seconds old at ``now`` (seconds since the
