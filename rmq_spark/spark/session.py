@@ -36,12 +36,13 @@ DELTA_CATALOG = "org.apache.spark.sql.delta.catalog.DeltaCatalog"
 _EXTENSIONS = "spark.sql.extensions"
 _CATALOG = "spark.sql.catalog.spark_catalog"
 _JARS = "spark.jars"
+_CLASS_PATH = "spark.driver.extraClassPath"
 #: Where a user hands Spark the jars (checked for Delta's and S3A's before adding ours).
-_JAR_KEYS = (_JARS, "spark.jars.packages", "spark.driver.extraClassPath")
+_JAR_KEYS = (_JARS, "spark.jars.packages", _CLASS_PATH)
+#: How each of the keys ours go to separates its entries.
+_JAR_SEPARATORS = {_JARS: ",", _CLASS_PATH: os.pathsep}
 #: Read when the driver JVM starts: nothing can change them once it runs.
-_LAUNCH_ONLY = frozenset(
-    {"spark.driver.memory", "spark.driver.extraJavaOptions", "spark.driver.extraClassPath"}
-)
+_LAUNCH_ONLY = frozenset({"spark.driver.memory", "spark.driver.extraJavaOptions", _CLASS_PATH})
 
 #: Defaults for what the user leaves unset (Delta's extension and catalog are always ensured):
 #: small machines, few shuffle partitions. The UI stays Spark's default (on).
@@ -180,7 +181,7 @@ def _read_properties(path: Path) -> dict[str, str]:
 class SparkConfPlan:
     """What :func:`get_spark` sets, and what it leaves as the user set it."""
 
-    #: Settings to set: nobody set them (or, for ``spark.sql.extensions`` and ``spark.jars``,
+    #: Settings to set: nobody set them (or, for ``spark.sql.extensions`` and the jars' key,
     #: the user's list with Delta Lake's entries added).
     fill: dict[str, str] = field(default_factory=dict)
     #: Of ``fill``, the lists the user set that get Delta Lake's entries: ``{key: added}``.
@@ -203,6 +204,7 @@ def plan_spark_conf(
     *,
     fixed: Collection[str] = (),
     jars: Sequence[str] = (),
+    jars_into: str = _JARS,
 ) -> SparkConfPlan:
     """Decide which settings :func:`get_spark` sets: only those nobody set.
 
@@ -219,7 +221,10 @@ def plan_spark_conf(
     fixed : collection of str, optional
         Keys that cannot be set any more (read at JVM start, or static in a running session).
     jars : sequence of str, optional
-        Jars to add to ``spark.jars`` (Delta Lake's, when the user gives none).
+        Jars to add (Delta Lake's, when the user gives none).
+    jars_into : str, default ``"spark.jars"``
+        Where they go: ``spark.jars``, or ``spark.driver.extraClassPath`` for a local master,
+        whose one JVM then loads them where they are.
 
     Returns
     -------
@@ -233,7 +238,7 @@ def plan_spark_conf(
     kept: dict[str, str] = {}
     skipped: dict[str, str] = {}
     warnings: list[str] = []
-    special = {_EXTENSIONS, _CATALOG} | ({_JARS} if jars else set())
+    special = {_EXTENSIONS, _CATALOG} | ({jars_into} if jars else set())
     for key, value in {**defaults, **chosen}.items():
         if key in special:
             continue
@@ -265,10 +270,11 @@ def plan_spark_conf(
             warnings.append(_OTHER_CATALOG.format(value=catalog))
 
     if jars:
-        given = existing.get(_JARS, chosen.get(_JARS))
-        fill[_JARS] = ",".join([given, *jars] if given else jars)
+        given = existing.get(jars_into, chosen.get(jars_into))
+        separator = _JAR_SEPARATORS[jars_into]
+        fill[jars_into] = separator.join([given, *jars] if given else jars)
         if given:
-            extended[_JARS] = ",".join(jars)
+            extended[jars_into] = separator.join(jars)
 
     overruled = {
         k: v for k, v in chosen.items() if k in existing and k in kept and existing[k] != v
@@ -306,8 +312,9 @@ def _shown(key: str, value: str) -> str:
     """``key=value`` for a log line: credentials hidden, jars by file name."""
     if key.endswith(_CREDENTIAL_KEYS):
         value = "***"
-    elif key == _JARS:
-        value = ",".join(Path(j).name for j in value.split(","))
+    elif key in _JAR_SEPARATORS:
+        separator = _JAR_SEPARATORS[key]
+        value = separator.join(Path(j).name for j in value.split(separator))
     return f"{key}={value}"
 
 
@@ -428,8 +435,9 @@ def get_spark(
     What rmq-spark needs is always ensured: Delta Lake's SQL extension is added to
     ``spark.sql.extensions`` (after yours, if you set some), ``spark.sql.catalog.spark_catalog``
     is Delta's catalog unless you set another (kept, with a WARNING), and outside
-    ``spark-submit`` the delta-spark jars of ``$RMQ_SPARK_JARS`` (``make setup``) are added to
-    ``spark.jars`` unless your jars or packages have delta-spark. Under ``spark-submit``, a
+    ``spark-submit`` the delta-spark jars of ``$RMQ_SPARK_JARS`` (``make setup``) are added
+    unless your jars or packages have delta-spark: to ``spark.driver.extraClassPath`` for a
+    ``local`` master (no copy per session), else to ``spark.jars``. Under ``spark-submit``, a
     driver without Delta's jar is a WARNING. Settings read when the JVM starts
     (``spark.driver.memory``), or static in a running session, are not filled in then.
 
@@ -494,8 +502,17 @@ def get_spark(
         jars += [] if _gives(asked, "delta-spark") else delta_jars()
         jars += s3_jars() if on_s3 and not _gives(asked, "hadoop-aws") else []
     keys = {*defaults, *chosen, _EXTENSIONS, _CATALOG}
+    # A local master's executors share the driver's JVM: on its class path the jars are
+    # loaded where they are. Through spark.jars each session would copy them (S3A's are
+    # 0.7 GB) into a temporary folder that a killed driver leaves behind.
+    local = existing.get("spark.master", chosen.get("spark.master", master)).startswith("local")
     plan = plan_spark_conf(
-        defaults, chosen, existing, fixed=_fixed(session, jvm_runs, keys), jars=jars
+        defaults,
+        chosen,
+        existing,
+        fixed=_fixed(session, jvm_runs, keys),
+        jars=jars,
+        jars_into=_CLASS_PATH if local else _JARS,
     )
     if jvm_runs and not SparkContext._jvm.org.apache.spark.util.Utils.classIsLoadable(
         DELTA_EXTENSION

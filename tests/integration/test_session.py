@@ -104,6 +104,17 @@ def test_spark_submit_settings_win_and_the_rest_is_filled_in(tmp_path: Path) -> 
     assert "spark.sql.shuffle.partitions=7 as set by the running SparkSession, not 9" in kept
 
 
+def test_a_local_session_loads_delta_s_jars_where_they_are(spark) -> None:
+    """Through spark.jars, a local session copied every jar (S3A's bundle is 0.7 GB) into its
+    temporary folder, which each killed driver left behind until /tmp was full."""
+    import os
+
+    assert spark.range(3).count() == 3  # a task ran: the executor fetched what it is given
+    root = spark.sparkContext._jvm.org.apache.spark.SparkFiles.getRootDirectory()
+    assert not [name for name in os.listdir(root) if name.endswith(".jar")]
+    assert spark.sparkContext._jvm.org.apache.spark.util.Utils.classIsLoadable(DELTA_EXTENSION)
+
+
 def test_the_suite_s_shared_session_runs_without_ui(spark) -> None:
     """tests/conftest.py turns the UI off, as a user can; the shuffle stays small."""
     assert spark.sparkContext.uiWebUrl is None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from rmq_spark.spark.session import (
@@ -85,6 +86,17 @@ def test_jars_are_added_to_the_user_s() -> None:
     assert mine.extended == {"spark.jars": ",".join(jars)}
     assert _shown("spark.jars", mine.fill["spark.jars"]) == (
         "spark.jars=mine.jar,delta-spark_4.2_2.13-4.4.0.jar,delta-storage-4.4.0.jar"
+    )
+
+
+def test_a_local_master_s_jars_go_on_the_driver_s_class_path() -> None:
+    jars = ["/j/delta-spark_4.2_2.13-4.4.0.jar", "/j/delta-storage-4.4.0.jar"]
+    key = "spark.driver.extraClassPath"
+    plan = plan_spark_conf({}, {}, {key: "/x/mine.jar"}, jars=jars, jars_into=key)
+    assert plan.fill[key] == os.pathsep.join(["/x/mine.jar", *jars])
+    assert "spark.jars" not in plan.fill
+    assert _shown(key, plan.fill[key]) == (
+        f"{key}=mine.jar{os.pathsep}delta-spark_4.2_2.13-4.4.0.jar{os.pathsep}delta-storage-4.4.0.jar"
     )
 
 
