@@ -269,22 +269,22 @@ class Decisions(StoreConcept):
         self._objects_batch = OBJECT_DECIDED_BATCH[
             "file" if self._objects is None or self._objects.local else "s3"
         ]
-        intake = self.settings.intake
-        #: Where the half messages of transactions that decision objects decide are made
-        #: durable in one put (:mod:`rmq_spark.store.intake`); None: in a ``half`` commit.
+        stages = self.settings.intake
+        #: The shard's intake objects (:mod:`rmq_spark.store.intake`): where this process makes
+        #: the half messages of transactions that decision objects decide durable in one put
+        #: when it ``stages`` (else in a ``half`` commit), and lands those of others; None on
+        #: a filesystem that holds no decision objects.
         self.intake = (
-            Intake(context)
+            Intake(context, stages=stages if stages is not None else is_s3(self.tables.root))
             if self._objects is not None
-            and (intake if intake is not None else is_s3(self.tables.root))
             else None
         )
+        #: :attr:`intake` when this process's prepares stage intake objects there.
+        self._staging = self.intake if self.intake is not None and self.intake.stages else None
         #: Decisions won by their objects and not landed in ``op`` yet (``end(land=False)``).
         self._unlanded: list[Decision] = []
         #: Of those, the transactions read in ``half`` by their decider (``end(in_half=True)``).
         self._in_half: set[str] = set()
-        #: The shard's intake objects, read to land those of other processes (no own intake).
-        self._reader: Intake | None = None
-        self._context = context
         self._queue_lock = threading.Lock()
         #: One landing at a time: a flush waits for the one under way.
         self._landing = threading.Lock()
@@ -334,7 +334,7 @@ class Decisions(StoreConcept):
             by_object = self._objects is not None and len(messages) <= self._objects_batch
             raise_layout = self._raise_layout
             if by_object and raise_layout is not None:
-                raise_layout(OBJECTS_LAYOUT if self.intake is None else LAYOUT_VERSION)
+                raise_layout(OBJECTS_LAYOUT if self._staging is None else LAYOUT_VERSION)
                 self._raise_layout = None
             transaction_ids = [
                 shard_transaction_id(self.shard, object_decided=by_object) for _ in messages
@@ -366,8 +366,8 @@ class Decisions(StoreConcept):
             },
             schema=HALF_SCHEMA,
         )
-        if fresh_ids and by_object and self.intake is not None:
-            self.intake.stage(half)
+        if fresh_ids and by_object and self._staging is not None:
+            self._staging.stage(half)
             version = None
         else:
             version = self.tables.append("half", [half])
@@ -495,27 +495,25 @@ class Decisions(StoreConcept):
             # landing was under way would reach op first: see rmq_spark.store.intake).
             with self._queue_lock:
                 batch, self._unlanded = self._unlanded, []
-            try:
-                if self.intake is not None:
-                    self.intake.land()
-            except BaseException:
-                with self._queue_lock:
-                    self._unlanded[:0] = batch
-                raise
-            if not batch:
-                return 0
             # A transaction decided twice here (a rival refused): its object's decision, once.
             first: dict[str, Decision] = {}
             for d in batch:
                 first.setdefault(d.transaction_id, d)
             batch = list(first.values())
+            landed: list[str] = []
             try:
-                self._land_halves([d.transaction_id for d in batch])
-                self._land(batch)
+                if self._staging is not None:
+                    landed = self._staging.land()
+                if batch:
+                    self._land_halves([d.transaction_id for d in batch])
+                    self._land(batch)
             except BaseException:
                 with self._queue_lock:
                     self._unlanded[:0] = batch
                 raise
+            finally:
+                if self._staging is not None:
+                    self._staging.delete(landed)
             return sum(d.state is LocalTransactionState.COMMIT for d in batch)
 
     def _land_halves(self, transaction_ids: Sequence[str]) -> None:
@@ -528,20 +526,9 @@ class Decisions(StoreConcept):
             self._in_half -= read
         strangers = [t for t in transaction_ids if object_decided(t) and t not in read]
         made = self._made.after(strangers, float("-inf"))
-        recovery = self.intake_recovery()
-        if len(made) < len(strangers) and recovery is not None:
+        if len(made) < len(strangers) and self.intake is not None:
             # Only the objects whose id range covers them: the others' writers land those.
-            recovery.recover(0.0, covering=[t for t in strangers if t not in made])
-
-    def intake_recovery(self) -> Intake | None:
-        """The shard's intake objects, to land those their writers left
-        (:meth:`Intake.recover`): this process's own :attr:`intake`, or one to read them; None
-        on a filesystem that holds none (no decision objects)."""
-        if self.intake is not None or self._objects is None:
-            return self.intake
-        if self._reader is None:
-            self._reader = Intake(self._context)
-        return self._reader
+            self.intake.recover(0.0, covering=[t for t in strangers if t not in made])
 
     def object_decisions(self, transaction_ids: Sequence[str]) -> dict[str, Decision]:
         """The decisions in force of those of ``transaction_ids`` that their decision objects

@@ -344,20 +344,20 @@ class Store:
         unlanded and that are at least ``older_than`` seconds old at ``now`` (seconds since the
         epoch; default: the machine's clock); return how many transactions that was
         (:meth:`rmq_spark.store.intake.Intake.recover`)."""
-        recovery = self._decisions.intake_recovery()
-        return 0 if recovery is None else recovery.recover(older_than, now)
+        intake = self._decisions.intake
+        return 0 if intake is None else intake.recover(older_than, now)
 
     def intake_waiting(self, now: float) -> tuple[int, float | None]:
         """The intake objects of this store (shard) not deleted yet, and the oldest one's age
         in seconds at ``now`` (:meth:`rmq_spark.store.intake.Intake.waiting`)."""
-        recovery = self._decisions.intake_recovery()
-        return (0, None) if recovery is None else recovery.waiting(now)
+        intake = self._decisions.intake
+        return (0, None) if intake is None else intake.waiting(now)
 
     def intake_covering(self, transaction_ids: Sequence[str]) -> set[str]:
         """Those of ``transaction_ids`` an intake object of this store (shard) may hold
         (:meth:`rmq_spark.store.intake.Intake.covering`)."""
-        recovery = self._decisions.intake_recovery()
-        return set() if recovery is None else recovery.covering(transaction_ids)
+        intake = self._decisions.intake
+        return set() if intake is None else intake.covering(transaction_ids)
 
     def remove_decision_objects(self, transaction_ids: Sequence[str]) -> None:
         """Delete the decision objects of transactions of this shard that retention removed

@@ -87,8 +87,11 @@ def _covers(name: str, transaction_ids: Sequence[str]) -> bool:
 class Intake(StoreConcept):
     """The intake objects of one shard's ``half`` (see the module docstring)."""
 
-    def __init__(self, context: StoreContext) -> None:
+    def __init__(self, context: StoreContext, *, stages: bool) -> None:
         super().__init__(context)
+        #: Whether this process stages its prepares here (``store.intake``); either way it
+        #: lands and reads the shard's objects that others left.
+        self.stages = stages
         uri = self.tables.uri("half")
         self.local = scheme(uri) == "file"
         self.fs, path = filesystem(uri, self.tables.storage_options)
@@ -135,21 +138,20 @@ class Intake(StoreConcept):
         os.replace(temp, name)  # whole or not at all
 
     # ------------------------------------------------------------------ landing
-    def land(self) -> int:
-        """Land in ``half`` the objects this process staged so far, in one commit, and delete
-        them; return how many transactions' messages that was. A failed landing keeps them
-        for the next call."""
+    def land(self) -> list[str]:
+        """Land in ``half`` the objects this process staged so far, in one commit; return
+        their names, for :meth:`delete` (after the decisions of that moment are landed: the
+        deletion is not on the way to ``op``). A failed landing keeps them for the next call."""
         with self._landing:
             with self._lock:
                 batch = list(self._staged)
             if not batch:
-                return 0
+                return []
             failpoint("intake.landing")
-            landed = self._land(batch, own=True)
+            self._land(batch, own=True)
             with self._lock:
                 del self._staged[: len(batch)]
-            self._delete([name for name, _ in batch])
-            return landed
+            return [name for name, _ in batch]
 
     def recover(
         self,
@@ -172,7 +174,7 @@ class Intake(StoreConcept):
             datas = each(self._read, found, "intake-reads")
             objects = [(n, r) for n, r in zip(found, datas, strict=True) if r is not None]
             landed = self._land(objects, own=False) if objects else 0
-            self._delete([n for n, _ in objects])
+            self.delete([n for n, _ in objects])
             if landed:
                 log.info(
                     "landed %d transaction(s) of %d intake object(s) that their writer had not "
@@ -287,7 +289,7 @@ class Intake(StoreConcept):
             )
             return None
 
-    def _delete(self, names: Sequence[str]) -> None:
+    def delete(self, names: Sequence[str]) -> None:
         """Delete landed objects; a failure is logged (a recoverer finds them landed)."""
         if not names:
             return

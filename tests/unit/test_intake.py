@@ -42,7 +42,7 @@ def _open(settings: Settings) -> Store:
 
 
 def _objects(store: Store) -> list[str]:
-    intake = store._decisions.intake_recovery()
+    intake = store._decisions.intake
     assert intake is not None
     return intake._listed(0.0, float("inf"))
 
