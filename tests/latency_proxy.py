@@ -8,6 +8,10 @@ Each request (request line and headers, then ``Content-Length`` bytes of body) i
 are counted by method (``GET``, ``PUT``, ``HEAD``, ``POST``, ``DELETE``), and ``LIST`` apart
 from ``GET`` (a GET with ``list-type=`` or on a bucket with a ``prefix=``).
 
+:meth:`LatencyProxy.refuse` answers requests whose target holds a given text with an S3
+error of its own (an IAM policy's ``AccessDenied``, a throttled ``SlowDown``) instead of passing
+them on: the store's client sees the real response of a real HTTP exchange.
+
 Usage as a program: python tests/latency_proxy.py LISTEN_PORT TARGET_PORT DELAY_MS
 """
 
@@ -43,6 +47,8 @@ class LatencyProxy:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._server: asyncio.AbstractServer | None = None
+        #: [text in the target, status, S3 error code, requests left to refuse]
+        self._refusals: list[list] = []
 
     @property
     def endpoint(self) -> str:
@@ -73,6 +79,25 @@ class LatencyProxy:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
+    def refuse(self, text: str, status: int = 403, code: str = "AccessDenied", times: int = 1):
+        """Answer the next ``times`` requests whose target holds ``text`` with HTTP ``status``
+        and the S3 error ``code``, without passing them on."""
+        self._refusals.append([text, status, code, times])
+
+    def _refusal(self, target: str) -> bytes | None:
+        """The response refusing a request for ``target``, if one is due."""
+        for refusal in self._refusals:
+            text, status, code, left = refusal
+            if left > 0 and text in target:
+                refusal[3] -= 1
+                body = f"<?xml version='1.0'?><Error><Code>{code}</Code></Error>".encode()
+                head = (
+                    f"HTTP/1.1 {status} {code}\r\nContent-Type: application/xml\r\n"
+                    f"Content-Length: {len(body)}\r\n\r\n"
+                )
+                return head.encode() + body
+        return None
+
     def take_counts(self) -> Counter[str]:
         """The requests counted since the last call, by method; the count starts again."""
         counts = self.counts.copy()
@@ -87,12 +112,17 @@ class LatencyProxy:
             return
         with contextlib.suppress(asyncio.CancelledError):  # stop() ends every connection
             await asyncio.gather(
-                self._requests(client_r, server_w),
+                self._requests(client_r, server_w, client_w),
                 _pipe(server_r, client_w),
                 return_exceptions=True,
             )
 
-    async def _requests(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+    async def _requests(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        client: asyncio.StreamWriter,
+    ):
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -103,6 +133,15 @@ class LatencyProxy:
                     self.requests.append((kind, target))
                 if self.delay:
                     await asyncio.sleep(self.delay)
+                refusal = self._refusal(target)
+                if refusal is not None:  # the body is read and dropped (clients send no more
+                    if length is None:  # than one request at a time on a connection)
+                        await _forward_chunked(reader, _Dropped())
+                    else:
+                        await reader.readexactly(length)
+                    client.write(refusal)
+                    await client.drain()
+                    continue
                 writer.write(head)
                 if length is None:
                     await _forward_chunked(reader, writer)
@@ -144,6 +183,13 @@ async def _forward_chunked(reader: asyncio.StreamReader, writer: asyncio.StreamW
     while (line := await reader.readuntil(b"\r\n")) != b"\r\n":
         writer.write(line)
     writer.write(line)
+
+
+class _Dropped:
+    """Where a refused request's chunked body goes."""
+
+    def write(self, data: bytes) -> None:
+        pass
 
 
 def _is_list(method: str, target: str) -> bool:

@@ -107,7 +107,7 @@ def app_transactions(
             txns = _apply_commits(fs, log_path, txns, checkpoint + 1, version, own)
         except _MissingCommit as exc:
             raise CorruptStoreError(
-                f"the Delta log commit {exc.path!r} is missing or unreadable ({exc.error!r}); "
+                f"the Delta log commit {exc.path!r} is missing ({exc.error!r}); "
                 "the table's log is damaged (or was cleaned up under a reader)."
             ) from exc
     with _cache_lock:
@@ -195,7 +195,7 @@ def check_readable(table: DeltaTable, uri: str) -> None:
 
 
 class _MissingCommit(LookupError):
-    """A commit file of the log could not be read."""
+    """A commit file of the log is not there."""
 
     def __init__(self, path: str, error: object) -> None:
         super().__init__(path)
@@ -305,7 +305,8 @@ def _commits(
     own: Mapping[int, bytes] | None = None,
 ) -> dict[int, bytes]:
     """The JSON of commits ``first..last``, by version in order; :class:`_MissingCommit` for
-    one that cannot be read."""
+    one that is not there. Any other failure to read one (refused, throttled past the retries,
+    a connection lost) is raised as it is: the log is whole, the store did not answer."""
     own = own or {}
     paths = {v: f"{log_path}/{v:020d}.json" for v in range(first, last + 1)}
     unknown = [p for v, p in paths.items() if v not in own]
@@ -313,6 +314,8 @@ def _commits(
     found = {}
     for version, path in paths.items():
         content = own.get(version, contents.get(path))
+        if isinstance(content, Exception) and not isinstance(content, FileNotFoundError):
+            raise content
         if not isinstance(content, bytes):
             raise _MissingCommit(path, content)
         found[version] = content

@@ -18,8 +18,9 @@ from rmq_spark.delta.commit import commit
 from rmq_spark.delta.files import write_files
 from rmq_spark.delta.storage import deltalake_options
 from rmq_spark.delta.tables import DeltaTables
-from rmq_spark.delta.txnlog import clean_log
+from rmq_spark.delta.txnlog import app_transactions, clean_log
 from rmq_spark.model.config import StoreSettings
+from rmq_spark.model.errors import CorruptStoreError
 from rmq_spark.model.schema import TABLES
 from tests.latency_proxy import LatencyProxy
 from tests.objectstore.test_s3_checkpoints import append, new_table
@@ -124,5 +125,35 @@ def test_a_lease_renewal_and_a_look_at_it_are_a_few_requests(minio) -> None:
         looks = list(proxy.requests or [])
         assert len(renewals) <= 5 * 5, renewals
         assert len(looks) <= 5 + 5 + 1, looks  # the five new entries, a GET that finds none
+    finally:
+        proxy.stop()
+
+
+@pytest.mark.parametrize(
+    ("status", "code", "times"),
+    [(403, "AccessDenied", 1), (400, "InvalidRequest", 1), (503, "SlowDown", 5)],
+)
+def test_a_log_entry_refused_is_not_called_damaged(
+    minio, status: int, code: str, times: int
+) -> None:
+    """An entry that is there but refused (an IAM policy's AccessDenied, a request the endpoint
+    rejects, throttling past every retry) fails with what the store answered: 'the log is
+    damaged' would send an operator to repair a table that is whole. Only an entry that is not
+    there is missing."""
+    uri = f"{minio.root('refused')}/t"
+    new_table(uri, minio.storage_options)
+    checkpointer = Checkpointer(minio.storage_options)
+    for n in range(1, 3):
+        append(uri, minio.storage_options, n, checkpointer)
+    table = DeltaTable(uri, storage_options=deltalake_options(minio.storage_options))
+    proxy = LatencyProxy(int(minio.endpoint.rsplit(":", 1)[1]), 0).start()
+    try:
+        options = dict(minio.storage_options, AWS_ENDPOINT_URL=proxy.endpoint)
+        proxy.refuse("/_delta_log/00000000000000000001.json", status, code, times)
+        with pytest.raises(OSError) as refused:
+            app_transactions(table, uri, options)
+        assert not isinstance(refused.value, CorruptStoreError)
+        assert code in str(refused.value) or isinstance(refused.value, PermissionError)
+        assert app_transactions(table, uri, options) == {"app": 2}  # whole, once answered
     finally:
         proxy.stop()
