@@ -15,7 +15,7 @@ group committers of half messages (prepare) and of decisions, the publisher leas
 thread pools of deltalake and Arrow. On two cores, sends/s can be at most 2 s / (CPU per
 send), and the Python threads share one interpreter lock.
 
-Usage: python bench/producer_bench.py [--messages 4000] [--body-bytes 256]
+Usage: python bench/producer_bench.py [--messages 4000] [--body-bytes 256] [--intake on]
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from rmq_spark import (
     TransactionListener,
     TransactionMQProducer,
 )
+from rmq_spark.model.config import Settings, StoreSettings
 from rmq_spark.model.schema import HALF_SCHEMA, WRITER_COLUMNS
 
 
@@ -185,13 +186,22 @@ def main() -> None:
         default=400,
         help="messages for the per-message append baseline (its cost grows with every commit)",
     )
+    parser.add_argument(
+        "--intake",
+        choices=("on", "off"),
+        default="off",
+        help="store.intake (off by default on local disk): sends staged as intake objects",
+    )
     args = parser.parse_args()
     if args.messages < max(SENDERS) or args.baseline_messages < max(SENDERS):
         parser.error(
             f"--messages and --baseline-messages need at least {max(SENDERS)}: one a sender"
         )
     body = b"x" * args.body_bytes
-    print(f"producer benchmark: {args.messages} messages of {args.body_bytes} B per run")
+    print(
+        f"producer benchmark: {args.messages} messages of {args.body_bytes} B per run, "
+        f"intake {args.intake}"
+    )
     with tempfile.TemporaryDirectory(prefix="rmq-bench-") as tmp:
         bulk_uri = str(Path(tmp) / "bulk")
         start = time.perf_counter()
@@ -208,7 +218,10 @@ def main() -> None:
         for senders in SENDERS:
             total = args.messages if senders > 1 else max(200, args.messages // 10)
             total -= total % senders
-            store = Store.open(Path(tmp) / f"store-{senders}")
+            path = str(Path(tmp) / f"store-{senders}")
+            store = Store.open(
+                settings=Settings(store=StoreSettings(path=path, intake=args.intake == "on"))
+            )
             done: list[float] = []
             sender_cpu: list[float] = []
             with TransactionMQProducer("bench", CommitAll(), store=store) as producer:

@@ -84,13 +84,18 @@ class LatencyProxy:
         and the S3 error ``code``, without passing them on."""
         self._refusals.append([text, status, code, times])
 
-    def _refusal(self, target: str) -> bytes | None:
-        """The response refusing a request for ``target``, if one is due."""
+    def allow(self) -> None:
+        """Refuse nothing any more."""
+        self._refusals.clear()
+
+    def _refusal(self, method: str, target: str) -> bytes | None:
+        """The response refusing a ``method`` request for ``target``, if one is due."""
         for refusal in self._refusals:
             text, status, code, left = refusal
             if left > 0 and text in target:
                 refusal[3] -= 1
                 body = f"<?xml version='1.0'?><Error><Code>{code}</Code></Error>".encode()
+                body = b"" if method == "HEAD" else body
                 head = (
                     f"HTTP/1.1 {status} {code}\r\nContent-Type: application/xml\r\n"
                     f"Content-Length: {len(body)}\r\n\r\n"
@@ -133,7 +138,7 @@ class LatencyProxy:
                     self.requests.append((kind, target))
                 if self.delay:
                     await asyncio.sleep(self.delay)
-                refusal = self._refusal(target)
+                refusal = self._refusal(method, target)
                 if refusal is not None:  # the body is read and dropped (clients send no more
                     if length is None:  # than one request at a time on a connection)
                         await _forward_chunked(reader, _Dropped())

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime
 
 import fsspec
+import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from deltalake import DeltaTable
@@ -278,12 +279,15 @@ def checkpoint_guess(version: int, interval: int) -> int:
 
 
 def _read_checkpoint(fs: fsspec.AbstractFileSystem, files: list[str]) -> dict[str, int]:
-    """The ``txn`` actions of a checkpoint."""
+    """The ``txn`` actions of a checkpoint. Each part is read whole, in one request: a part
+    that is not there or not a checkpoint is a damaged log, a read the store refused is raised
+    as the store answered."""
     txns: dict[str, int] = {}
     for path in files:
         try:
-            column = pq.read_table(path, columns=["txn"], filesystem=fs).column("txn")
-        except (OSError, KeyError, ValueError) as exc:
+            data = fs.cat_file(path)  # a refusal or a lost connection is raised as it is
+            column = _txn_column(data)
+        except (FileNotFoundError, KeyError, ValueError, pa.ArrowException) as exc:
             raise CorruptStoreError(
                 f"the Delta checkpoint {path!r} is missing or unreadable ({exc})."
             ) from exc
@@ -295,6 +299,15 @@ def _read_checkpoint(fs: fsspec.AbstractFileSystem, files: list[str]) -> dict[st
         ):
             txns[app_id] = int(version)
     return txns
+
+
+def _txn_column(data: bytes) -> pa.ChunkedArray:
+    """The ``txn`` column of a checkpoint part's bytes (:class:`pyarrow.ArrowException` when
+    they are not a checkpoint)."""
+    try:
+        return pq.read_table(pa.BufferReader(data), columns=["txn"]).column("txn")
+    except OSError as exc:  # from bytes in memory: a parquet file's damage, not a read's
+        raise pa.ArrowInvalid(str(exc)) from exc
 
 
 def _commits(
@@ -336,7 +349,7 @@ def commit_infos(
     Raises
     ------
     LookupError
-        A commit's JSON is gone (cleaned up after the log retention) or unreadable.
+        A commit's JSON is gone (cleaned up after the log retention).
     """
     fs, log_path = filesystem(f"{uri.rstrip('/')}/_delta_log", storage_options)
     return {

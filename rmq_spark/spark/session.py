@@ -354,6 +354,17 @@ def _fixed(session: SparkSession | None, jvm_runs: bool, keys: Collection[str]) 
     return {k for k in keys if not k.startswith(settable) and not session.conf.isModifiable(k)}
 
 
+def jars_key(master: str, existing: Mapping[str, str]) -> str:
+    """Where :func:`get_spark` adds its jars for ``master``: ``spark.driver.extraClassPath``
+    when the executors run in the driver's JVM (``local``, ``local[4]``; not
+    ``local-cluster[...]``, whose executors are JVMs of their own), which loads them where they
+    are; else ``spark.jars``, whose jars each session copies. A class path set already
+    (``existing``) is left as set: one from ``$PYSPARK_SUBMIT_ARGS`` would replace the
+    builder's when spark-submit starts."""
+    local = master == "local" or master.startswith("local[")
+    return _CLASS_PATH if local and _CLASS_PATH not in existing else _JARS
+
+
 def _gives(conf: Mapping[str, str], artifact: str) -> bool:
     """Whether the user's jars or packages name ``artifact`` (``delta-spark``, ``hadoop-aws``)."""
     return any(artifact in conf.get(key, "") for key in _JAR_KEYS)
@@ -437,7 +448,8 @@ def get_spark(
     is Delta's catalog unless you set another (kept, with a WARNING), and outside
     ``spark-submit`` the delta-spark jars of ``$RMQ_SPARK_JARS`` (``make setup``) are added
     unless your jars or packages have delta-spark: to ``spark.driver.extraClassPath`` for a
-    ``local`` master (no copy per session), else to ``spark.jars``. Under ``spark-submit``, a
+    ``local`` master (no copy per session) unless you set that already, else to
+    ``spark.jars``. Under ``spark-submit``, a
     driver without Delta's jar is a WARNING. Settings read when the JVM starts
     (``spark.driver.memory``), or static in a running session, are not filled in then.
 
@@ -505,14 +517,15 @@ def get_spark(
     # A local master's executors share the driver's JVM: on its class path the jars are
     # loaded where they are. Through spark.jars each session would copy them (S3A's are
     # 0.7 GB) into a temporary folder that a killed driver leaves behind.
-    local = existing.get("spark.master", chosen.get("spark.master", master)).startswith("local")
     plan = plan_spark_conf(
         defaults,
         chosen,
         existing,
         fixed=_fixed(session, jvm_runs, keys),
         jars=jars,
-        jars_into=_CLASS_PATH if local else _JARS,
+        jars_into=jars_key(
+            existing.get("spark.master", chosen.get("spark.master", master)), existing
+        ),
     )
     if jvm_runs and not SparkContext._jvm.org.apache.spark.util.Utils.classIsLoadable(
         DELTA_EXTENSION

@@ -10,6 +10,7 @@ from rmq_spark.spark.session import (
     DELTA_EXTENSION,
     LOCAL_SPARK_CONF,
     _shown,
+    jars_key,
     plan_spark_conf,
     properties_conf,
     submit_conf,
@@ -98,6 +99,14 @@ def test_a_local_master_s_jars_go_on_the_driver_s_class_path() -> None:
     assert _shown(key, plan.fill[key]) == (
         f"{key}=mine.jar{os.pathsep}delta-spark_4.2_2.13-4.4.0.jar{os.pathsep}delta-storage-4.4.0.jar"
     )
+
+
+def test_only_a_master_in_the_driver_s_jvm_takes_the_jars_on_its_class_path() -> None:
+    key = "spark.driver.extraClassPath"
+    assert jars_key("local[2]", {}) == jars_key("local", {}) == key
+    assert jars_key("local-cluster[2,1,1024]", {}) == "spark.jars"  # executors: JVMs of their own
+    assert jars_key("spark://h:7077", {}) == "spark.jars"
+    assert jars_key("local[2]", {key: "/x/mine.jar"}) == "spark.jars"  # $PYSPARK_SUBMIT_ARGS' wins
 
 
 def test_credentials_are_not_shown() -> None:
