@@ -29,9 +29,14 @@ The store of each run has one shard per producer process (``rmq_spark.store.shar
 process appends to logs of its own), or ``--shards`` N for every run, or K for one run written
 ``PxSxK`` (``16x4x1``: every process appends to the same logs, as before shards). A run written
 ``PxS:commit`` makes each send a ``half`` commit (``store.intake = false``), for a comparison in
-the same run.
+the same run. A run written ``PxS:floor`` is the store's own floor, no rmq-spark: each sender
+makes two sequential PUTs a transaction (a 256 B object, then a put-if-absent of another), the
+two round trips a transaction needs at least, with the client rmq-spark uses; its figures are
+what this machine's object store (MinIO and the proxy, on the producers' cores) gives, and the
+goals print each run beside its floor.
 
-Usage: python bench/scale_bench.py [--runs 1x4,1x4:commit,16x4,16x4x1,1x64] [--seconds 20]
+Usage: python bench/scale_bench.py [--runs 1x4:floor,1x4,1x4:commit,16x4,1x64:floor,1x64]
+                                   [--seconds 20]
                                    [--delay-ms 20]
                                    [--rate TX_PER_SENDER_PER_S] [--shards N] [--local]
 """
@@ -48,6 +53,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -64,6 +70,7 @@ from rmq_spark import (  # noqa: E402
     TransactionListener,
     TransactionMQProducer,
 )
+from rmq_spark.delta.storage import filesystem  # noqa: E402
 from rmq_spark.model.config import StoreSettings  # noqa: E402
 from rmq_spark.model.messages import object_decided  # noqa: E402
 from tests import minio  # noqa: E402
@@ -148,6 +155,40 @@ def worker(
     print(json.dumps({**counts, "latencies": latencies, "cpu": cpu}), flush=True)
 
 
+def floor_worker(root: str, options: dict[str, str], senders: int, start: float, seconds: float):
+    """The store's floor: ``senders`` threads, each making two sequential PUTs a transaction (a
+    body, then a put-if-absent), from ``start`` for ``seconds``; prints as :func:`worker`."""
+    fs, path = filesystem(root, options)
+    latencies: list[float] = []
+    lock = threading.Lock()
+    fs.pipe_file(f"{path}/floor/warm", BODY)
+    time.sleep(max(0.0, start - time.time()))
+    end = start + seconds
+
+    def send() -> None:
+        mine: list[float] = []
+        while time.time() < end:
+            t0 = time.perf_counter()
+            key = f"{path}/floor/{uuid.uuid4().hex}"
+            fs.pipe_file(f"{key}.arrow", BODY)
+            fs.pipe_file(f"{key}.json", b"{}", mode="create")
+            if time.time() <= end:
+                mine.append(time.perf_counter() - t0)
+        with lock:
+            latencies.extend(mine)
+
+    threads = [threading.Thread(target=send) for _ in range(senders)]
+    before = os.times()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    after = os.times()
+    cpu = after.user - before.user + after.system - before.system
+    count = len(latencies)
+    print(json.dumps({"count": count, "objects": count, "latencies": latencies, "cpu": cpu}))
+
+
 def publish_lags(root: str, options: dict[str, str], since: float, until: float) -> np.ndarray:
     """Seconds from each COMMIT decided between ``since`` and ``until`` (wall clock) to its
     publish, from the store's own tables."""
@@ -170,16 +211,16 @@ def run(
     seconds: float,
     rate: float,
     proxy: LatencyProxy | None,
-    intake: bool,
+    way: str,
 ):
-    """Start ``processes`` workers together; return (transactions/s, latencies, requests
-    counted by the proxy from the start to the end of the sends, how many of them were not the
-    send path's, the share of CPU busy, the wall-clock start of the sends, the producer
-    processes' CPU seconds a transaction)."""
+    """Start ``processes`` workers together (``way``: ``intake``, ``commit`` or ``floor``);
+    return (transactions/s, latencies, requests counted by the proxy from the start to the end
+    of the sends, how many of them were not the send path's, the share of CPU busy, the
+    wall-clock start of the sends, the producer processes' CPU seconds a transaction)."""
     start = time.time() + 10 + processes * 1.5  # every worker has opened the store by then
     env = {**os.environ, "RMQ_BENCH_OPTIONS": json.dumps(options)}
     argv = [sys.executable, __file__, "--worker", root, *map(str, (senders, start, seconds, rate))]
-    argv.append("intake" if intake else "commit")
+    argv.append(way)
     procs = [
         subprocess.Popen(
             argv,
@@ -205,7 +246,10 @@ def run(
     latencies = np.array([x for r in results for x in r["latencies"]])
     count = sum(r["count"] for r in results)
     op_share = 1 - sum(r["objects"] for r in results) / max(count, 1)
-    sent = _send_path(proxy.requests or [], op_share, intake) if proxy else 0
+    if way == "floor":
+        sent = sum(counts.values())
+    else:
+        sent = _send_path(proxy.requests or [], op_share, way == "intake") if proxy else 0
     background = sum(counts.values()) - sent if proxy else 0
     cpu = sum(r["cpu"] for r in results) / max(count, 1)
     return count / seconds, latencies, counts, background, busy, start, cpu
@@ -243,9 +287,10 @@ def _busy(before: list[int], after: list[int]) -> float:
 
 
 def print_goals(measured: dict[str, dict[str, float]]) -> None:
-    """Issue 47's goals for the runs in ``measured`` (by ``PxS``), each beside its figure."""
+    """Issue 47's goals for the runs in ``measured`` (by ``PxS``), each beside its figure, and
+    beside the store's floor when ``PxS:floor`` ran."""
     one, many, wide = (measured.get(k) for k in ("1x4", "16x4", "1x64"))
-    goals = []
+    goals: list[tuple[str, str, bool | None]] = []  # None: a figure, not a goal
     if one:
         goals += [
             (
@@ -269,18 +314,29 @@ def print_goals(measured: dict[str, dict[str, float]]) -> None:
                 wide["background"] <= 0.2,
             ),
         ]
+    for name, run in (("1x4", one), ("16x4", many), ("1x64", wide)):
+        floor = measured.get(f"{name}:floor")
+        if run and floor:
+            goals.append(
+                (
+                    f"{name.replace('x', ' x ')}: beside the store's floor (two PUTs a tx)",
+                    f"{run['tps'] / floor['tps']:.2f}x tx/s, p50 {run['p50'] / floor['p50']:.2f}x",
+                    None,
+                )
+            )
     if one and many:
         scale = many["tps"] / one["tps"]
         goals.append(("16 x 4: >= 6x 1 x 4", f"{scale:.1f}x", scale >= 6))
     if goals:
         print("\nissue 47's goals (S3 with the delay above):")
         for goal, figure, met in goals:
-            print(f"  {goal:<56} {figure:>22}  {'met' if met else 'missed'}")
+            verdict = "" if met is None else "met" if met else "missed"
+            print(f"  {goal:<56} {figure:>22}  {verdict}".rstrip())
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", default="1x4,16x4,1x64")
+    parser.add_argument("--runs", default="1x4:floor,1x4,16x4:floor,16x4,1x64:floor,1x64")
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--delay-ms", type=float, default=20.0)
     parser.add_argument("--shards", type=int, default=None)
@@ -288,9 +344,12 @@ def main() -> None:
     parser.add_argument("--local", action="store_true")
     args = parser.parse_args()
     runs = [
-        ([int(n) for n in spec.split("x")], way != "commit", spec + (f":{way}" if way else ""))
+        ([int(n) for n in spec.split("x")], way or "intake", spec + (f":{way}" if way else ""))
         for spec, _, way in (r.partition(":") for r in args.runs.split(","))
     ]
+    wrong = [name for _, way, name in runs if way not in ("intake", "commit", "floor")]
+    if wrong:
+        parser.error(f"--runs: {wrong[0]!r} is not PxS[xK][:commit|:floor]")
     with tempfile.TemporaryDirectory(prefix="rmq-scale-") as tmp:
         server = proxy = None
         if args.local:
@@ -310,25 +369,29 @@ def main() -> None:
         first = None
         measured: dict[str, dict[str, float]] = {}
         try:
-            for i, ((processes, senders, *fixed), intake, name) in enumerate(runs):
+            for i, ((processes, senders, *fixed), way, name) in enumerate(runs):
                 root = f"{base}/run{i}"
                 shards = fixed[0] if fixed else args.shards or processes
                 made = StoreSettings(path=root, storage_options=options, shards=shards)
                 Store.open(settings=made, create=True)
                 tps, lat, counts, background, busy, start, cpu = run(
-                    root, options, processes, senders, args.seconds, args.rate, proxy, intake
+                    root, options, processes, senders, args.seconds, args.rate, proxy, way
                 )
-                first = first or tps
+                if way != "floor":
+                    first = first or tps
+                ratio = f"{tps / first:5.1f}x" if way != "floor" and first else f"{'-':>6}"
                 done = max(tps * args.seconds, 1)
                 per_tx = " ".join(f"{k} {v / done:.1f}" for k, v in sorted(counts.items()))
                 per_tx += f" ({background / done:.1f})" if counts else ""
                 label = f"{processes} process(es) x {senders} senders"
-                label += "" if intake else " (commit)"
+                label += "" if way == "intake" else f" ({way})"
                 p50, p99 = (np.percentile(lat, q) * 1000 if len(lat) else 0 for q in (50, 99))
-                lags = publish_lags(root, options, start, start + args.seconds) * 1000
-                published = "/".join(f"{np.percentile(lags, q):.0f}" for q in (50, 99))
+                published = "-"
+                if way != "floor":
+                    lags = publish_lags(root, options, start, start + args.seconds) * 1000
+                    published = "/".join(f"{np.percentile(lags, q):.0f}" for q in (50, 99))
                 print(
-                    f"{label:>34} {shards:>6} {tps:8.0f} {tps / first:5.1f}x {p50:8.0f} "
+                    f"{label:>34} {shards:>6} {tps:8.0f} {ratio} {p50:8.0f} "
                     f"{p99:8.0f}  {published:>20} {busy:5.0%} {cpu * 1000:9.1f}  {per_tx or '-'}",
                     flush=True,
                 )
@@ -351,6 +414,10 @@ def main() -> None:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         root, senders, start, seconds, rate, way = sys.argv[2:8]
+        if way == "floor":
+            options = json.loads(os.environ["RMQ_BENCH_OPTIONS"])
+            floor_worker(root, options, int(senders), float(start), float(seconds))
+            sys.exit()
         worker(
             root,
             json.loads(os.environ["RMQ_BENCH_OPTIONS"]),
