@@ -505,7 +505,7 @@ class Decisions(StoreConcept):
                 if self._staging is not None:
                     landed = self._staging.land()
                 if batch:
-                    self._land_halves([d.transaction_id for d in batch])
+                    self._land_halves([d.transaction_id for d in batch], landed)
                     self._land(batch)
             except BaseException:
                 with self._queue_lock:
@@ -516,11 +516,12 @@ class Decisions(StoreConcept):
                     self._staging.delete(landed)
             return sum(d.state is LocalTransactionState.COMMIT for d in batch)
 
-    def _land_halves(self, transaction_ids: Sequence[str]) -> None:
+    def _land_halves(self, transaction_ids: Sequence[str], landed: Sequence[str]) -> None:
         """Land the intake objects of the shard when a transaction of ``transaction_ids`` was
         not prepared by this process (whose own objects :meth:`land` landed already): its half
         messages may still be in an intake object of another process, and ``op`` must not
-        hold a decision before ``half`` holds its messages."""
+        hold a decision before ``half`` holds its messages. ``landed``: the objects this
+        process has just landed (not deleted yet), which hold none of those."""
         with self._queue_lock:
             read = {t for t in transaction_ids if t in self._in_half}
             self._in_half -= read
@@ -528,7 +529,8 @@ class Decisions(StoreConcept):
         made = self._made.after(strangers, float("-inf"))
         if len(made) < len(strangers) and self.intake is not None:
             # Only the objects whose id range covers them: the others' writers land those.
-            self.intake.recover(0.0, covering=[t for t in strangers if t not in made])
+            covering = [t for t in strangers if t not in made]
+            self.intake.recover(0.0, covering=covering, landed=landed)
 
     def object_decisions(self, transaction_ids: Sequence[str]) -> dict[str, Decision]:
         """The decisions in force of those of ``transaction_ids`` that their decision objects
