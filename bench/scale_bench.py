@@ -54,6 +54,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -142,17 +143,23 @@ def worker(
             with lock:
                 latencies.extend(mine)
 
-        threads = [threading.Thread(target=send) for _ in range(senders)]
-        before = os.times()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        after = os.times()
-        cpu = after.user - before.user + after.system - before.system
+        cpu = _run_cpu(senders, send)
         time.sleep(max(0.0, end + LINGER - time.time()))
     counts = {"count": len(latencies), "objects": sum(by_object)}
     print(json.dumps({**counts, "latencies": latencies, "cpu": cpu}), flush=True)
+
+
+def _run_cpu(senders: int, send: Callable[[], None]) -> float:
+    """Run ``send`` on ``senders`` threads until each returns; the process's CPU seconds
+    meanwhile (every thread, native ones included)."""
+    threads = [threading.Thread(target=send) for _ in range(senders)]
+    before = os.times()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    after = os.times()
+    return after.user - before.user + after.system - before.system
 
 
 def floor_worker(root: str, options: dict[str, str], senders: int, start: float, seconds: float):
@@ -177,14 +184,7 @@ def floor_worker(root: str, options: dict[str, str], senders: int, start: float,
         with lock:
             latencies.extend(mine)
 
-    threads = [threading.Thread(target=send) for _ in range(senders)]
-    before = os.times()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    after = os.times()
-    cpu = after.user - before.user + after.system - before.system
+    cpu = _run_cpu(senders, send)
     count = len(latencies)
     print(json.dumps({"count": count, "objects": count, "latencies": latencies, "cpu": cpu}))
 
