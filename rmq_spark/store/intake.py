@@ -20,9 +20,9 @@
   second, retried on the latest snapshot, looks the object's transactions up in ``half`` and
   finds them there. A writer skips that lookup while the application id of its bucket is the one
   its own last landing recorded (no one landed any of its objects since). An object is deleted
-  after its landing; one whose deletion failed is found landed by the next recoverer, which
-  deletes it. No clock or file time is trusted: the age a recoverer waits for only spares a live
-  writer the race.
+  after its landing (by its writer, once the decisions of that moment are in ``op``); one whose
+  deletion failed is found landed by the next recoverer, which deletes it. No clock or file
+  time is trusted: the age a recoverer waits for only spares a live writer the race.
 
 An intake object left unlanded (its writer killed, no check-back job running) is pending all
 the same, and the check-back job lands it when it runs. An object landed but not deleted would
