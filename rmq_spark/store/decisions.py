@@ -530,7 +530,7 @@ class Decisions(StoreConcept):
         if len(made) < len(strangers) and self.intake is not None:
             # Only the objects whose id range covers them: the others' writers land those.
             covering = [t for t in strangers if t not in made]
-            self.intake.recover(0.0, covering=covering, landed=landed)
+            self.intake.recover(0.0, covering=covering, just_landed=landed)
 
     def object_decisions(self, transaction_ids: Sequence[str]) -> dict[str, Decision]:
         """The decisions in force of those of ``transaction_ids`` that their decision objects

@@ -158,18 +158,18 @@ class Intake(StoreConcept):
         older_than: float,
         now: float | None = None,
         covering: Sequence[str] | None = None,
-        landed: Sequence[str] = (),
+        just_landed: Sequence[str] = (),
     ) -> int:
         """Land the intake objects any process staged in this shard and left unlanded (killed,
         stalled, or not landed yet) that are at least ``older_than`` seconds old at ``now``
         (seconds since the epoch, default: this machine's clock) by the time their storage
         lists (0: all of them), or only those whose id range covers one of ``covering``, and
         delete them; return how many transactions' messages were landed (objects landed
-        already are deleted only). ``landed``: objects this process has just landed itself,
-        left alone (it deletes them)."""
+        already are deleted only). ``just_landed``: objects this process has just landed
+        itself, left alone (it deletes them)."""
         with self._landing:
             found = self._listed(older_than, time.time() if now is None else now)
-            mine = {name.rsplit("/", 1)[-1] for name in landed}
+            mine = {name.rsplit("/", 1)[-1] for name in just_landed}
             found = [name for name in found if name.rsplit("/", 1)[-1] not in mine]
             if covering is not None:
                 found = [name for name in found if _covers(name, covering)]
