@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import ssl
 import subprocess
 import time
 import urllib.request
@@ -88,8 +89,9 @@ def check_free_space(data: Path) -> None:
         )
 
 
-def start(data: Path) -> Minio:
-    """Start MinIO on a free loopback port with its data under ``data``; make the bucket."""
+def start(data: Path, certs: Path | None = None) -> Minio:
+    """Start MinIO on a free loopback port with its data under ``data``; make the bucket. With
+    ``certs``, a folder holding ``public.crt`` and ``private.key``, it speaks HTTPS only."""
     data.mkdir(parents=True, exist_ok=True)
     check_free_space(data)
     port = free_port()
@@ -102,21 +104,25 @@ def start(data: Path) -> Minio:
         "MINIO_UPDATE": "off",
         "MINIO_REGION": REGION,
     }
+    argv = [str(binary()), "server", "--quiet", "--address", f"127.0.0.1:{port}", str(data)]
+    argv += ["--certs-dir", str(certs)] if certs is not None else []
     with log.open("wb") as out:
         process = subprocess.Popen(
-            [str(binary()), "server", "--quiet", "--address", f"127.0.0.1:{port}", str(data)],
+            argv,
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
             preexec_fn=die_with_parent,
         )
-    server = Minio(f"http://127.0.0.1:{port}", process, log)
+    server = Minio(f"http{'s' if certs else ''}://127.0.0.1:{port}", process, log)
+    trusted = ssl.create_default_context(cafile=certs / "public.crt") if certs else None
     deadline = time.monotonic() + 60
     while True:
         if process.poll() is not None:
             raise RuntimeError(f"MinIO exited with {process.returncode}: {log.read_text()[-2000:]}")
         try:
-            with urllib.request.urlopen(f"{server.endpoint}/minio/health/ready", timeout=2):
+            ready = f"{server.endpoint}/minio/health/ready"
+            with urllib.request.urlopen(ready, timeout=2, context=trusted):
                 break
         except OSError as exc:
             if time.monotonic() > deadline:
@@ -129,6 +135,9 @@ def start(data: Path) -> Minio:
         key=ACCESS_KEY,
         secret=SECRET_KEY,
         endpoint_url=server.endpoint,
-        client_kwargs={"region_name": REGION},
+        client_kwargs={
+            "region_name": REGION,
+            "verify": str(certs / "public.crt") if certs else None,
+        },
     ).mkdir(BUCKET)
     return server

@@ -5,8 +5,8 @@ objects of a few hundred bytes (log entries, decision objects, hints). Through s
 1.5 to 2 ms of CPU (aiobotocore's request pipeline, its event hooks, endpoint rules and
 response parsing, on an asyncio loop in another thread), and a producer at 1 x 4 on S3 spent
 three quarters of its CPU there (``py-spy --gil``). Here they cost about a tenth of that: a
-request signed with AWS Signature Version 4 and sent on a keep-alive ``http.client``
-connection of the calling thread.
+request signed with AWS Signature Version 4 and sent on a keep-alive connection of the
+calling thread (:mod:`rmq_spark.delta.http1`).
 
 :class:`S3FileSystem` is s3fs's filesystem with those three calls (``cat_file`` of a whole
 object, ``cat`` of several, ``pipe_file``) made this way; listings, deletes, ranged reads,
@@ -37,7 +37,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import hmac
-import http.client
 import logging
 import os
 import random
@@ -55,6 +54,7 @@ import botocore.session
 import s3fs
 from botocore.credentials import Credentials
 
+from rmq_spark.delta.http1 import Connection
 from rmq_spark.delta.parallel import each
 from rmq_spark.model.errors import StorageConfigError
 
@@ -69,8 +69,8 @@ _EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 _RETRIED_STATUS = {429, 500, 502, 503, 504}
 _THROTTLED = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout"}
 _DNS_BUCKET = re.compile(r"^[a-z0-9][a-z0-9-]{1,61}[a-z0-9]$")
-#: What a write on a keep-alive connection the server closed while idle raises.
-_STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError, ssl.SSLEOFError)
+#: What a request on a keep-alive connection the server closed while idle raises.
+_STALE = (BrokenPipeError, ConnectionResetError, ssl.SSLEOFError)
 #: How long a credential chain that found nothing is not asked again (each request would).
 _NO_CREDENTIALS_SECONDS = 5.0
 
@@ -163,11 +163,11 @@ class S3Requests:
             signed = self._sign(method, host, target, body, dict(headers or {}), region)
             reused = self._has_connection(host, secure)
             try:
-                response, data = self._send(host, secure, method, target, body, signed)
+                response = self._connection(host, secure).request(method, target, body, signed)
             except ssl.SSLCertVerificationError as exc:
                 self._drop(host, secure)
                 raise S3Error(f"S3 {method} s3://{path}: {exc} (set AWS_CA_BUNDLE?)") from exc
-            except (OSError, http.client.HTTPException) as exc:
+            except OSError as exc:
                 self._drop(host, secure)
                 unsure = unsure or method == "PUT"
                 if reused and isinstance(exc, _STALE):
@@ -179,9 +179,9 @@ class S3Requests:
                 continue
             status = response.status
             if status in answered:
-                return status, data, unsure
-            code, message = _error(data)
-            told = response.getheader("x-amz-bucket-region")
+                return status, response.body, unsure
+            code, message = _error(response.body)
+            told = response.headers.get("x-amz-bucket-region")
             if told and told != region and status in (301, 400) and attempt < _ATTEMPTS:
                 log.info("s3://%s is in %s, not %s: addressing it there", bucket, told, region)
                 self._regions[bucket] = told
@@ -307,21 +307,7 @@ class S3Requests:
             self._keys[cached] = key
         return key
 
-    def _send(
-        self,
-        host: str,
-        secure: bool,
-        method: str,
-        target: str,
-        body: bytes,
-        headers: Mapping[str, str],
-    ) -> tuple[http.client.HTTPResponse, bytes]:
-        conn = self._connection(host, secure)
-        conn.request(method, target, body=body or None, headers=dict(headers))
-        response = conn.getresponse()
-        return response, response.read()
-
-    def _connections(self) -> dict[tuple[str, bool], http.client.HTTPConnection]:
+    def _connections(self) -> dict[tuple[str, bool], Connection]:
         """The calling thread's connections (a forked child makes its own: the parent's
         sockets are the parent's)."""
         pid = os.getpid()
@@ -334,15 +320,11 @@ class S3Requests:
         conn = self._connections().get((host, secure))
         return conn is not None and conn.sock is not None
 
-    def _connection(self, host: str, secure: bool) -> http.client.HTTPConnection:
+    def _connection(self, host: str, secure: bool) -> Connection:
         conns = self._connections()
         conn = conns.get((host, secure))
         if conn is None:
-            conn = conns[(host, secure)] = (
-                http.client.HTTPSConnection(host, timeout=_TIMEOUT, context=self._tls)
-                if secure
-                else http.client.HTTPConnection(host, timeout=_TIMEOUT)
-            )
+            conn = conns[(host, secure)] = Connection(host, secure, self._tls, _TIMEOUT)
         return conn
 
     def _drop(self, host: str, secure: bool) -> None:

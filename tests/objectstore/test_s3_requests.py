@@ -6,13 +6,16 @@ from __future__ import annotations
 import os
 import socket
 import threading
+from pathlib import Path
 
 import pytest
 import s3fs
 
-from rmq_spark.delta.s3requests import S3FileSystem, S3Requests
+from rmq_spark.delta.s3requests import S3Error, S3FileSystem, S3Requests
 from rmq_spark.delta.storage import filesystem
 from rmq_spark.model.errors import StorageConfigError
+from rmq_spark.serve.tls import self_signed
+from tests import minio as minio_server
 
 pytestmark = pytest.mark.objectstore
 
@@ -85,6 +88,28 @@ def test_a_dead_keep_alive_connection_is_replaced(minio) -> None:
     conn.sock.shutdown(socket.SHUT_RDWR)
     assert requests.get(f"{root}/a.json") == b"a"
     assert next(iter(requests._local.conns.values())) is not conn
+
+
+def test_an_https_endpoint_is_verified_against_the_ca_bundle(minio, tmp_path: Path) -> None:
+    """Requests to an HTTPS endpoint go over TLS, the server's certificate checked against
+    ``AWS_CA_BUNDLE``; a certificate no root vouches for is refused, naming the option."""
+    key, cert, _ = self_signed("127.0.0.1")
+    certs = tmp_path / "certs"
+    certs.mkdir()
+    (certs / "private.key").write_bytes(key)
+    (certs / "public.crt").write_bytes(cert)
+    server = minio_server.start(tmp_path / "data", certs)
+    try:
+        assert server.endpoint.startswith("https://")
+        trusting = {**server.storage_options, "AWS_CA_BUNDLE": str(certs / "public.crt")}
+        root = server.root().removeprefix("s3://")
+        requests = S3Requests(trusting)
+        requests.put(f"{root}/a.json", b"over TLS", if_absent=True)
+        assert requests.get(f"{root}/a.json") == b"over TLS"
+        with pytest.raises(S3Error, match="certificate verify failed.*AWS_CA_BUNDLE"):
+            S3Requests(server.storage_options).get(f"{root}/a.json")
+    finally:
+        server.stop()
 
 
 def test_a_forked_child_makes_its_own_connection(minio) -> None:
