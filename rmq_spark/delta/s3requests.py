@@ -54,7 +54,7 @@ import botocore.session
 import s3fs
 from botocore.credentials import Credentials
 
-from rmq_spark.delta.http1 import Connection
+from rmq_spark.delta.http1 import Connection, Response
 from rmq_spark.delta.parallel import each
 from rmq_spark.model.errors import StorageConfigError
 
@@ -77,6 +77,15 @@ _NO_CREDENTIALS_SECONDS = 5.0
 
 class S3Error(OSError):
     """An S3 request refused for a reason other than a missing or existing object."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        #: The HTTP status of the refusal; None when no answer came.
+        self.status = status
+
+
+class ObjectChanged(OSError):
+    """A PUT ``if_match`` refused: the object was changed or removed since it was read."""
 
 
 class S3Requests:
@@ -122,23 +131,34 @@ class S3Requests:
     # ------------------------------------------------------------------ requests
     def get(self, path: str) -> bytes:
         """The object at ``path`` (``bucket/key``); ``FileNotFoundError`` when absent."""
-        status, body, _ = self._request("GET", path)
-        if status == 404:
-            raise FileNotFoundError(path)
-        return body
+        return self.get_tagged(path)[0]
 
-    def put(self, path: str, data: bytes, *, if_absent: bool = False) -> None:
+    def get_tagged(self, path: str) -> tuple[bytes, str]:
+        """The object at ``path`` and its ETag (for :meth:`put`'s ``if_match``)."""
+        response, _ = self._request("GET", path)
+        if response.status == 404:
+            raise FileNotFoundError(path)
+        return response.body, response.headers.get("etag", "")
+
+    def put(
+        self, path: str, data: bytes, *, if_absent: bool = False, if_match: str | None = None
+    ) -> None:
         """Write ``data`` as ``path``; with ``if_absent`` only if no object is there
-        (``FileExistsError`` otherwise). A put-if-absent sent again after its answer was lost
-        and refused finds its own bytes there: it wrote them, and returns."""
+        (``FileExistsError`` otherwise), with ``if_match`` only if the object there still has
+        that ETag (:class:`ObjectChanged` otherwise). A conditional PUT sent again after its
+        answer was lost and refused finds its own bytes there: it wrote them, and returns."""
         headers = {"if-none-match": "*"} if if_absent else {}
-        status, _, unsure = self._request("PUT", path, data, headers)
-        if status == 404:
+        if if_match is not None:
+            headers["if-match"] = if_match
+        response, unsure = self._request("PUT", path, data, headers)
+        if response.status == 404:
+            if if_match is not None and _error(response.body)[0] == "NoSuchKey":
+                raise ObjectChanged(f"s3://{path} was removed")
             raise FileNotFoundError(f"s3://{path}: no such bucket")
-        if status == 412:
+        if response.status == 412:
             if unsure and self._same(path, data):
                 return
-            raise FileExistsError(path)
+            raise FileExistsError(path) if if_absent else ObjectChanged(f"s3://{path} changed")
 
     def _same(self, path: str, data: bytes) -> bool:
         try:
@@ -148,10 +168,10 @@ class S3Requests:
 
     def _request(
         self, method: str, path: str, body: bytes = b"", headers: Mapping[str, str] | None = None
-    ) -> tuple[int, bytes, bool]:
-        """The status and body of the request's answer (200 or 204; 404; 412 to a PUT), and
-        whether an earlier attempt may have been carried out, its answer lost. Any other
-        answer raises, after the retries it takes."""
+    ) -> tuple[Response, bool]:
+        """The request's answer (200 or 204; 404; 412 to a PUT), and whether an earlier
+        attempt may have been carried out, its answer lost. Any other answer raises, after
+        the retries it takes."""
         bucket, _, key = path.partition("/")
         answered = {200, 204, 404} | ({412} if method == "PUT" else set())
         unsure = False
@@ -179,7 +199,7 @@ class S3Requests:
                 continue
             status = response.status
             if status in answered:
-                return status, response.body, unsure
+                return response, unsure
             code, message = _error(response.body)
             told = response.headers.get("x-amz-bucket-region")
             if told and told != region and status in (301, 400) and attempt < _ATTEMPTS:
@@ -194,8 +214,8 @@ class S3Requests:
             ):
                 _backoff(attempt)
                 continue
-            error = PermissionError if status == 403 else S3Error
-            raise error(f"S3 {method} s3://{path}: {status} {code or ''} {message or ''}".strip())
+            text = f"S3 {method} s3://{path}: {status} {code or ''} {message or ''}".strip()
+            raise PermissionError(text) if status == 403 else S3Error(text, status)
 
     def _address(self, bucket: str, key: str, region: str) -> tuple[str, str, bool]:
         """The host, the request target and whether TLS is on, for ``bucket``'s ``key``."""

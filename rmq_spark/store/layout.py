@@ -9,13 +9,18 @@ refusing it or changing a row.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
+import os
 import re
+import sys
 import uuid
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import fsspec
 import pyarrow as pa
@@ -40,6 +45,9 @@ from rmq_spark.model.errors import (
 )
 from rmq_spark.model.failpoints import failpoint
 from rmq_spark.model.schema import COLUMNS_ADDED_LATER, TABLES
+
+if TYPE_CHECKING:
+    from rmq_spark.delta.s3requests import S3Requests
 
 log = logging.getLogger(__name__)
 
@@ -126,27 +134,46 @@ def open_or_create(tables: DeltaTables, create: bool, shard: int = 0) -> int:
         tables.create(name)
         _check_table(tables, name)
         failpoint("layout.table")
-    # The marker is written last: a store is complete once it exists.
+    # The marker is written last: a store is complete once it exists. Only if absent: a
+    # maker stalled here must not take back what another maker's store has become since.
     meta = {"format": STORE_FORMAT, "layout_version": ONE_SHARD_LAYOUT}
     if shard:
         meta = {**meta, "layout_version": LAYOUT_VERSION, "shard": shard}
-    _write_marker(fs, marker, {**meta, "created": str(datetime.now(UTC))})
+    if not _write_marker(fs, marker, {**meta, "created": str(datetime.now(UTC))}, create=True):
+        meta = _check_marker(tables.root, fs, marker)
+        _check_shard(tables.root, meta, shard)
+        return int(meta["layout_version"])
     log.info("created rmq-spark store at %s", tables.root)
     return int(meta["layout_version"])
 
 
-def _write_marker(fs: fsspec.AbstractFileSystem, marker: str, meta: dict) -> None:
+def _write_marker(
+    fs: fsspec.AbstractFileSystem, marker: str, meta: dict, *, create: bool = False
+) -> bool:
     """Write the marker whole or not at all: a process opening the store meanwhile reads the
     old marker or the new one, never a half-written one (an object store's PUT is atomic; on
-    a local filesystem the file is renamed into place)."""
+    a local filesystem the file is renamed, or linked, into place). With ``create``, only if
+    there is none: False when there is."""
     data = json.dumps(meta).encode()
     if not isinstance(fs, LocalFileSystem):
-        fs.pipe_file(marker, data)
-        return
+        try:
+            fs.pipe_file(marker, data, **({"mode": "create"} if create else {}))
+        except FileExistsError:
+            return False
+        return True
     staged = f"{marker}.{uuid.uuid4().hex}.tmp"
     fs.pipe_file(staged, data)
     failpoint("layout.staged")
-    fs.mv(staged, marker)
+    if not create:
+        fs.mv(staged, marker)
+        return True
+    try:
+        os.link(staged, marker)
+    except FileExistsError:
+        return False
+    finally:
+        os.unlink(staged)
+    return True
 
 
 def raise_layout(tables: DeltaTables, shards: int = 1, version: int = OBJECTS_LAYOUT) -> None:
@@ -160,22 +187,70 @@ def raise_layout(tables: DeltaTables, shards: int = 1, version: int = OBJECTS_LA
     hand is an error, not messages silently gone."""
     fs, root = filesystem(tables.root, tables.storage_options)
     marker = f"{root.rstrip('/')}/{MARKER_FILE}"
-    meta = _check_marker(tables.root, fs, marker)
-    failpoint("layout.read")
-    wanted = {**meta, "layout_version": max(int(meta.get("layout_version", 1)), version)}
-    wanted["shards"] = max(int(meta.get("shards", 1)), shards)
-    while wanted != meta:
-        _write_marker(fs, marker, wanted)
-        log.info(
-            "store %s: layout version %d, %d shard(s)",
-            tables.root,
-            wanted["layout_version"],
-            wanted["shards"],
-        )
-        # This rewrite may land after a racing grow's (read before it, stalled): every shard
-        # made before it is listed after it, and counted again.
-        meta = wanted
-        wanted = {**meta, "shards": max(meta["shards"], _made(fs, root, meta["shards"]))}
+    with _marker_lock(fs, marker):
+        meta, tag = _tagged_marker(tables.root, fs, marker)
+        failpoint("layout.read")
+        counted = int(meta.get("shards", 1))
+        while True:
+            wanted = {**meta, "layout_version": max(int(meta["layout_version"]), version)}
+            wanted["shards"] = max(int(meta.get("shards", 1)), shards, counted)
+            if wanted == meta:
+                return
+            if _swap_marker(fs, marker, wanted, tag):
+                log.info(
+                    "store %s: layout version %d, %d shard(s)",
+                    tables.root,
+                    wanted["layout_version"],
+                    wanted["shards"],
+                )
+                # An older rmq-spark rewrites the marker without a condition: this rewrite
+                # may land after its grow's (read before it, stalled). Every shard made before
+                # it is listed after it, and counted again.
+                counted = _made(fs, root, wanted["shards"])
+            meta, tag = _tagged_marker(tables.root, fs, marker)
+
+
+@contextlib.contextmanager
+def _marker_lock(fs: fsspec.AbstractFileSystem, marker: str) -> Iterator[None]:
+    """On a local filesystem (or NFS), hold the marker's lock (``flock`` of a file beside it,
+    released when the process ends) so that a marker read and rewritten is not rewritten by
+    another process in between; an object store's marker is compared and swapped instead
+    (:func:`_swap_marker`)."""
+    if not isinstance(fs, LocalFileSystem):
+        yield
+        return
+    with open(f"{marker}.lock", "ab") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _swap_marker(fs: fsspec.AbstractFileSystem, marker: str, meta: dict, tag: str | None) -> bool:
+    """Rewrite the marker as ``meta`` if it is still the one read, whose ETag was ``tag``
+    (on S3, ``If-Match``; on a local filesystem the caller holds :func:`_marker_lock`): False
+    when another process rewrote it meanwhile. Other object stores rewrite it without a
+    condition."""
+    requests = _signed(fs)
+    if not tag or requests is None:
+        return _write_marker(fs, marker, meta)
+    from rmq_spark.delta.s3requests import ObjectChanged, S3Error
+
+    try:
+        requests.put(marker, json.dumps(meta).encode(), if_match=tag)
+    except ObjectChanged:
+        return False
+    except S3Error as exc:
+        if exc.status != 501:  # Not Implemented
+            raise
+        log.warning("the store's endpoint does not take If-Match (%s): marker rewritten as is", exc)
+        return _write_marker(fs, marker, meta)
+    return True
+
+
+def _signed(fs: fsspec.AbstractFileSystem) -> S3Requests | None:
+    """The S3 client of ``fs`` when it is rmq-spark's (:mod:`rmq_spark.delta.s3requests`,
+    imported only for an ``s3://`` store: s3fs is an extra)."""
+    module = sys.modules.get("rmq_spark.delta.s3requests")
+    return fs.requests if module is not None and isinstance(fs, module.S3FileSystem) else None
 
 
 def _listed(fs: fsspec.AbstractFileSystem, root: str) -> set[int]:
@@ -244,10 +319,22 @@ def _check_shard(root: str, meta: dict, shard: int) -> None:
 
 
 def _check_marker(root: str, fs: fsspec.AbstractFileSystem, marker: str) -> dict:
+    return _tagged_marker(root, fs, marker)[0]
+
+
+def _tagged_marker(
+    root: str, fs: fsspec.AbstractFileSystem, marker: str
+) -> tuple[dict, str | None]:
+    """The store's marker, checked, and its ETag where the client reads one (S3)."""
+    tag, requests = None, _signed(fs)
     try:
         # One GET of the whole object: a ranged read of a marker rewritten meanwhile (a store
         # growing) fails on its changed ETag, though either version is whole.
-        meta = json.loads(fs.cat_file(marker))
+        if requests is not None:
+            data, tag = requests.get_tagged(marker)
+        else:
+            data = fs.cat_file(marker)
+        meta = json.loads(data)
         version = int(meta["layout_version"])
         if meta["format"] != STORE_FORMAT:
             raise ValueError(f"format is {meta['format']!r}")
@@ -261,7 +348,7 @@ def _check_marker(root: str, fs: fsspec.AbstractFileSystem, marker: str) -> dict
             f"the store at {root!r} has layout version {version}, but this rmq-spark "
             f"reads layout version {LAYOUT_VERSION} at most; upgrade rmq-spark."
         )
-    return meta
+    return meta, tag
 
 
 def _check_table(tables: DeltaTables, name: str) -> None:

@@ -1,0 +1,133 @@
+"""The store's marker (:mod:`rmq_spark.store.layout`) when the processes that write it race:
+a maker or a raiser stopped (SIGSTOP) between reading the marker and writing it must not take
+back what another process wrote meanwhile: a lower layout lets an older rmq-spark open a store
+it would damage, a lower shard count hides a shard removed by hand."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from rmq_spark import Store
+from rmq_spark.model.config import StoreSettings
+from rmq_spark.model.errors import CorruptStoreError
+from rmq_spark.store.layout import LAYOUT_VERSION, MARKER_FILE, OBJECTS_LAYOUT, raise_layout
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def stopped_at(failpoint: str, script: str, *args: str, tmp_path: Path) -> subprocess.Popen:
+    """A child running ``script`` (with ``args``), once it has stopped itself at ``failpoint``."""
+    marker = tmp_path / f"stopped-{failpoint}"
+    child = subprocess.Popen(
+        [sys.executable, "-c", script, *args],
+        env={
+            **os.environ,
+            "PYTHONPATH": str(REPO),
+            "RMQ_SPARK_FAILPOINT": f"{failpoint}:stop",
+            "RMQ_SPARK_FAILPOINT_MARKER": str(marker),
+        },
+    )
+    for _ in range(600):
+        if marker.exists() and Path(f"/proc/{child.pid}/stat").read_text().split()[2] == "T":
+            return child
+        assert child.poll() is None, "the child ended before the failpoint"
+        time.sleep(0.1)
+    child.kill()
+    raise AssertionError(f"the child did not reach {failpoint}")
+
+
+def resumed(child: subprocess.Popen, after: float) -> threading.Timer:
+    """Resume ``child`` (SIGCONT) ``after`` seconds from now, from another thread: meanwhile
+    this one may wait for what the child holds."""
+    timer = threading.Timer(after, os.kill, (child.pid, signal.SIGCONT))
+    timer.start()
+    return timer
+
+
+def marker(root: Path) -> dict:
+    return json.loads((root / MARKER_FILE).read_text())
+
+
+RAISE = (
+    "import sys\nfrom rmq_spark import Store\nfrom rmq_spark.store.layout import raise_layout\n"
+    "raise_layout(Store.open(sys.argv[1])._tables, version=int(sys.argv[2]))\n"
+)
+
+
+def test_a_raise_stalled_after_its_read_does_not_lower_a_racing_raise(tmp_path: Path) -> None:
+    """A process deciding by objects (layout 4) reads the marker of a new store and stops; one
+    staging intake objects raises it to 5 meanwhile. Resumed, the first must not write back
+    its 4: a layout-4 rmq-spark would then open the store and decide transactions whose half
+    messages wait in intake objects it does not read."""
+    root = tmp_path / "store"
+    Store.open(root)
+    child = stopped_at("layout.read", RAISE, str(root), str(OBJECTS_LAYOUT), tmp_path=tmp_path)
+    timer = resumed(child, 2.0)
+    try:
+        raise_layout(Store.open(root)._tables, version=LAYOUT_VERSION)
+    finally:
+        timer.join()
+        os.kill(child.pid, signal.SIGCONT)
+        assert child.wait(timeout=120) == 0
+    assert marker(root)["layout_version"] == LAYOUT_VERSION
+
+
+def test_a_maker_stalled_before_its_marker_does_not_undo_the_store_made_meanwhile(
+    tmp_path: Path,
+) -> None:
+    """Two processes make the same store; the first stops with its marker staged. The second
+    makes the store, and its first object-decided transaction raises the layout. Resumed, the
+    first must find the marker there, not replace it with a new store's."""
+    root = tmp_path / "store"
+    child = stopped_at(
+        "layout.staged",
+        "import sys\nfrom rmq_spark import Store\nStore.open(sys.argv[1])\n",
+        str(root),
+        tmp_path=tmp_path,
+    )
+    try:
+        raise_layout(Store.open(root)._tables, version=LAYOUT_VERSION)
+    finally:
+        os.kill(child.pid, signal.SIGCONT)
+        assert child.wait(timeout=120) == 0
+    assert marker(root)["layout_version"] == LAYOUT_VERSION
+    assert not [p for p in root.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_layout_raise_stalled_across_a_grow_does_not_lower_the_shard_count(
+    tmp_path: Path,
+) -> None:
+    """A process raising the layout (its first object-decided prepare) reads the marker and
+    stops before rewriting it; meanwhile another grows the store to three shards (it waits for
+    the first to go on). The count must end at three: it is what makes a shard removed by hand
+    an error instead of its messages silently gone."""
+    root = tmp_path / "store"
+    Store.open(root)
+    child = stopped_at(
+        "layout.read",
+        "import sys\nfrom rmq_spark import Message, Store\n"
+        "Store.open(sys.argv[1]).prepare([Message('T', b'x')], 'pg')\n",
+        str(root),
+        tmp_path=tmp_path,
+    )
+    timer = resumed(child, 2.0)
+    try:
+        Store.open(settings=StoreSettings(path=str(root), queue_nums=2, shards=3))
+    finally:
+        timer.join()
+        os.kill(child.pid, signal.SIGCONT)
+        assert child.wait(timeout=120) == 0
+    assert marker(root)["shards"] == 3
+    shutil.rmtree(root / "shards" / "2")
+    with pytest.raises(CorruptStoreError, match=r"shard\(s\) \[2\]"):
+        Store.open(root).shard_numbers(refresh=True)
