@@ -132,16 +132,30 @@ def _read_response(reader: BinaryIO) -> tuple[Response, bool]:
 
 
 def _headers(reader: BinaryIO) -> dict[str, str]:
+    """The header lines up to the blank line: taken in one read when they are all in the
+    reader's buffer already (an S3 answer's usually are), else line by line."""
+    buffered = reader.peek(_MAX_LINE)  # type: ignore[attr-defined]
+    if buffered.startswith(b"\r\n"):  # no headers
+        reader.read(2)
+        return {}
+    end = buffered.find(b"\r\n\r\n")
+    if end > 0:
+        lines = reader.read(end + 4)[:end].split(b"\r\n")
+    else:
+        lines = []
+        while (line := _line(reader)) not in (b"\r\n", b"\n", b""):
+            lines.append(line)
+            if len(lines) > _MAX_HEADERS:
+                break
+    if len(lines) > _MAX_HEADERS:
+        raise ProtocolError(f"more than {_MAX_HEADERS} headers in an answer")
     headers: dict[str, str] = {}
-    for _ in range(_MAX_HEADERS + 1):
-        line = _line(reader)
-        if line in (b"\r\n", b"\n", b""):
-            return headers
+    for line in lines:
         name, sep, value = line.partition(b":")
         if not sep:
             raise ProtocolError(f"a header line without a colon: {line[:80]!r}")
         headers[name.strip().lower().decode("latin-1")] = value.strip().decode("latin-1")
-    raise ProtocolError(f"more than {_MAX_HEADERS} headers in an answer")
+    return headers
 
 
 def _chunked(reader: BinaryIO) -> bytes:

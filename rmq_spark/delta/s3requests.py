@@ -8,9 +8,10 @@ three quarters of its CPU there (``py-spy --gil``). Here they cost about a tenth
 request signed with AWS Signature Version 4 and sent on a keep-alive connection of the
 calling thread (:mod:`rmq_spark.delta.http1`).
 
-:class:`S3FileSystem` is s3fs's filesystem with those three calls (``cat_file`` of a whole
-object, ``cat`` of several, ``pipe_file``) made this way; listings, deletes, ranged reads,
-multipart uploads and everything else stay s3fs's. Same behaviour as s3fs for its callers:
+:class:`S3FileSystem` is s3fs's filesystem with those calls (``cat_file`` of a whole object,
+``cat`` of several, ``pipe_file``, and ``rm`` of objects named: a DeleteObjects request a
+thousand keys) made this way; listings, recursive deletes, ranged reads, multipart uploads and
+everything else stay s3fs's. Same behaviour as s3fs for its callers:
 a missing object raises ``FileNotFoundError``, a PUT with ``mode="create"`` (``If-None-Match:
 *``) of an existing object ``FileExistsError``. Besides:
 
@@ -34,6 +35,7 @@ a missing object raises ``FileNotFoundError``, a PUT with ``mode="create"`` (``I
 
 from __future__ import annotations
 
+import base64
 import functools
 import hashlib
 import hmac
@@ -48,11 +50,14 @@ import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
+from xml.sax.saxutils import escape as xml_escape
+from xml.sax.saxutils import unescape as xml_unescape
 
 import botocore.exceptions
 import botocore.session
 import s3fs
 from botocore.credentials import Credentials
+from fsspec.core import has_magic
 
 from rmq_spark.delta.http1 import Connection, Response
 from rmq_spark.delta.parallel import each
@@ -65,6 +70,8 @@ _TIMEOUT = 60.0
 #: Overwrites larger than this go through s3fs (a multipart upload above its chunk size);
 #: a put-if-absent is one PUT whatever its size (s3fs's multipart upload drops the condition).
 _SMALL = 8 * 1024 * 1024
+#: The most keys one DeleteObjects request takes.
+_DELETED_AT_ONCE = 1000
 _EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 _RETRIED_STATUS = {429, 500, 502, 503, 504}
 _THROTTLED = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout"}
@@ -160,6 +167,36 @@ class S3Requests:
                 return
             raise FileExistsError(path) if if_absent else ObjectChanged(f"s3://{path} changed")
 
+    def delete(self, paths: Sequence[str]) -> None:
+        """Delete the objects at ``paths`` (``bucket/key``), a thousand a request (S3's
+        DeleteObjects); absent ones are skipped. A key S3 would not delete raises (the first
+        one named): ``PermissionError`` for AccessDenied, else :class:`S3Error`."""
+        buckets: dict[str, list[str]] = {}
+        for path in paths:
+            bucket, _, key = path.partition("/")
+            buckets.setdefault(bucket, []).append(key)
+        chunks = [
+            (bucket, keys[i : i + _DELETED_AT_ONCE])
+            for bucket, keys in buckets.items()
+            for i in range(0, len(keys), _DELETED_AT_ONCE)
+        ]
+        each(lambda chunk: self._delete(*chunk), chunks, "deletes")
+
+    def _delete(self, bucket: str, keys: Sequence[str]) -> None:
+        listed = "".join(f"<Object><Key>{xml_escape(k)}</Key></Object>" for k in keys)
+        body = f"<Delete><Quiet>true</Quiet>{listed}</Delete>".encode()
+        md5 = base64.b64encode(hashlib.md5(body, usedforsecurity=False).digest()).decode()
+        response, _ = self._request("POST", f"{bucket}/", body, {"content-md5": md5}, "delete=")
+        if response.status == 404:
+            raise FileNotFoundError(f"s3://{bucket}: no such bucket")
+        refused = re.search(rb"<Error>(.*?)</Error>", response.body, re.S)
+        if refused is not None:
+            key = re.search(rb"<Key>(.*?)</Key>", refused.group(1), re.S)
+            code, message = _error(refused.group(1))
+            named = xml_unescape(key.group(1).decode()) if key else "?"
+            text = f"S3 DELETE s3://{bucket}/{named}: {code or ''} {message or ''}".strip()
+            raise PermissionError(text) if code == "AccessDenied" else S3Error(text)
+
     def _same(self, path: str, data: bytes) -> bool:
         try:
             return self.get(path) == data
@@ -167,11 +204,16 @@ class S3Requests:
             return False
 
     def _request(
-        self, method: str, path: str, body: bytes = b"", headers: Mapping[str, str] | None = None
+        self,
+        method: str,
+        path: str,
+        body: bytes = b"",
+        headers: Mapping[str, str] | None = None,
+        query: str = "",
     ) -> tuple[Response, bool]:
         """The request's answer (200 or 204; 404; 412 to a PUT), and whether an earlier
         attempt may have been carried out, its answer lost. Any other answer raises, after
-        the retries it takes."""
+        the retries it takes. ``query``: the request's canonical query string (``delete=``)."""
         bucket, _, key = path.partition("/")
         answered = {200, 204, 404} | ({412} if method == "PUT" else set())
         unsure = False
@@ -180,10 +222,11 @@ class S3Requests:
             attempt += 1
             region = self._regions.get(bucket, self.region)
             host, target, secure = self._address(bucket, key, region)
-            signed = self._sign(method, host, target, body, dict(headers or {}), region)
+            signed = self._sign(method, host, target, query, body, dict(headers or {}), region)
             reused = self._has_connection(host, secure)
+            wire = f"{target}?{query}" if query else target
             try:
-                response = self._connection(host, secure).request(method, target, body, signed)
+                response = self._connection(host, secure).request(method, wire, body, signed)
             except ssl.SSLCertVerificationError as exc:
                 self._drop(host, secure)
                 raise S3Error(f"S3 {method} s3://{path}: {exc} (set AWS_CA_BUNDLE?)") from exc
@@ -236,6 +279,7 @@ class S3Requests:
         method: str,
         host: str,
         target: str,
+        query: str,
         body: bytes,
         headers: dict[str, str],
         region: str,
@@ -257,7 +301,7 @@ class S3Requests:
             [
                 method,
                 target,
-                "",
+                query,
                 "".join(f"{n}:{str(headers[n]).strip()}\n" for n in names),
                 ";".join(names),
                 payload,
@@ -354,7 +398,8 @@ class S3Requests:
 
 
 class S3FileSystem(s3fs.S3FileSystem):
-    """s3fs's filesystem, with whole-object reads and writes made by :class:`S3Requests`."""
+    """s3fs's filesystem, with whole-object reads and writes, and deletes of objects named,
+    made by :class:`S3Requests`."""
 
     def __init__(self, *args: Any, store_options: Mapping[str, str], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -396,8 +441,22 @@ class S3FileSystem(s3fs.S3FileSystem):
         ):
             return super().pipe_file(path, value, mode=mode, **kw)
         self.requests.put(self._strip_protocol(path), bytes(value), if_absent=mode == "create")
-        self.invalidate_cache(path)
+        if self.dircache:  # empty unless listings are cached (rmq-spark does not cache them)
+            self.invalidate_cache(path)
         return None
+
+    def rm(
+        self, path: str | Sequence[str], recursive: bool = False, maxdepth: int | None = None
+    ) -> None:
+        paths = [path] if isinstance(path, str) else list(path)
+        stripped = [self._strip_protocol(p) for p in paths]
+        if recursive or maxdepth is not None or any(has_magic(p) or "/" not in p for p in stripped):
+            super().rm(path, recursive=recursive, maxdepth=maxdepth)
+            return
+        self.requests.delete(stripped)
+        if self.dircache:
+            for p in stripped:
+                self.invalidate_cache(p)
 
 
 @functools.cache

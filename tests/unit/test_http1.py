@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from rmq_spark.delta.http1 import Connection, ProtocolError
+from rmq_spark.delta.s3requests import S3Requests
 
 
 class Closing(bytes):
@@ -158,3 +159,21 @@ def test_a_large_body_is_sent_whole(serve) -> None:
     body = bytes(range(256)) * 1024  # 256 KiB: sent after the head, not copied onto it
     assert conn.request("PUT", "/b/big", body, {"host": server.host}).status == 200
     assert server.requests[0].endswith(b"\r\n\r\n" + body)
+
+
+def test_a_key_s3_would_not_delete_is_an_error_naming_it(serve) -> None:
+    """DeleteObjects answers 200 and lists the keys it did not delete: not a silent success."""
+    result = (
+        b"<DeleteResult><Error><Key>b&amp;c.json</Key><Code>AccessDenied</Code>"
+        b"<Message>Access Denied</Message></Error></DeleteResult>"
+    )
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(result), result)
+    server, _ = serve(answer)
+    requests = S3Requests(
+        {"AWS_ENDPOINT_URL": f"http://{server.host}", "AWS_SKIP_SIGNATURE": "true"}
+    )
+    with pytest.raises(PermissionError, match=r"s3://bucket/b&c.json: AccessDenied Access"):
+        requests.delete(["bucket/a.json", "bucket/b&c.json"])
+    (sent,) = server.requests
+    assert sent.startswith(b"POST /bucket/?delete= HTTP/1.1\r\n")
+    assert b"<Key>b&amp;c.json</Key>" in sent and b"content-md5: " in sent
