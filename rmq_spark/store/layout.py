@@ -214,7 +214,8 @@ def raise_layout(tables: DeltaTables, shards: int = 1, version: int = OBJECTS_LA
 def _marker_lock(fs: fsspec.AbstractFileSystem, marker: str) -> Iterator[None]:
     """On a local filesystem (or NFS), hold the marker's lock (``flock`` of a file beside it,
     released when the process ends) so that a marker read and rewritten is not rewritten by
-    another process in between; an object store's marker is compared and swapped instead
+    another process in between (one stopped while holding it delays the others' raises, never
+    lets them be undone); an object store's marker is compared and swapped instead
     (:func:`_swap_marker`)."""
     if not isinstance(fs, LocalFileSystem):
         yield
