@@ -10,13 +10,15 @@ What the connection does for its caller: TLS verified with the caller's context 
 name for SNI and the check), ``TCP_NODELAY``, the request's head and a small body in one send,
 1xx answers skipped, a chunked or length-delimited body, and the connection closed when the
 server says ``Connection: close``, sends a body until its end, or anything fails midway (the
-stream's place is then unknown). A connection the server closed while idle raises
-``ConnectionResetError`` at the next request's answer, as ``http.client`` does; an answer that
-is not HTTP raises :class:`ProtocolError`. Both are ``OSError``\\ s.
+stream's place is then unknown). A connection the server closed while idle is replaced before
+a request is sent on it; one closed while a request was on its way raises
+``ConnectionResetError``, as does an answer cut short; an answer that is not HTTP raises
+:class:`ProtocolError`. All are ``OSError``\\ s.
 """
 
 from __future__ import annotations
 
+import select
 import socket
 import ssl
 import urllib.parse
@@ -87,6 +89,10 @@ class Connection:
             sock.close()
 
     def _open(self) -> tuple[socket.socket, BinaryIO]:
+        if self.sock is not None and _readable(self.sock):
+            # Closed by the server while idle (or an answer no request asked for, a 408): a
+            # request sent there would be lost, its outcome unknown.
+            self.close()
         if self.sock is None or self._reader is None:
             sock = socket.create_connection((self._name, self._port), timeout=self._timeout)
             try:
@@ -116,7 +122,8 @@ def _read_response(reader: BinaryIO) -> tuple[Response, bool]:
         headers = _headers(reader)
         if status >= 200:  # an informational answer (100 Continue) comes before the real one
             break
-    keep = version != b"HTTP/1.0" and headers.get("connection", "").lower() != "close"
+    tokens = {t.strip() for t in headers.get("connection", "").lower().split(",")}
+    keep = version != b"HTTP/1.0" and "close" not in tokens
     if status in (204, 304):
         return Response(status, headers, b""), keep
     if "chunked" in headers.get("transfer-encoding", "").lower():
@@ -127,7 +134,9 @@ def _read_response(reader: BinaryIO) -> tuple[Response, bool]:
     try:
         size = int(length)
     except ValueError:
-        raise ProtocolError(f"a Content-Length that is not a number: {length[:40]!r}") from None
+        size = -1
+    if size < 0:
+        raise ProtocolError(f"a Content-Length that is not a length: {length[:40]!r}")
     return Response(status, headers, _exactly(reader, size)), keep
 
 
@@ -143,7 +152,9 @@ def _headers(reader: BinaryIO) -> dict[str, str]:
         lines = reader.read(end + 4)[:end].split(b"\r\n")
     else:
         lines = []
-        while (line := _line(reader)) not in (b"\r\n", b"\n", b""):
+        while (line := _line(reader)) not in (b"\r\n", b"\n"):
+            if not line:
+                raise ConnectionResetError("the answer ended inside its headers")
             lines.append(line)
             if len(lines) > _MAX_HEADERS:
                 break
@@ -171,6 +182,13 @@ def _chunked(reader: BinaryIO) -> bytes:
             return b"".join(parts)
         parts.append(_exactly(reader, size))
         _line(reader)
+
+
+def _readable(sock: socket.socket) -> bool:
+    """Whether ``sock`` has something to read (or its end) before a request is sent on it."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def _exactly(reader: BinaryIO, size: int) -> bytes:

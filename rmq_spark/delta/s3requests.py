@@ -39,6 +39,7 @@ import base64
 import functools
 import hashlib
 import hmac
+import html
 import logging
 import os
 import random
@@ -51,7 +52,6 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 from xml.sax.saxutils import escape as xml_escape
-from xml.sax.saxutils import unescape as xml_unescape
 
 import botocore.exceptions
 import botocore.session
@@ -72,6 +72,8 @@ _TIMEOUT = 60.0
 _SMALL = 8 * 1024 * 1024
 #: The most keys one DeleteObjects request takes.
 _DELETED_AT_ONCE = 1000
+#: What a key escapes in a DeleteObjects body besides ``&<>``: a CR an XML parser would read as LF.
+_XML_KEY = {"\r": "&#13;"}
 _EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 _RETRIED_STATUS = {429, 500, 502, 503, 504}
 _THROTTLED = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout"}
@@ -183,7 +185,7 @@ class S3Requests:
         each(lambda chunk: self._delete(*chunk), chunks, "deletes")
 
     def _delete(self, bucket: str, keys: Sequence[str]) -> None:
-        listed = "".join(f"<Object><Key>{xml_escape(k)}</Key></Object>" for k in keys)
+        listed = "".join(f"<Object><Key>{xml_escape(k, _XML_KEY)}</Key></Object>" for k in keys)
         body = f"<Delete><Quiet>true</Quiet>{listed}</Delete>".encode()
         md5 = base64.b64encode(hashlib.md5(body, usedforsecurity=False).digest()).decode()
         response, _ = self._request("POST", f"{bucket}/", body, {"content-md5": md5}, "delete=")
@@ -193,7 +195,7 @@ class S3Requests:
         if refused is not None:
             key = re.search(rb"<Key>(.*?)</Key>", refused.group(1), re.S)
             code, message = _error(refused.group(1))
-            named = xml_unescape(key.group(1).decode()) if key else "?"
+            named = html.unescape(key.group(1).decode()) if key else "?"
             text = f"S3 DELETE s3://{bucket}/{named}: {code or ''} {message or ''}".strip()
             raise PermissionError(text) if code == "AccessDenied" else S3Error(text)
 
@@ -448,9 +450,14 @@ class S3FileSystem(s3fs.S3FileSystem):
     def rm(
         self, path: str | Sequence[str], recursive: bool = False, maxdepth: int | None = None
     ) -> None:
+        """Delete objects by name (:meth:`S3Requests.delete`; names of no object are skipped,
+        as S3 skips them); folders, globs and recursive deletes are s3fs's."""
         paths = [path] if isinstance(path, str) else list(path)
         stripped = [self._strip_protocol(p) for p in paths]
-        if recursive or maxdepth is not None or any(has_magic(p) or "/" not in p for p in stripped):
+        folders = any(p.endswith("/") for p in paths) or any(
+            has_magic(p) or "/" not in p for p in stripped
+        )
+        if recursive or maxdepth is not None or folders:
             super().rm(path, recursive=recursive, maxdepth=maxdepth)
             return
         self.requests.delete(stripped)

@@ -14,8 +14,10 @@ import fcntl
 import json
 import logging
 import os
+import random
 import re
 import sys
+import time
 import uuid
 from collections.abc import Collection, Iterator
 from datetime import UTC, datetime
@@ -74,6 +76,8 @@ MARKER_FILE = "_rmqtx_store.json"
 SHARDS_DIR = "shards"
 
 STORE_FORMAT = "rmq-spark-store"
+#: How many times a raise of the marker compares and swaps before it gives up.
+_SWAPS = 20
 #: What a process making a store leaves beside its tables before the marker: a marker staged
 #: for its rename (:func:`_write_marker`) and a conditional-write probe. Met by the next maker
 #: (the first was killed, or is at work beside it), neither makes the root foreign.
@@ -187,27 +191,41 @@ def raise_layout(tables: DeltaTables, shards: int = 1, version: int = OBJECTS_LA
     hand is an error, not messages silently gone."""
     fs, root = filesystem(tables.root, tables.storage_options)
     marker = f"{root.rstrip('/')}/{MARKER_FILE}"
+
+    def wanted(meta: dict, counted: int) -> dict:
+        raised = {**meta, "layout_version": max(int(meta["layout_version"]), version)}
+        return {**raised, "shards": max(int(meta.get("shards", 1)), shards, counted)}
+
+    meta = _check_marker(tables.root, fs, marker)
+    if wanted(meta, 1) == meta:  # raised already (a marker is never lowered): no lock
+        return
     with _marker_lock(fs, marker):
         meta, tag = _tagged_marker(tables.root, fs, marker)
         failpoint("layout.read")
         counted = int(meta.get("shards", 1))
-        while True:
-            wanted = {**meta, "layout_version": max(int(meta["layout_version"]), version)}
-            wanted["shards"] = max(int(meta.get("shards", 1)), shards, counted)
-            if wanted == meta:
+        for attempt in range(_SWAPS):
+            new = wanted(meta, counted)
+            if new == meta:
                 return
-            if _swap_marker(fs, marker, wanted, tag):
+            if _swap_marker(fs, marker, new, tag):
                 log.info(
                     "store %s: layout version %d, %d shard(s)",
                     tables.root,
-                    wanted["layout_version"],
-                    wanted["shards"],
+                    new["layout_version"],
+                    new["shards"],
                 )
                 # An older rmq-spark rewrites the marker without a condition: this rewrite
                 # may land after its grow's (read before it, stalled). Every shard made before
                 # it is listed after it, and counted again.
-                counted = _made(fs, root, wanted["shards"])
+                counted = _made(fs, root, new["shards"])
+            else:
+                time.sleep(random.uniform(0, min(1.0, 0.02 * 2**attempt)))
             meta, tag = _tagged_marker(tables.root, fs, marker)
+    raise StoreError(
+        f"the marker of the store at {tables.root!r} changed under each of {_SWAPS} attempts "
+        "to raise it; if its endpoint or a proxy alters ETags, If-Match cannot hold: check "
+        "the endpoint."
+    )
 
 
 @contextlib.contextmanager
@@ -232,6 +250,8 @@ def _swap_marker(fs: fsspec.AbstractFileSystem, marker: str, meta: dict, tag: st
     condition."""
     requests = _signed(fs)
     if not tag or requests is None:
+        if requests is not None:
+            log.warning("the store's endpoint gave its marker no ETag: marker rewritten as is")
         return _write_marker(fs, marker, meta)
     from rmq_spark.delta.s3requests import ObjectChanged, S3Error
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -108,6 +109,7 @@ def test_an_informational_answer_is_skipped(serve) -> None:
     [
         b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok",
         b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok",
+        b"HTTP/1.1 200 OK\r\nConnection: keep-alive, close\r\nContent-Length: 2\r\n\r\nok",
         b"HTTP/1.1 200 OK\r\n\r\nok",  # no length: the body runs to the connection's end
     ],
 )
@@ -119,8 +121,18 @@ def test_an_answer_that_ends_the_connection_is_followed_by_a_new_one(serve, clos
     assert server.connections == 2
 
 
-def test_a_connection_closed_while_idle_is_a_connection_reset(serve) -> None:
-    """What the S3 client retries at once on a reused connection."""
+def test_a_connection_closed_while_idle_is_replaced_before_a_request(serve) -> None:
+    """A keep-alive connection the server (or a load balancer) closed while idle: the request
+    goes out on a new one, not into the closed one, where its outcome would be unknown."""
+    server, conn = serve(Closing(OK), OK)
+    conn.request("GET", "/b/k", b"", {"host": server.host})
+    time.sleep(0.2)  # the server's close reaches this end
+    assert conn.request("PUT", "/b/k", b"x", {"host": server.host}).body == b"ok"
+    assert server.connections == 2
+
+
+def test_a_connection_closed_while_a_request_is_on_it_is_a_connection_reset(serve) -> None:
+    """What the S3 client retries at once on a reused connection (a PUT's outcome unknown)."""
     server, conn = serve(OK, None, OK)
     conn.request("GET", "/b/k", b"", {"host": server.host})
     with pytest.raises(ConnectionResetError, match="without answering"):
@@ -135,7 +147,9 @@ def test_a_connection_closed_while_idle_is_a_connection_reset(serve) -> None:
         (b"SSH-2.0-OpenSSH\r\n\r\n", ProtocolError, "not an HTTP answer"),
         (b"HTTP/1.1 2xx OK\r\n\r\n", ProtocolError, "not an HTTP answer"),
         (b"HTTP/1.1 200 OK\r\nno colon\r\n\r\n", ProtocolError, "without a colon"),
-        (b"HTTP/1.1 200 OK\r\nContent-Length: many\r\n\r\n", ProtocolError, "not a number"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: many\r\n\r\n", ProtocolError, "not a length"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n", ProtocolError, "not a length"),
+        (b"HTTP/1.1 200 OK\r\nX-Amz-Request-Id: 1\r\n", ConnectionResetError, "inside"),
         (
             b"HTTP/1.1 200 OK\r\n" + b"X: y\r\n" * 101 + b"\r\n",
             ProtocolError,
@@ -152,6 +166,15 @@ def test_a_broken_answer_raises_and_drops_the_connection(serve, answer, error, m
         conn.request("GET", "/b/k", b"", {"host": server.host})
     assert conn.sock is None
     assert issubclass(error, OSError)  # the S3 client retries OSErrors
+
+
+def test_headers_longer_than_the_read_buffer_are_read_line_by_line(serve) -> None:
+    many = b"".join(b"X-Meta-%03d: %s\r\n" % (i, b"v" * 200) for i in range(60))
+    answer = b"HTTP/1.1 200 OK\r\n" + many + b"Content-Length: 2\r\n\r\nok"
+    server, conn = serve(answer, OK)
+    first = conn.request("GET", "/b/k", b"", {"host": server.host})
+    assert (first.body, len(first.headers), first.headers["x-meta-059"]) == (b"ok", 61, "v" * 200)
+    assert conn.request("GET", "/b/k", b"", {"host": server.host}).body == b"ok"
 
 
 def test_a_large_body_is_sent_whole(serve) -> None:
@@ -173,7 +196,8 @@ def test_a_key_s3_would_not_delete_is_an_error_naming_it(serve) -> None:
         {"AWS_ENDPOINT_URL": f"http://{server.host}", "AWS_SKIP_SIGNATURE": "true"}
     )
     with pytest.raises(PermissionError, match=r"s3://bucket/b&c.json: AccessDenied Access"):
-        requests.delete(["bucket/a.json", "bucket/b&c.json"])
+        requests.delete(["bucket/a\r.json", "bucket/b&c.json"])
     (sent,) = server.requests
     assert sent.startswith(b"POST /bucket/?delete= HTTP/1.1\r\n")
-    assert b"<Key>b&amp;c.json</Key>" in sent and b"content-md5: " in sent
+    assert b"<Key>a&#13;.json</Key>" in sent and b"<Key>b&amp;c.json</Key>" in sent
+    assert b"content-md5: " in sent
