@@ -5,8 +5,6 @@ same races on local disk: :mod:`tests.unit.test_layout_marker`."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 from pathlib import Path
 
 import pytest
@@ -15,7 +13,7 @@ from rmq_spark import Store
 from rmq_spark.delta.s3requests import ObjectChanged, S3Requests
 from rmq_spark.model.config import StoreSettings
 from rmq_spark.store.layout import LAYOUT_VERSION, MARKER_FILE, OBJECTS_LAYOUT, raise_layout
-from tests.unit.test_layout_marker import stopped_at
+from tests.unit.test_layout_marker import finished, stopped_at
 
 pytestmark = pytest.mark.objectstore
 
@@ -65,8 +63,7 @@ def test_a_raise_stalled_after_its_read_does_not_lower_a_racing_raise(
     try:
         raise_layout(_store(minio, root)._tables, version=LAYOUT_VERSION)
     finally:
-        os.kill(child.pid, signal.SIGCONT)
-        assert child.wait(timeout=120) == 0
+        finished(child)
     assert _marker(minio, root)["layout_version"] == LAYOUT_VERSION
 
 
@@ -80,6 +77,5 @@ def test_a_maker_stalled_before_its_marker_does_not_undo_the_store_made_meanwhil
     try:
         raise_layout(_store(minio, root)._tables, version=LAYOUT_VERSION)
     finally:
-        os.kill(child.pid, signal.SIGCONT)
-        assert child.wait(timeout=120) == 0
+        finished(child)
     assert _marker(minio, root)["layout_version"] == LAYOUT_VERSION

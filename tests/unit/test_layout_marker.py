@@ -54,6 +54,12 @@ def resumed(child: subprocess.Popen, after: float) -> threading.Timer:
     return timer
 
 
+def finished(child: subprocess.Popen) -> None:
+    """Resume ``child`` (if still stopped) and check that it ends well."""
+    os.kill(child.pid, signal.SIGCONT)
+    assert child.wait(timeout=120) == 0
+
+
 def marker(root: Path) -> dict:
     return json.loads((root / MARKER_FILE).read_text())
 
@@ -77,8 +83,7 @@ def test_a_raise_stalled_after_its_read_does_not_lower_a_racing_raise(tmp_path: 
         raise_layout(Store.open(root)._tables, version=LAYOUT_VERSION)
     finally:
         timer.join()
-        os.kill(child.pid, signal.SIGCONT)
-        assert child.wait(timeout=120) == 0
+        finished(child)
     assert marker(root)["layout_version"] == LAYOUT_VERSION
 
 
@@ -98,8 +103,7 @@ def test_a_maker_stalled_before_its_marker_does_not_undo_the_store_made_meanwhil
     try:
         raise_layout(Store.open(root)._tables, version=LAYOUT_VERSION)
     finally:
-        os.kill(child.pid, signal.SIGCONT)
-        assert child.wait(timeout=120) == 0
+        finished(child)
     assert marker(root)["layout_version"] == LAYOUT_VERSION
     assert not [p for p in root.iterdir() if p.name.endswith(".tmp")]
 
@@ -125,8 +129,7 @@ def test_a_layout_raise_stalled_across_a_grow_does_not_lower_the_shard_count(
         Store.open(settings=StoreSettings(path=str(root), queue_nums=2, shards=3))
     finally:
         timer.join()
-        os.kill(child.pid, signal.SIGCONT)
-        assert child.wait(timeout=120) == 0
+        finished(child)
     assert marker(root)["shards"] == 3
     shutil.rmtree(root / "shards" / "2")
     with pytest.raises(CorruptStoreError, match=r"shard\(s\) \[2\]"):
