@@ -26,7 +26,9 @@ _T = TypeVar("_T")
 _MAX_COMMIT_ATTEMPTS = 200
 
 
-def _backoff(attempt: int) -> None:
+def backoff(attempt: int) -> None:
+    """Wait before attempt ``attempt + 1`` of a write that lost an optimistic race (jittered,
+    growing, at most about 0.3 s)."""
     time.sleep(min(0.2, 0.002 * 2 ** min(attempt, 7)) * random.uniform(0.5, 1.5))
 
 
@@ -44,7 +46,7 @@ def retry_commits(what: str, name: str, attempt: Callable[[int], _T]) -> _T:
             return attempt(n)
         except (CommitFailedError, Unsure):
             log.debug("%s lost a race (attempt %d); retrying", what, n + 1)
-            _backoff(n)
+            backoff(n)
     raise StoreError(
         f"could not {what} after {_MAX_COMMIT_ATTEMPTS} attempts: too many concurrent writers "
         f"on the {name} table."

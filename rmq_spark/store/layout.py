@@ -14,10 +14,8 @@ import fcntl
 import json
 import logging
 import os
-import random
 import re
 import sys
-import time
 import uuid
 from collections.abc import Collection, Iterator
 from datetime import UTC, datetime
@@ -30,7 +28,7 @@ from deltalake import Field as DeltaField
 from deltalake.exceptions import DeltaError, TableNotFoundError
 from fsspec.implementations.local import LocalFileSystem
 
-from rmq_spark.delta.retry import retry_commits
+from rmq_spark.delta.retry import backoff, retry_commits
 from rmq_spark.delta.storage import (
     PROBE_PREFIX,
     check_conditional_put,
@@ -219,7 +217,7 @@ def raise_layout(tables: DeltaTables, shards: int = 1, version: int = OBJECTS_LA
                 # it is listed after it, and counted again.
                 counted = _made(fs, root, new["shards"])
             else:
-                time.sleep(random.uniform(0, min(1.0, 0.02 * 2**attempt)))
+                backoff(attempt)
             meta, tag = _tagged_marker(tables.root, fs, marker)
     raise StoreError(
         f"the marker of the store at {tables.root!r} changed under each of {_SWAPS} attempts "
