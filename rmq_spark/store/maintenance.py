@@ -6,8 +6,9 @@
   for after a commit has landed never turns that commit into an error: a caller told "failed"
   would retry it and duplicate what it wrote.
 * **Cost follows the work** (rule 9). Every table is compacted once a checkpoint interval
-  (:data:`rmq_spark.model.schema.CHECKPOINT_INTERVAL` commits), right after the checkpoint, and
-  the log entries of internal tables that no reader needs are deleted, so that no operation
+  (:data:`rmq_spark.model.schema.CHECKPOINT_INTERVAL` commits), right after the checkpoint, by
+  size tiers (each row is rewritten a few times, not once an interval until its file is
+  full), and the log entries of internal tables that no reader needs are deleted, so that no operation
   slows down with the store's age. Right after the checkpoint, bringing the maintenance's
   snapshot up to date reads the checkpoint (a few ranged GETs on an object store), not the
   interval's log entries (deltalake reads each twice: two GETs a commit on S3).
@@ -76,7 +77,7 @@ class Maintenance(StoreConcept):
         and a caller told it failed would retry it and duplicate what it wrote."""
         failpoint("store.maintain")
         try:
-            self.compact(name)
+            self.compact(name, tiered=True)
             if name != "commitlog":
                 self.clean_log(name)
         except Exception:
@@ -87,7 +88,7 @@ class Maintenance(StoreConcept):
                 exc_info=True,
             )
 
-    def compact(self, *names: str) -> dict[str, int]:
+    def compact(self, *names: str, tiered: bool = False) -> dict[str, int]:
         """Rewrite the small files of the store's tables into larger ones.
 
         Runs automatically after each checkpoint of a table. Compaction
@@ -101,6 +102,10 @@ class Maintenance(StoreConcept):
         ----------
         *names : str
             Tables to compact (default: all).
+        tiered : bool
+            Rewrite only the small files that grow a row's file by half at least (what runs
+            after checkpoints: each row is rewritten a few times, not once an interval); by
+            default, every file smaller than the target.
 
         Returns
         -------
@@ -111,7 +116,7 @@ class Maintenance(StoreConcept):
         # The lock table is not compacted: each take rewrites it as one file (store.locks).
         for name in [n for n in names or TABLES if n != "locks"]:
             if name in self.elsewhere:
-                removed.update(self.elsewhere[name].compact(name))
+                removed.update(self.elsewhere[name].compact(name, tiered=tiered))
                 continue
             holder = new_id()
             if not self.locks.take(f"compact:{name}", holder, _COMPACTION_LOCK_SECONDS):
@@ -122,7 +127,7 @@ class Maintenance(StoreConcept):
                     metrics = trim_deliveries(self.tables, self.clock())
                 else:
                     metrics = compact_table(
-                        self.tables, name, COPY_KEYS.get(name, ()), NEWEST.get(name, ())
+                        self.tables, name, COPY_KEYS.get(name, ()), NEWEST.get(name, ()), tiered
                     )
             except CommitFailedError as exc:
                 log.debug("compaction of %s lost a race (%s); the next one will do it", name, exc)

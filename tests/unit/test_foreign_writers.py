@@ -299,19 +299,22 @@ def _stored(store: Store, table: str) -> list[dict]:
     return sorted(rows, key=repr)
 
 
+@pytest.mark.parametrize("tiered", [False, True], ids=["compact", "after-checkpoint"])
 @pytest.mark.parametrize("table", ["half", "op", "commitlog", "check_state", "discard"])
 def test_the_stores_next_compaction_keeps_each_row_another_writer_stored_twice_once(
-    store: Store, table: str, caplog: pytest.LogCaptureFixture
+    store: Store, table: str, tiered: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Copies a foreign compaction stored beside rmq-spark's stayed for good: every read that
     met them warned again, and the CommitLog's reads re-read the ranges that held them. The
-    store's next compaction of the files that hold them keeps each row once, and says so."""
+    store's next compaction of the files that hold them keeps each row once, and says so: a
+    ``Store.compact()``, and the one after a checkpoint, which leaves out a file only when it
+    holds more than twice the rows of the smaller ones (copies hold as many)."""
     _two_small_files(store, table)
     before = _stored(store, table)
     foreign_compaction_after_the_stores(store, table)
     assert len(_stored(store, table)) == 2 * len(before)
     with caplog.at_level(logging.WARNING, logger="rmq_spark"):
-        store.compact(table)
+        store._maintenance.compact(table, tiered=tiered)
     assert _stored(store, table) == before
     assert f"compaction of {table} kept {len(before)} row(s) once" in caplog.text
 

@@ -34,6 +34,7 @@ from rmq_spark import (
     StoreVersionError,
 )
 from rmq_spark.checkback.pending import update_pending
+from rmq_spark.delta.compaction import compact as compact_table
 from rmq_spark.delta.storage import filesystem
 from rmq_spark.model.config import Settings, StoreSettings
 from rmq_spark.model.messages import shard_transaction_id
@@ -905,3 +906,26 @@ def test_a_thread_s_own_decisions_are_counted_as_commits_come_and_go() -> None:
     own.since(12)
     assert not own.recorded({(decision_app_id(a), 10)}) and not own.decided([a, b])
     assert own.recorded(set()) and own.commits == []
+
+
+def test_the_compactions_after_checkpoints_rewrite_each_row_a_few_times(store: Store) -> None:
+    """The compaction after each checkpoint rewrote every file under the target size: a table
+    that adds a file a commit had its one growing file read and written again every interval,
+    and one sender's compactions read 17 rows a message over its first 3,000 messages, more
+    with every message. Tiered, a row is only rewritten into a file at least half as large
+    again; ``Store.compact()`` still rewrites every small file."""
+    store = committing(store)
+    rewritten = sends = 0
+    for _ in range(40):
+        for _ in range(10):
+            decide(store, store.prepare([Message("Orders", b"x" * 256)], "pg"), COMMIT)
+            sends += 1
+        before = set(store.data_files("half").column("path").to_pylist())
+        compact_table(store._tables, "half", tiered=True)
+        files = store.data_files("half").to_pylist()
+        rewritten += sum(f["num_records"] for f in files if f["path"] not in before)
+    assert store.read("half").num_rows == sends
+    assert rewritten <= 6 * sends, rewritten  # every small file each time: 20 a row
+    assert len(files) <= 8, [f["size_bytes"] for f in files]
+    assert store.compact("half") == {"half": len(files)}
+    assert store.data_files("half").num_rows == 1
