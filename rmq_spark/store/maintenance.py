@@ -8,8 +8,8 @@
 * **Cost follows the work** (rule 9). Every table is compacted once a checkpoint interval
   (:data:`rmq_spark.model.schema.CHECKPOINT_INTERVAL` commits), right after the checkpoint, by
   size tiers (each row is rewritten a few times, not once an interval until its file is
-  full), and the log entries of internal tables that no reader needs are deleted, so that no operation
-  slows down with the store's age. Right after the checkpoint, bringing the maintenance's
+  full), and the log entries of internal tables that no reader needs are deleted, so that no
+  operation slows down with the store's age. Right after the checkpoint, bringing the maintenance's
   snapshot up to date reads the checkpoint (a few ranged GETs on an object store), not the
   interval's log entries (deltalake reads each twice: two GETs a commit on S3).
 """
