@@ -4,7 +4,8 @@
   ``half`` only; consumers read only ``commitlog``.
 * **Nothing is lost** (rule 4). ``prepare`` returns only after the half message's Delta commit,
   or (``store.intake``) the put of its intake object (:mod:`rmq_spark.store.intake`), which
-  :meth:`Decisions.land` lands in ``half`` before it lands any decision in ``op``.
+  :class:`rmq_spark.store.landing.Landing` lands in ``half`` before it lands any decision in
+  ``op``.
 * **First decision wins** (rule 3). A transaction whose id says so
   (:func:`rmq_spark.model.messages.object_decided`: every id this store makes on a local
   filesystem or S3) is decided by its decision object, one conditional put
@@ -58,6 +59,7 @@ from rmq_spark.model.schema import HALF_SCHEMA, OP_SCHEMA, WRITER_COLUMNS
 from rmq_spark.store.arbiter import DecisionObjects, supports_objects
 from rmq_spark.store.context import StoreConcept, StoreContext
 from rmq_spark.store.intake import Intake
+from rmq_spark.store.landing import Landing
 from rmq_spark.store.layout import LAYOUT_VERSION, OBJECTS_LAYOUT
 from rmq_spark.store.oplog import COMMITS_KEY, DECIDED_BY_RECOVERY
 from rmq_spark.store.reads import decisions_of
@@ -159,12 +161,12 @@ _OWN_COMMITS_KEPT = 256
 #: 4,315 to 4,400 without.
 OBJECT_DECIDED_BATCH = {"file": 8, "s3": 64}
 
-#: Transaction ids whose making :class:`_Made` remembers (the oldest are forgotten, and then
+#: Transaction ids whose making :class:`MadeIds` remembers (the oldest are forgotten, and then
 #: looked up as any other).
 _MADE_KEPT = 65536
 
 
-class _Made:
+class MadeIds:
     """When this process made its newest transaction ids (``time.monotonic()`` just before).
 
     Nobody can decide a transaction before its id exists, so an ``op`` snapshot loaded before
@@ -257,7 +259,7 @@ class Decisions(StoreConcept):
     def __init__(self, context: StoreContext, raise_layout: Callable[[int], None]) -> None:
         super().__init__(context)
         self._own = threading.local()
-        self._made = _Made()
+        self._made = MadeIds()
         #: Raises the store's layout (:func:`rmq_spark.store.layout.raise_layout`); called once,
         #: before the first transaction id that a decision object decides is made.
         self._raise_layout: Callable[[int], None] | None = raise_layout
@@ -282,12 +284,7 @@ class Decisions(StoreConcept):
         #: :attr:`intake` when this process's prepares stage intake objects there.
         self._staging = self.intake if self.intake is not None and self.intake.stages else None
         #: Decisions won by their objects and not landed in ``op`` yet (``end(land=False)``).
-        self._unlanded: list[Decision] = []
-        #: Of those, the transactions read in ``half`` by their decider (``end(in_half=True)``).
-        self._in_half: set[str] = set()
-        self._queue_lock = threading.Lock()
-        #: One landing at a time: a flush waits for the one under way.
-        self._landing = threading.Lock()
+        self.landing = Landing(self.record, self._made, self.intake)
 
     def prepare(
         self,
@@ -391,12 +388,12 @@ class Decisions(StoreConcept):
             its first entry.
         land : bool, default True
             Record the decisions in ``op`` before returning. False: the decisions won by their
-            decision objects are durable when this returns and wait for :meth:`land` (a
+            decision objects are durable when this returns and wait for :attr:`landing` (a
             producer's background publisher lands them with the others of that moment; a
             process that dies first leaves them to the check-back job).
         in_half : bool, default False
             The caller read these transactions in ``half`` (the check-back job): no intake
-            object of theirs needs landing first (:meth:`land`).
+            object of theirs needs landing first (:class:`Landing`).
 
         Returns
         -------
@@ -420,14 +417,11 @@ class Decisions(StoreConcept):
         rest = [d for t, d in first.items() if not object_decided(t)]
         try:
             if rest:
-                before.update(self._record_decisions(rest))
+                before.update(self.record(rest))
         finally:  # what the objects decided is in force whatever happens to the rest
-            with self._queue_lock:
-                self._unlanded.extend(landing)
-                if in_half:
-                    self._in_half.update(d.transaction_id for d in landing)
+            self.landing.add(landing, in_half)
         if land:
-            self.land()
+            self.landing.land()
         self.recent.discard(
             t for t, d in first.items() if before.get(t, d.state) is LocalTransactionState.ROLLBACK
         )
@@ -456,7 +450,7 @@ class Decisions(StoreConcept):
         self, decisions: list[Decision]
     ) -> tuple[dict[str, LocalTransactionState], list[Decision]]:
         """Put the decision objects of ``decisions``; return the decisions that were already
-        there (as :meth:`_record_decisions`) and what to land in ``op``: each transaction's
+        there (as :meth:`record`) and what to land in ``op``: each transaction's
         decision object (a recovery's COMMIT of a transaction already published lands as
         :data:`DECIDED_BY_RECOVERY`, so that it is not published again)."""
         if not decisions:
@@ -484,54 +478,6 @@ class Decisions(StoreConcept):
             landing.append(Decision(c.transaction_id, c.producer_group, c.state, by, c.decided))
         return before, landing
 
-    def land(self) -> int:
-        """Record in ``op`` the decisions :meth:`end` left unlanded (``land=False``) so far, in
-        one commit; return how many COMMITs that was. One landing at a time: a call waits for
-        the one under way. A failed landing keeps its decisions for the next."""
-        with self._landing:
-            # The decisions first, then their half messages: each of these transactions was
-            # staged before it was decided, so the intake objects staged by now hold all of
-            # them (taken the other way round, a send staged and decided while its intake
-            # landing was under way would reach op first: see rmq_spark.store.intake).
-            with self._queue_lock:
-                batch, self._unlanded = self._unlanded, []
-            # A transaction decided twice here (a rival refused): its object's decision, once.
-            first: dict[str, Decision] = {}
-            for d in batch:
-                first.setdefault(d.transaction_id, d)
-            batch = list(first.values())
-            landed: list[str] = []
-            try:
-                if self._staging is not None:
-                    landed = self._staging.land()
-                if batch:
-                    self._land_halves([d.transaction_id for d in batch], landed)
-                    self._land(batch)
-            except BaseException:
-                with self._queue_lock:
-                    self._unlanded[:0] = batch
-                raise
-            finally:
-                if self._staging is not None:
-                    self._staging.delete(landed)
-            return sum(d.state is LocalTransactionState.COMMIT for d in batch)
-
-    def _land_halves(self, transaction_ids: Sequence[str], landed: Sequence[str]) -> None:
-        """Land the intake objects of the shard when a transaction of ``transaction_ids`` was
-        not prepared by this process (whose own objects :meth:`land` landed already): its half
-        messages may still be in an intake object of another process, and ``op`` must not
-        hold a decision before ``half`` holds its messages. ``landed``: the objects this
-        process has just landed (not deleted yet), which hold none of those."""
-        with self._queue_lock:
-            read = {t for t in transaction_ids if t in self._in_half}
-            self._in_half -= read
-        strangers = [t for t in transaction_ids if object_decided(t) and t not in read]
-        made = self._made.after(strangers, float("-inf"))
-        if len(made) < len(strangers) and self.intake is not None:
-            # Only the objects whose id range covers them: the others' writers land those.
-            covering = [t for t in strangers if t not in made]
-            self.intake.recover(0.0, covering=covering, just_landed=landed)
-
     def object_decisions(self, transaction_ids: Sequence[str]) -> dict[str, Decision]:
         """The decisions in force of those of ``transaction_ids`` that their decision objects
         decided (:mod:`rmq_spark.store.arbiter`), landed in ``op`` or not."""
@@ -550,21 +496,7 @@ class Decisions(StoreConcept):
         if ids and self._objects is not None:
             self._objects.remove(ids)
 
-    def _land(self, decisions: list[Decision]) -> None:
-        """Record in ``op`` decisions their objects decided (one per transaction)."""
-        recorded = self._record_decisions(decisions)
-        wrong = [d for d in decisions if recorded.get(d.transaction_id, d.state) != d.state]
-        if wrong:
-            log.error(
-                "op records %s for transaction %s against its decision object's %s: another "
-                "writer (an rmq-spark before decision objects, or a foreign Delta writer) "
-                "decided it there; consumers see op's decision",
-                recorded[wrong[0].transaction_id].value,
-                wrong[0].transaction_id,
-                wrong[0].state.value,
-            )
-
-    def _record_decisions(self, decisions: list[Decision]) -> dict[str, LocalTransactionState]:
+    def record(self, decisions: list[Decision]) -> dict[str, LocalTransactionState]:
         """Append new decisions to ``op``; return the decisions that were already there.
 
         The returned dict holds the transactions decided *before* this call, with their

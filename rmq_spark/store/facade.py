@@ -331,7 +331,7 @@ class Store:
         landed, failure = 0, None
         for shard in self._shards.opened():
             try:
-                landed += shard._decisions.land()
+                landed += shard._decisions.landing.land()
             except Exception as exc:
                 log.warning("recording decisions in op of %s failed (%s)", shard.root, exc)
                 failure = exc
