@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import itertools
 import json
 import logging
 import os
 import re
 import sys
+import time
 import uuid
 from collections.abc import Collection, Iterator
 from datetime import UTC, datetime
@@ -76,6 +78,9 @@ SHARDS_DIR = "shards"
 STORE_FORMAT = "rmq-spark-store"
 #: How many times a raise of the marker compares and swaps before it gives up.
 _SWAPS = 20
+#: How long a raise waits for another process's hold of the marker's lock (a raise takes
+#: milliseconds; one stopped while holding it would hold up every other raise for as long).
+_LOCK_WAIT_SECONDS = 30.0
 #: What a process making a store leaves beside its tables before the marker: a marker staged
 #: for its rename (:func:`_write_marker`) and a conditional-write probe. Met by the next maker
 #: (the first was killed, or is at work beside it), neither makes the root foreign.
@@ -230,14 +235,27 @@ def raise_layout(tables: DeltaTables, shards: int = 1, version: int = OBJECTS_LA
 def _marker_lock(fs: fsspec.AbstractFileSystem, marker: str) -> Iterator[None]:
     """On a local filesystem (or NFS), hold the marker's lock (``flock`` of a file beside it,
     released when the process ends) so that a marker read and rewritten is not rewritten by
-    another process in between (one stopped while holding it delays the others' raises, never
-    lets them be undone); an object store's marker is compared and swapped instead
-    (:func:`_swap_marker`)."""
+    another process in between (one stopped while holding it delays the others' raises, up to
+    :data:`_LOCK_WAIT_SECONDS` and then a ``StoreError``, never lets them be undone); an object
+    store's marker is compared and swapped instead (:func:`_swap_marker`)."""
     if not isinstance(fs, LocalFileSystem):
         yield
         return
-    with open(f"{marker}.lock", "ab") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    path = f"{marker}.lock"
+    with open(path, "ab") as lock:
+        deadline = time.monotonic() + _LOCK_WAIT_SECONDS
+        for attempt in itertools.count():
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise StoreError(
+                        f"another process has held {path} for over {_LOCK_WAIT_SECONDS:.0f} s "
+                        "while raising the store's layout (a raise takes milliseconds: is it "
+                        f"stopped? `fuser {path}` names it); resume or end it, then retry."
+                    ) from None
+                backoff(attempt)
         yield
 
 

@@ -19,7 +19,8 @@ import pytest
 
 from rmq_spark import Store
 from rmq_spark.model.config import StoreSettings
-from rmq_spark.model.errors import CorruptStoreError
+from rmq_spark.model.errors import CorruptStoreError, StoreError
+from rmq_spark.store import layout
 from rmq_spark.store.layout import LAYOUT_VERSION, MARKER_FILE, OBJECTS_LAYOUT, raise_layout
 
 REPO = Path(__file__).resolve().parents[2]
@@ -134,3 +135,24 @@ def test_a_layout_raise_stalled_across_a_grow_does_not_lower_the_shard_count(
     shutil.rmtree(root / "shards" / "2")
     with pytest.raises(CorruptStoreError, match=r"shard\(s\) \[2\]"):
         Store.open(root).shard_numbers(refresh=True)
+
+
+def test_a_raise_waits_for_a_stopped_holder_of_the_marker_lock_a_bounded_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A raiser stopped (SIGSTOP) while it holds the marker's lock held up every other raise
+    for as long, and with it the first object-decided send of every process that opened the
+    store: a wait with no end and no word. The wait ends with an error naming the lock."""
+    root = tmp_path / "store"
+    Store.open(root)
+    child = stopped_at("layout.read", RAISE, str(root), str(OBJECTS_LAYOUT), tmp_path=tmp_path)
+    monkeypatch.setattr(layout, "_LOCK_WAIT_SECONDS", 1.0)
+    try:
+        started = time.monotonic()
+        with pytest.raises(StoreError, match=r"_rmqtx_store\.json\.lock.*stopped"):
+            raise_layout(Store.open(root)._tables, version=LAYOUT_VERSION)
+        assert time.monotonic() - started < 30
+    finally:
+        finished(child)
+    raise_layout(Store.open(root)._tables, version=LAYOUT_VERSION)  # the holder is gone
+    assert marker(root)["layout_version"] == LAYOUT_VERSION
