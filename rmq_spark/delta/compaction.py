@@ -90,7 +90,7 @@ def _tiered(files: pa.Table) -> pa.Table:
         if rows[i] <= 2 * smaller:
             break
         left_out.add(i)
-    return files.take([i for i in range(len(rows)) if i not in left_out])
+    return files.filter(pa.array([i not in left_out for i in range(len(rows))], pa.bool_()))
 
 
 class _Once:
