@@ -14,6 +14,7 @@ BENCHES = [
     "checkback_bench.py",
     "checkback_history_bench.py",
     "retention_bench.py",
+    "compaction_bench.py",
     "source_bench.py",
     "sink_bench.py",
 ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import re
 import subprocess
 import sys
@@ -931,3 +932,20 @@ def test_the_compactions_after_checkpoints_rewrite_each_row_a_few_times(store: S
     assert len(files) <= 8, [f["size_bytes"] for f in files]
     assert store.compact("half") == {"half": len(files)}
     assert store.data_files("half").num_rows == 1
+
+
+def test_the_maintenance_after_a_checkpoint_of_a_topic_with_one_file_does_not_fail(
+    store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A topic of the CommitLog with one small file has nothing to rewrite by size tiers: the
+    compaction after a checkpoint failed on it (an empty selection), and with it the
+    maintenance, every interval."""
+    store.send([Message("Lone", b"x")], "pg")
+    for i in range(4):
+        store.send([Message("Busy", f"m{i}")], "pg")
+    with caplog.at_level(logging.WARNING, logger="rmq_spark"):
+        for name in ("commitlog", "half", "op"):
+            store._maintenance._maintain(name)
+    assert "failed" not in caplog.text
+    topics = store.data_files("commitlog").column("partition.topic").to_pylist()
+    assert sorted(topics) == ["Busy", "Lone"]
