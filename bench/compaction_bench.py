@@ -16,33 +16,39 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from datetime import UTC, datetime
 
-from rmq_spark import LocalTransactionState, Message, Store
+from producer_bench import rows
+
+from rmq_spark import Store
 from rmq_spark.delta.compaction import compact
-from rmq_spark.model.config import Settings, StoreSettings
-from rmq_spark.model.schema import CHECKPOINT_INTERVAL
-from rmq_spark.store.decisions import Decision
+from rmq_spark.delta.tables import DeltaTables
+from rmq_spark.delta.txnlog import clean_log
+from rmq_spark.model.schema import CHECKPOINT_INTERVAL, TABLES
 
 
 def run(root: str, messages: int, tiered: bool) -> tuple[int, float, int]:
-    """Send ``messages`` one a commit, compacting ``half`` every interval; return the rows the
-    compactions wrote, their CPU seconds and the files ``half`` is left with."""
-    store = Store.open(settings=Settings(store=StoreSettings(path=root, intake=False)))
-    tables = store._tables
+    """Append ``messages`` half messages to a store's ``half``, one a commit, compacting it
+    every interval; return the rows the compactions wrote, their CPU seconds and the files
+    ``half`` is left with. The commits go through the store's Delta layer without its
+    maintenance (whose compactions after checkpoints would run beside these); its log is
+    cleaned after each compaction, as the maintenance does."""
+    Store.open(root)
+    tables = DeltaTables(root, TABLES, {}, fresh_seconds=1.0)
     rewritten, cpu = 0, 0.0
     for sent in range(1, messages + 1):
-        (prepared,) = store.prepare([Message("Bench", b"x" * 256)], "bench")
-        commit = Decision(prepared.transaction_id, "bench", LocalTransactionState.COMMIT)
-        store.end_transactions([commit])
+        tables.append("half", [rows(1, b"x" * 256)])
         if sent % CHECKPOINT_INTERVAL == 0:
-            before = set(store.data_files("half").column("path").to_pylist())
+            before = set(tables.data_files("half").column("path").to_pylist())
             start = time.process_time()
             compact(tables, "half", tiered=tiered)
             cpu += time.process_time() - start
-            files = store.data_files("half").to_pylist()
+            files = tables.data_files("half").to_pylist()
             rewritten += sum(f["num_records"] for f in files if f["path"] not in before)
-    store.finish_maintenance()
-    return rewritten, cpu, len(store.data_files("half"))
+            # The log cleanup that follows each checkpoint, as the store's maintenance does.
+            now = datetime.now(UTC)
+            clean_log(tables.uri("half"), {}, [(tables.snapshot("half").version(), now)])
+    return rewritten, cpu, len(files)
 
 
 def main() -> None:

@@ -333,47 +333,57 @@ def commit_files(
     table.update_incremental()
 
 
-#: The largest data file whose bytes :class:`WrittenFiles` keeps.
+#: The largest data file whose rows :class:`WrittenFiles` keeps (their Arrow buffers' size).
 KEPT_FILE_BYTES = 1024 * 1024
-#: How many bytes of files :class:`WrittenFiles` keeps at most (the oldest go first).
+#: How many bytes of rows :class:`WrittenFiles` keeps at most (the oldest files go first).
 KEPT_BYTES = 16 * 1024 * 1024
 
 
 class WrittenFiles:
-    """The bytes of the small data files this process wrote lately, by path, for its own
-    compaction of them (:func:`rmq_spark.delta.reads.read_files`) to read without a request:
-    a table appended to directly gets a file a commit, and its compaction every checkpoint
-    interval read each back, a GET a file on an object store (1.3 of a transaction's requests
-    at 1 x 4 on S3). A file is taken out when read; the oldest go past :data:`KEPT_BYTES`.
-    Data files are never rewritten in place, so what is kept is what the store holds."""
+    """The rows of the small data files this process wrote lately (the Arrow tables written),
+    by path, for its own compaction of them (:func:`rmq_spark.delta.reads.read_files`) to
+    take without a request or a Parquet decode: a table appended to directly gets a file a
+    commit, and its compaction every checkpoint interval read each back, a GET a file on an
+    object store (1.3 of a transaction's requests at 1 x 4 on S3), and about half a
+    millisecond of CPU a file anywhere (the decode of a footer of every column). A file is
+    taken out when read; the oldest go past :data:`KEPT_BYTES`. Data files are never rewritten
+    in place, so what is kept is what the store holds."""
 
     def __init__(self, limit: int = KEPT_BYTES) -> None:
         self._limit = limit
-        self._files: OrderedDict[str, bytes] = OrderedDict()
+        self._files: OrderedDict[str, pa.Table] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
 
-    def add(self, path: str, data: bytes) -> None:
+    def add(self, path: str, rows: pa.Table) -> None:
         with self._lock:
-            self._files[path] = data
-            self._bytes += len(data)
+            self._files[path] = rows
+            self._bytes += rows.get_total_buffer_size()
             while self._bytes > self._limit:
-                self._bytes -= len(self._files.popitem(last=False)[1])
+                self._bytes -= self._files.popitem(last=False)[1].get_total_buffer_size()
 
-    def take(self, paths: Sequence[str]) -> dict[str, bytes]:
-        """The kept bytes of those of ``paths`` that are kept, no longer kept."""
+    def take(self, paths: Sequence[str]) -> dict[str, pa.Table]:
+        """The kept rows of those of ``paths`` that are kept, no longer kept."""
         with self._lock:
             found = {p: self._files.pop(p) for p in paths if p in self._files}
-            self._bytes -= sum(len(d) for d in found.values())
+            self._bytes -= sum(t.get_total_buffer_size() for t in found.values())
         return found
 
 
-class _Sink:
-    """What the Parquet writer writes a data file through (a file object of ours): ``size``
-    bytes so far; closed by its :class:`_File`, not by the writer."""
+class _Gathered:
+    """A data file on S3 gathered in memory and PUT whole when closed: one request signed by
+    :class:`rmq_spark.delta.s3requests.S3Requests`, about a third of the CPU (and a millisecond
+    less) of arrow's S3 stream, whose AWS SDK a producer's small files paid on every commit.
+    Past :data:`GATHERED_BYTES` it goes on through arrow's stream (a multipart upload). The
+    Parquet writer writes through it as a file object; its :class:`_File` closes it."""
 
     closed = False
-    size = 0
+
+    def __init__(self, fs: pafs.FileSystem, path: str, put: Callable[[str, bytes], None]) -> None:
+        self._fs, self._path, self._put = fs, path, put
+        self._parts: list[bytes] = []
+        self._stream: pa.NativeFile | None = None
+        self.size = 0
 
     def tell(self) -> int:
         return self.size
@@ -386,38 +396,6 @@ class _Sink:
 
     def close(self) -> None:
         pass
-
-
-class _Tee(_Sink):
-    """A file being written (an arrow output stream), whose bytes are copied aside while they
-    are no more than :data:`KEPT_FILE_BYTES` (the Parquet writer writes through it)."""
-
-    def __init__(self, stream: pa.NativeFile) -> None:
-        self.stream = stream
-        self.parts: list[bytes] | None = []
-        self.size = 0
-
-    def write(self, data: bytes) -> int:
-        self.stream.write(data)
-        self.size += len(data)
-        if self.parts is not None and self.size > KEPT_FILE_BYTES:
-            self.parts = None
-        elif self.parts is not None:
-            self.parts.append(bytes(data))
-        return len(data)
-
-
-class _Gathered(_Sink):
-    """A data file on S3 gathered in memory and PUT whole when closed: one request signed by
-    :class:`rmq_spark.delta.s3requests.S3Requests`, about a third of the CPU (and a millisecond
-    less) of arrow's S3 stream, whose AWS SDK a producer's small files paid on every commit.
-    Past :data:`GATHERED_BYTES` it goes on through arrow's stream (a multipart upload)."""
-
-    def __init__(self, fs: pafs.FileSystem, path: str, put: Callable[[str, bytes], None]) -> None:
-        self._fs, self._path, self._put = fs, path, put
-        self._parts: list[bytes] = []
-        self._stream: pa.NativeFile | None = None
-        self.size = 0
 
     def write(self, data: bytes) -> int:
         if self._stream is not None:
@@ -472,10 +450,12 @@ class _File:
             if put is None
             else _Gathered(fs, self.path, put)  # type: ignore[arg-type]
         )
-        self.tee = None if kept is None else _Tee(self.stream)
+        #: The rows written, for ``kept``, while they are no more than KEPT_FILE_BYTES.
+        self.written: list[pa.Table] | None = None if kept is None else []
+        self.written_bytes = 0
         dictionary, statistics, self.columns = _column_choices(schema)
         self.writer = pq.ParquetWriter(
-            self.stream if self.tee is None else self.tee,
+            self.stream,
             schema,
             compression="snappy",
             use_dictionary=dictionary,
@@ -496,6 +476,11 @@ class _File:
         per_group = max(1, rows.num_rows * ROW_GROUP_BYTES // max(rows.nbytes, 1))
         self.writer.write_table(rows, row_group_size=per_group)
         self.rows += rows.num_rows
+        if self.written is not None:
+            self.written_bytes += rows.get_total_buffer_size()
+            self.written = self.written if self.written_bytes <= KEPT_FILE_BYTES else None
+            if self.written is not None:
+                self.written.append(rows)
         for name in self.columns:
             column = rows.column(name)
             self.nulls[name] += column.null_count
@@ -523,8 +508,8 @@ class _File:
             self.stream.finish()
         else:
             self.stream.close()
-        if self.kept is not None and self.tee is not None and self.tee.parts is not None:
-            self.kept.add(self.path, b"".join(self.tee.parts))
+        if self.kept is not None and self.written:
+            self.kept.add(self.path, pa.concat_tables(self.written))
         stats = {
             "numRecords": self.rows,
             "minValues": {k: _stat(v, up=False) for k, v in self.low.items()},

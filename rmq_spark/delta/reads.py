@@ -119,21 +119,33 @@ def read_files(
         an object store, where pyarrow makes three one after the other (the size, the
         footer, the data), 20 to 50 ms each.
     kept : WrittenFiles, optional
-        Files read whole that this process wrote and kept are taken from there (no request).
+        Files read whole that this process wrote and kept are taken from there (their rows as
+        written: no request, no decode).
     """
     if columns is not None:
         schema = pa.schema([schema.field(c) for c in columns])
     if not uris:
         return schema.empty_table()
     paths = [fsspec.core.strip_protocol(uri) for uri in uris]
+    names = list(columns) if columns is not None else None
     if sizes is not None and sum(sizes) <= WHOLE_FILES_BYTES:
-        whole = kept.take(paths) if kept is not None else {}
-        missing = [p for p in paths if p not in whole]
-        if missing:
-            whole |= filesystem(uris[0], storage_options)[0].cat(missing)
+        held = kept.take(paths) if kept is not None else {}
+        missing = [p for p in paths if p not in held]
+        whole = filesystem(uris[0], storage_options)[0].cat(missing) if missing else {}
         parquet = pads.ParquetFileFormat()
-        fragments = [parquet.make_fragment(pa.BufferReader(whole[p])) for p in paths]
-        dataset = pads.FileSystemDataset(fragments, schema, parquet, pafs.LocalFileSystem())
+        parts, run = [], []  # in the order of ``paths``; a run of files read is decoded at once
+        for path in [*paths, None]:
+            if path in whole:
+                run.append(parquet.make_fragment(pa.BufferReader(whole[path])))
+                continue
+            if run:
+                dataset = pads.FileSystemDataset(run, schema, parquet, pafs.LocalFileSystem())
+                parts.append(dataset.to_table(columns=names))
+                run = []
+            if path is not None:
+                part = held[path]
+                parts.append(part if part.schema.equals(schema) else conform(part, schema))
+        rows = pa.concat_tables(parts)
     else:
         dataset = pads.dataset(
             paths,
@@ -141,7 +153,7 @@ def read_files(
             format="parquet",
             filesystem=arrow_filesystem(uris[0], storage_options),
         )
-    rows = dataset.to_table(columns=list(columns) if columns is not None else None)
+        rows = dataset.to_table(columns=names)
     if keep is None:
         return rows
     mask = keep(rows)

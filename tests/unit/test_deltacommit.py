@@ -23,7 +23,7 @@ from deltalake.exceptions import CommitFailedError
 from rmq_spark import Decision, LocalTransactionState, Message, Store, StoreError
 from rmq_spark.delta.commit import appendable, commit
 from rmq_spark.delta.files import KEPT_FILE_BYTES, WrittenFiles, write_files
-from rmq_spark.delta.reads import read_arrow
+from rmq_spark.delta.reads import read_arrow, read_files
 from rmq_spark.delta.storage import filesystem
 from rmq_spark.delta.txnlog import LOG_ENTRY_MIN_AGE
 from rmq_spark.model.config import Settings, StoreSettings
@@ -536,22 +536,28 @@ def test_a_checkpoint_a_newer_one_covers_is_skipped_without_a_warning(
 
 
 def test_written_files_keep_the_newest_small_files_up_to_their_bound(tmp_path: Path) -> None:
-    """A compaction reads the files its process wrote from memory: small ones only, the oldest
-    dropped past the bound, each taken once."""
-    kept = WrittenFiles(limit=10)
+    """A compaction takes the rows of the files its process wrote from memory, as written:
+    small files only, the oldest dropped past the bound, each taken once; and reads them, in
+    order among files it reads from the store, as the store holds them."""
+    row = pa.table({"a": pa.array([1], pa.int64())})
+    kept = WrittenFiles(limit=2 * row.get_total_buffer_size())
     for name in ("a", "b", "c"):
-        kept.add(name, b"1234")
-    assert kept.take(["a", "b", "c"]) == {"b": b"1234", "c": b"1234"} and kept.take(["c"]) == {}
+        kept.add(name, row)
+    assert list(kept.take(["a", "b", "c"])) == ["b", "c"] and kept.take(["c"]) == {}
     (tmp_path / "t").mkdir()
     uri = str(tmp_path / "t")
     kept = WrittenFiles()
-    small, large = (
-        write_files(uri, iter([_half_rows(os.urandom(n))]), HALF_SCHEMA, None, {}, kept=kept)[0]
-        for n in (100, KEPT_FILE_BYTES + 1)
-    )
-    paths = [f"{uri}/{a.path}" for a in (small, large)]
-    found = kept.take(paths)
-    assert list(found) == paths[:1] and found[paths[0]] == Path(paths[0]).read_bytes()
+    bodies = [os.urandom(100), os.urandom(KEPT_FILE_BYTES + 1), os.urandom(100), b"b"]
+    adds = [
+        write_files(uri, iter([_half_rows(b)]), HALF_SCHEMA, None, {}, kept=kept)[0] for b in bodies
+    ]
+    paths = [f"{uri}/{a.path}" for a in adds]
+    assert sorted(kept.take(paths[:3])) == sorted([paths[0], paths[2]])  # not the large one
+    kept.add(paths[2], pq.read_table(paths[2]))  # as written
+    read = read_files(paths, HALF_SCHEMA, {}, sizes=[a.size for a in adds], kept=kept)
+    assert read.column("body").to_pylist() == bodies  # store, store, kept, store: in order
+    assert read.equals(pq.ParquetDataset(paths, schema=HALF_SCHEMA).read())
+    assert kept.take(paths) == {}
 
 
 @pytest.mark.parametrize("rows", [3, 40])
