@@ -477,10 +477,12 @@ class _File:
         self.writer.write_table(rows, row_group_size=per_group)
         self.rows += rows.num_rows
         if self.written is not None:
-            self.written_bytes += rows.get_total_buffer_size()
-            self.written = self.written if self.written_bytes <= KEPT_FILE_BYTES else None
-            if self.written is not None:
-                self.written.append(rows)
+            self.written_bytes += rows.nbytes
+            if self.written_bytes > KEPT_FILE_BYTES:
+                self.written = None
+            else:  # a copy: the rows may be slices of a far larger buffer (a Spark batch read
+                # zero-copy, its other columns dropped) or of one their caller goes on changing
+                self.written.append(rows.take(np.arange(rows.num_rows)))
         for name in self.columns:
             column = rows.column(name)
             self.nulls[name] += column.null_count

@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Collection, Iterator
@@ -81,6 +82,8 @@ _SWAPS = 20
 #: How long a raise waits for another process's hold of the marker's lock (a raise takes
 #: milliseconds; one stopped while holding it would hold up every other raise for as long).
 _LOCK_WAIT_SECONDS = 30.0
+#: Held with the marker's lock (:func:`_marker_lock`) by the thread of this process raising it.
+_RAISING = threading.Lock()
 #: What a process making a store leaves beside its tables before the marker: a marker staged
 #: for its rename (:func:`_write_marker`) and a conditional-write probe. Met by the next maker
 #: (the first was killed, or is at work beside it), neither makes the root foreign.
@@ -242,21 +245,28 @@ def _marker_lock(fs: fsspec.AbstractFileSystem, marker: str) -> Iterator[None]:
         yield
         return
     path = f"{marker}.lock"
-    with open(path, "ab") as lock:
-        deadline = time.monotonic() + _LOCK_WAIT_SECONDS
-        for attempt in itertools.count():
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise StoreError(
-                        f"another process has held {path} for over {_LOCK_WAIT_SECONDS:.0f} s "
-                        "while raising the store's layout (a raise takes milliseconds: is it "
-                        f"stopped? `fuser {path}` names it); resume or end it, then retry."
-                    ) from None
-                backoff(attempt)
-        yield
+    held_too_long = StoreError(
+        f"another process or thread has held {path} for over {_LOCK_WAIT_SECONDS:.0f} s while "
+        "raising the store's layout (a raise takes milliseconds: is it stopped? `fuser "
+        f"{path}` names a process); resume or end it, then retry."
+    )
+    deadline = time.monotonic() + _LOCK_WAIT_SECONDS
+    # On NFS, flock is a POSIX lock, which the threads of a process share.
+    if not _RAISING.acquire(timeout=_LOCK_WAIT_SECONDS):
+        raise held_too_long
+    try:
+        with open(path, "ab") as lock:
+            for attempt in itertools.count():
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise held_too_long from None
+                    backoff(attempt)
+            yield
+    finally:
+        _RAISING.release()
 
 
 def _swap_marker(fs: fsspec.AbstractFileSystem, marker: str, meta: dict, tag: str | None) -> bool:

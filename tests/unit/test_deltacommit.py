@@ -552,12 +552,34 @@ def test_written_files_keep_the_newest_small_files_up_to_their_bound(tmp_path: P
         write_files(uri, iter([_half_rows(b)]), HALF_SCHEMA, None, {}, kept=kept)[0] for b in bodies
     ]
     paths = [f"{uri}/{a.path}" for a in adds]
-    assert sorted(kept.take(paths[:3])) == sorted([paths[0], paths[2]])  # not the large one
-    kept.add(paths[2], pq.read_table(paths[2]))  # as written
+    taken = kept.take([paths[0], paths[1], paths[3]])
+    assert sorted(taken) == sorted([paths[0], paths[3]])  # not the large one
+    # Kept as another writer's schema would have it (every column nullable): conformed.
+    loose = pa.schema([f.with_nullable(True) for f in HALF_SCHEMA])
+    assert not kept.take([paths[2]])[paths[2]].schema.equals(loose)
+    kept.add(paths[2], pq.read_table(paths[2]).cast(loose))
     read = read_files(paths, HALF_SCHEMA, {}, sizes=[a.size for a in adds], kept=kept)
     assert read.column("body").to_pylist() == bodies  # store, store, kept, store: in order
     assert read.equals(pq.ParquetDataset(paths, schema=HALF_SCHEMA).read())
     assert kept.take(paths) == {}
+
+
+def test_written_files_keep_a_copy_of_rows_that_share_a_larger_buffer(tmp_path: Path) -> None:
+    """Rows read zero-copy from an Arrow stream (as a Spark batch is) are slices of the whole
+    message, columns dropped included: kept as they were, a small file's rows held all of it
+    for as long, past the bound that counts the rows' own bytes."""
+    big = _half_rows(b"x").append_column("dropped", pa.array([os.urandom(4 << 20)]))
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, big.schema) as stream:
+        stream.write_table(big)
+    rows = pa.ipc.open_stream(sink.getvalue()).read_all().select(HALF_SCHEMA.names)
+    (tmp_path / "t").mkdir()
+    kept = WrittenFiles()
+    (add,) = write_files(str(tmp_path / "t"), iter([rows]), HALF_SCHEMA, None, {}, kept=kept)
+    (held,) = kept.take([f"{tmp_path / 't'}/{add.path}"]).values()
+    assert held.equals(rows)
+    buffers = [b for c in held.columns for a in c.chunks for b in a.buffers() if b is not None]
+    assert all(b.parent is None for b in buffers)  # its own, not the stream's 4 MiB
 
 
 @pytest.mark.parametrize("rows", [3, 40])
