@@ -284,7 +284,7 @@ class Decisions(StoreConcept):
         #: :attr:`intake` when this process's prepares stage intake objects there.
         self._staging = self.intake if self.intake is not None and self.intake.stages else None
         #: Decisions won by their objects and not landed in ``op`` yet (``end(land=False)``).
-        self.landing = Landing(self.record, self._made, self.intake)
+        self.landing = Landing(self.record, self._made, self.intake, self._staging)
 
     def prepare(
         self,

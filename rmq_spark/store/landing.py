@@ -36,6 +36,8 @@ class Landing:
         The transaction ids this process made (whose half messages it landed or committed).
     intake : Intake, optional
         The shard's intake objects (None on a filesystem that holds no decision objects).
+    staging : Intake, optional
+        ``intake`` when this process's prepares stage intake objects there (landed first).
     """
 
     def __init__(
@@ -43,12 +45,12 @@ class Landing:
         record: Callable[[list[Decision]], dict[str, LocalTransactionState]],
         made: MadeIds,
         intake: Intake | None,
+        staging: Intake | None,
     ) -> None:
         self._record = record
         self._made = made
         self._intake = intake
-        #: ``intake`` when this process's prepares stage intake objects there.
-        self._staging = intake if intake is not None and intake.stages else None
+        self._staging = staging
         self._unlanded: list[Decision] = []
         #: Of those, the transactions read in ``half`` by their decider.
         self._in_half: set[str] = set()
