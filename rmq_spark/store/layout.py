@@ -23,7 +23,7 @@ import uuid
 from collections.abc import Collection, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 import fsspec
 import pyarrow as pa
@@ -255,7 +255,7 @@ def _marker_lock(fs: fsspec.AbstractFileSystem, marker: str) -> Iterator[None]:
     if not _RAISING.acquire(timeout=_LOCK_WAIT_SECONDS):
         raise held_too_long
     try:
-        with open(path, "ab") as lock:
+        with _lock_file(path) as lock:
             for attempt in itertools.count():
                 try:
                     fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -267,6 +267,17 @@ def _marker_lock(fs: fsspec.AbstractFileSystem, marker: str) -> Iterator[None]:
             yield
     finally:
         _RAISING.release()
+
+
+def _lock_file(path: str) -> BinaryIO:
+    """The marker's lock file opened for writing (on NFS a lock needs it), made or left as
+    writable as the store's folder: every process that may write the store opens it, whatever
+    the umask of the one that made it."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    if os.fstat(fd).st_uid == os.geteuid():
+        with contextlib.suppress(OSError):  # a filesystem without modes
+            os.fchmod(fd, os.stat(os.path.dirname(path)).st_mode & 0o666)
+    return os.fdopen(fd, "ab")
 
 
 def _swap_marker(fs: fsspec.AbstractFileSystem, marker: str, meta: dict, tag: str | None) -> bool:

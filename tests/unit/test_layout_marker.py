@@ -156,3 +156,19 @@ def test_a_raise_waits_for_a_stopped_holder_of_the_marker_lock_a_bounded_time(
         finished(child)
     raise_layout(Store.open(root)._tables, version=LAYOUT_VERSION)  # the holder is gone
     assert marker(root)["layout_version"] == LAYOUT_VERSION
+
+
+def test_the_marker_lock_is_as_writable_as_the_store_whatever_the_umask(tmp_path: Path) -> None:
+    """The lock file is the one file every writer of a store opens for writing: made with its
+    first raiser's umask (077, a service account's), it locked out every other account that
+    may write the store. It takes the store folder's read and write bits instead."""
+    root = tmp_path / "store"
+    Store.open(root)
+    root.chmod(0o770)  # a store shared by a group
+    old = os.umask(0o077)
+    try:
+        raise_layout(Store.open(root)._tables, version=LAYOUT_VERSION)
+    finally:
+        os.umask(old)
+    lock = root / f"{MARKER_FILE}.lock"
+    assert lock.stat().st_mode & 0o777 == 0o660
