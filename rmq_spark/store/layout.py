@@ -10,12 +10,14 @@ refusing it or changing a row.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import itertools
 import json
 import logging
 import os
 import re
+import stat
 import sys
 import threading
 import time
@@ -270,14 +272,54 @@ def _marker_lock(fs: fsspec.AbstractFileSystem, marker: str) -> Iterator[None]:
 
 
 def _lock_file(path: str) -> BinaryIO:
-    """The marker's lock file opened for writing (on NFS a lock needs it), made or left as
-    writable as the store's folder: every process that may write the store opens it, whatever
-    the umask of the one that made it."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-    if os.fstat(fd).st_uid == os.geteuid():
-        with contextlib.suppress(OSError):  # a filesystem without modes
-            os.fchmod(fd, os.stat(os.path.dirname(path)).st_mode & 0o666)
+    """The marker's lock file, opened for writing (on NFS a lock needs it); made, if missing,
+    as writable as the store's folder and in its group, so that every account that may write
+    the store may lock it, whatever the umask of the process that made it.
+
+    Raises
+    ------
+    StoreError
+        The lock is not a regular file (a link, left by anyone who may write the folder, would
+        be followed to a file of this account's).
+    """
+    # Not following a link; not waiting for a reader of a FIFO.
+    flags = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK
+    try:
+        try:
+            fd = os.open(path, flags)
+        except FileNotFoundError:
+            _make_lock_file(path)
+            fd = os.open(path, flags)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise OSError(errno.ELOOP, "not a regular file")
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
+            raise
+        raise StoreError(
+            f"{path} is not a regular file (a link?): remove it; the next raise of the store's "
+            "layout makes it again."
+        ) from None
     return os.fdopen(fd, "ab")
+
+
+def _make_lock_file(path: str) -> None:
+    """Make the lock file with the folder's read and write bits and group before it is there
+    for others to open: made aside, then linked into place (a lock another process made
+    meanwhile stays: it may be held)."""
+    folder = os.stat(os.path.dirname(path))
+    aside = f"{path}.{uuid.uuid4().hex}.tmp"
+    fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with contextlib.suppress(OSError):  # not in that group, or a filesystem without modes
+            os.fchown(fd, -1, folder.st_gid)
+        with contextlib.suppress(OSError):
+            os.fchmod(fd, folder.st_mode & 0o666)
+        with contextlib.suppress(FileExistsError):
+            os.link(aside, path)
+    finally:
+        os.close(fd)
+        os.unlink(aside)
 
 
 def _swap_marker(fs: fsspec.AbstractFileSystem, marker: str, meta: dict, tag: str | None) -> bool:

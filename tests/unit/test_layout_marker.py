@@ -165,6 +165,8 @@ def test_the_marker_lock_is_as_writable_as_the_store_whatever_the_umask(tmp_path
     root = tmp_path / "store"
     Store.open(root)
     root.chmod(0o770)  # a store shared by a group
+    group = 4242 if os.geteuid() == 0 else root.stat().st_gid  # root may hand it to any group
+    os.chown(root, -1, group)
     old = os.umask(0o077)
     try:
         raise_layout(Store.open(root)._tables, version=LAYOUT_VERSION)
@@ -172,3 +174,31 @@ def test_the_marker_lock_is_as_writable_as_the_store_whatever_the_umask(tmp_path
         os.umask(old)
     lock = root / f"{MARKER_FILE}.lock"
     assert lock.stat().st_mode & 0o777 == 0o660
+    assert lock.stat().st_gid == group
+    assert sorted(p.name for p in root.iterdir() if ".lock." in p.name) == []  # nothing aside
+
+
+@pytest.mark.parametrize("kind", ["link", "fifo"])
+def test_a_marker_lock_that_is_not_a_file_is_refused_and_left_alone(
+    tmp_path: Path, kind: str
+) -> None:
+    """Anyone who may write the store's folder could make the lock file a link to a file of the
+    account that raises (a key, the settings with the secret keys): opened through the link and
+    given the folder's bits, that file became readable by all. A FIFO would hold the raise in
+    its open. A lock that is not a regular file is refused, naming it, and a link's target
+    keeps its mode."""
+    root = tmp_path / "store"
+    Store.open(root)
+    root.chmod(0o775)
+    secret = tmp_path / "secret.toml"
+    secret.write_text("secret_key = 'x'\n")
+    secret.chmod(0o600)
+    lock = root / f"{MARKER_FILE}.lock"
+    if kind == "link":
+        lock.symlink_to(secret)
+    else:
+        os.mkfifo(lock)
+    with pytest.raises(StoreError, match=r"_rmqtx_store\.json\.lock.*not a regular file"):
+        raise_layout(Store.open(root)._tables, version=LAYOUT_VERSION)
+    assert secret.stat().st_mode & 0o777 == 0o600
+    assert secret.read_text() == "secret_key = 'x'\n"
