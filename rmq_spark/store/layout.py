@@ -315,8 +315,13 @@ def _make_lock_file(path: str) -> None:
             os.fchown(fd, -1, folder.st_gid)
         with contextlib.suppress(OSError):
             os.fchmod(fd, folder.st_mode & 0o666)
-        with contextlib.suppress(FileExistsError):
+        try:
             os.link(aside, path)
+        except FileExistsError:
+            pass
+        except OSError:  # a filesystem without hard links: made in place, with the umask
+            with contextlib.suppress(FileExistsError):
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
     finally:
         os.close(fd)
         os.unlink(aside)
