@@ -280,7 +280,7 @@ def _lock_file(path: str) -> BinaryIO:
     ------
     StoreError
         The lock is not a regular file (a link, left by anyone who may write the folder, would
-        be followed to a file of this account's).
+        be followed to a file of this account's), or this account may not open it.
     """
     # Not following a link; not waiting for a reader of a FIFO.
     flags = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK
@@ -290,17 +290,35 @@ def _lock_file(path: str) -> BinaryIO:
         except FileNotFoundError:
             _make_lock_file(path)
             fd = os.open(path, flags)
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(errno.ELOOP, "not a regular file", path)
+            return os.fdopen(fd, "ab")
+        except BaseException:
             os.close(fd)
-            raise OSError(errno.ELOOP, "not a regular file")
-    except OSError as exc:
-        if exc.errno not in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
             raise
-        raise StoreError(
+    except OSError as exc:
+        refused = _lock_refused(path, exc.errno)
+        if refused is None:
+            raise
+        raise refused from None
+
+
+def _lock_refused(path: str, error: int | None) -> StoreError | None:
+    """The error of a lock file this account cannot use, by the ``errno`` of its open; None
+    for another error (raised as it is)."""
+    if error in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
+        return StoreError(
             f"{path} is not a regular file (a link?): remove it; the next raise of the store's "
             "layout makes it again."
-        ) from None
-    return os.fdopen(fd, "ab")
+        )
+    if error in (errno.EACCES, errno.EPERM):
+        return StoreError(
+            f"this account may not open {path} for writing (made by an older rmq-spark with its "
+            "maker's umask?): give it the store folder's read and write bits and group "
+            "(chmod, chgrp)."
+        )
+    return None
 
 
 def _make_lock_file(path: str) -> None:
@@ -311,20 +329,33 @@ def _make_lock_file(path: str) -> None:
     aside = f"{path}.{uuid.uuid4().hex}.tmp"
     fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        with contextlib.suppress(OSError):  # not in that group, or a filesystem without modes
-            os.fchown(fd, -1, folder.st_gid)
-        with contextlib.suppress(OSError):
-            os.fchmod(fd, folder.st_mode & 0o666)
+        _share(fd, folder)
         try:
             os.link(aside, path)
         except FileExistsError:
             pass
-        except OSError:  # a filesystem without hard links: made in place, with the umask
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+            # A filesystem without hard links: made in place, shared at once.
             with contextlib.suppress(FileExistsError):
-                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+                made = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                try:
+                    _share(made, folder)
+                finally:
+                    os.close(made)
     finally:
         os.close(fd)
-        os.unlink(aside)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(aside)
+
+
+def _share(fd: int, folder: os.stat_result) -> None:
+    """Give the file of ``fd`` the group and the read and write bits of ``folder``."""
+    with contextlib.suppress(OSError):  # not in that group, or a filesystem without modes
+        os.fchown(fd, -1, folder.st_gid)
+    with contextlib.suppress(OSError):
+        os.fchmod(fd, folder.st_mode & 0o666)
 
 
 def _swap_marker(fs: fsspec.AbstractFileSystem, marker: str, meta: dict, tag: str | None) -> bool:

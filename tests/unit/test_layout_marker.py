@@ -5,6 +5,7 @@ it would damage, a lower shard count hides a shard removed by hand."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -178,7 +179,7 @@ def test_the_marker_lock_is_as_writable_as_the_store_whatever_the_umask(tmp_path
     assert sorted(p.name for p in root.iterdir() if ".lock." in p.name) == []  # nothing aside
 
 
-@pytest.mark.parametrize("kind", ["link", "fifo"])
+@pytest.mark.parametrize("kind", ["link", "fifo", "folder"])
 def test_a_marker_lock_that_is_not_a_file_is_refused_and_left_alone(
     tmp_path: Path, kind: str
 ) -> None:
@@ -196,9 +197,45 @@ def test_a_marker_lock_that_is_not_a_file_is_refused_and_left_alone(
     lock = root / f"{MARKER_FILE}.lock"
     if kind == "link":
         lock.symlink_to(secret)
-    else:
+    elif kind == "fifo":
         os.mkfifo(lock)
+    else:
+        lock.mkdir()
     with pytest.raises(StoreError, match=r"_rmqtx_store\.json\.lock.*not a regular file"):
         raise_layout(Store.open(root)._tables, version=LAYOUT_VERSION)
     assert secret.stat().st_mode & 0o777 == 0o600
     assert secret.read_text() == "secret_key = 'x'\n"
+
+
+@pytest.mark.parametrize("filesystem", ["without hard links", "racing maker"])
+def test_the_marker_lock_made_without_a_link_or_by_another_maker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, filesystem: str
+) -> None:
+    """Where a filesystem refuses hard links the lock is made in place, with the folder's bits
+    all the same; where another process put its lock in place first, that one is kept (it
+    may be held) and used."""
+    root = tmp_path / "store"
+    Store.open(root)
+    root.chmod(0o770)
+    lock = root / f"{MARKER_FILE}.lock"
+    theirs = b"another maker's lock"
+
+    def link(src: str, dst: str) -> None:
+        if filesystem == "without hard links":
+            raise OSError(errno.EPERM, "Operation not permitted")
+        Path(dst).write_bytes(theirs)
+        raise FileExistsError(errno.EEXIST, "File exists", dst)
+
+    monkeypatch.setattr(layout.os, "link", link)
+    old = os.umask(0o077)
+    try:
+        raise_layout(Store.open(root)._tables, version=LAYOUT_VERSION)
+    finally:
+        os.umask(old)
+    if filesystem == "without hard links":
+        assert lock.stat().st_mode & 0o777 == 0o660
+        assert lock.read_bytes() == b""
+    else:
+        assert lock.read_bytes() == theirs
+    assert [p.name for p in root.iterdir() if ".lock." in p.name] == []
+    assert marker(root)["layout_version"] == LAYOUT_VERSION
