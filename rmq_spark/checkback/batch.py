@@ -22,11 +22,12 @@ from collections.abc import Collection, Mapping
 from datetime import datetime
 
 import pyarrow as pa
+import pyarrow.compute as pc
 from pyspark.sql import DataFrame, SparkSession
-from pyspark.sql import functions as F
 
 from rmq_spark.model.config import TransactionSettings
-from rmq_spark.model.messages import PROPERTY_CHECK_IMMUNITY, SHARD_ID_PATTERN
+from rmq_spark.model.messages import PROPERTY_CHECK_IMMUNITY, SECONDS, SHARD_ID_PATTERN
+from rmq_spark.model.schema import PENDING_SCHEMA, TIMESTAMP
 from rmq_spark.store.facade import Store
 
 #: Reasons in the check batch.
@@ -38,93 +39,127 @@ CHECK, NOT_YET_DUE, TOO_OLD, UNROUTED, MISPLACED = (
     "its id names another shard",
 )
 
+#: The check batch: a pending row, then what the round made of it (the checker's ``answer``
+#: and ``error`` are added when the round ends).
+CHECK_BATCH_SCHEMA = pa.schema(
+    list(PENDING_SCHEMA)
+    + [
+        pa.field("first_seen", TIMESTAMP, nullable=False),
+        pa.field("check_count", pa.int32(), nullable=False),
+        pa.field("age_seconds", pa.float64(), nullable=False),
+        pa.field("immunity_seconds", pa.float64(), nullable=False),
+        pa.field("new", pa.bool_(), nullable=False),
+        pa.field("epoch_message", pa.bool_(), nullable=False),
+        pa.field("reason", pa.string(), nullable=False),
+        pa.field("body", pa.binary()),
+    ]
+)
+
 
 def check_batch(
-    spark: SparkSession,
     store: Store,
     pending: pa.Table,
     routed: Collection[str],
     settings: TransactionSettings,
     now: datetime,
     stored_ages: Mapping[str, float] | None = None,
-) -> DataFrame:
-    """The ``pending`` transactions, classified at ``now``, frozen for the rest of the run.
+) -> pa.Table:
+    """The ``pending`` transactions classified at ``now`` (:data:`CHECK_BATCH_SCHEMA`), with
+    the bodies of the due ones.
 
     ``routed`` are the producer groups that have a checker. ``stored_ages``: how long the
     transactions new to the pending list had been stored, on the store's clock
     (:attr:`PendingUpdate.stored_ages <rmq_spark.checkback.pending.PendingUpdate>`); a new
     transaction's clock starts that long before ``now`` (else at ``now``).
+
+    Made in Arrow, in this process: the batch is frozen for the rest of the run (which writes
+    ``op`` and ``check_state``), and a round on an idle shard starts no Spark job.
     """
-    # Read whole now, not by Spark's Delta source: its snapshot reads the checkpoint when
-    # the query runs, by when another job's log cleanup may have removed it.
-    state = _to_spark(
-        spark, store.read("check_state", ["transaction_id", "first_seen", "check_count"])
+    ids = pending.column("transaction_id")
+    state = store.read("check_state", ["transaction_id", "first_seen", "check_count"])
+    seen = pc.index_in(ids, value_set=state.column("transaction_id").combine_chunks())
+    ages = stored_ages or {}
+    stored_age = pa.array(list(ages.values()), pa.float64()).take(
+        pc.index_in(ids, value_set=pa.array(list(ages), pa.string()))
     )
-    now_lit = F.lit(now).cast("timestamp")
-    ages = pa.table(
-        {
-            "transaction_id": pa.array(list(stored_ages or {}), pa.string()),
-            "stored_age": pa.array(list((stored_ages or {}).values()), pa.float64()),
-        }
+    now_us = pa.scalar(now, TIMESTAMP).value
+    first_seen = pc.coalesce(
+        state.column("first_seen").take(seen).cast(pa.int64()),
+        pc.subtract(now_us, pc.trunc(pc.multiply(stored_age, 1e6)).cast(pa.int64())),
+        now_us,
     )
-    stored = F.timestamp_micros(F.unix_micros(now_lit) - (F.col("stored_age") * 1e6).cast("long"))
-    first_seen = F.coalesce(F.col("first_seen"), stored, now_lit)
-    age = F.unix_micros(now_lit) - F.unix_micros(first_seen)
-    # try_cast: one message whose property is not a number (a sink stores any value) must
-    # not fail the round for everyone (ANSI mode's CAST_INVALID_INPUT); it has no immunity,
-    # and neither has a negative, infinite or NaN value (NaN sorts above every number).
-    asked = F.col("properties").getItem(PROPERTY_CHECK_IMMUNITY).try_cast("double")
-    immunity = F.when(
-        (asked >= 0) & (asked < float("inf")) & ~F.isnan(asked),
-        F.least(asked, F.lit(settings.max_check_age)),
-    ).otherwise(F.lit(0.0))
-    groups = list(routed)
-    group_routed = F.col("producer_group").isin(groups) if groups else F.lit(False)
-    # A transaction is decided in the shard its id names; a half row another Delta writer put
-    # in the wrong shard is never decided here (nor there, where it has no half message).
-    named = F.regexp_extract("transaction_id", SHARD_ID_PATTERN, 1)
-    shard = F.when(named == "", F.lit(0)).otherwise(named.cast("int"))
-    reason = (
-        F.when(shard != store.shard, MISPLACED)
-        .when(F.col("age_seconds") > settings.max_check_age, TOO_OLD)
-        .when(~(group_routed | F.col("epoch_message")), UNROUTED)
-        .when(
-            F.col("age_seconds")
-            < F.greatest(F.lit(settings.transaction_timeout), F.col("immunity_seconds")),
-            NOT_YET_DUE,
-        )
-        .otherwise(CHECK)
+    age = pc.divide(pc.subtract(now_us, first_seen).cast(pa.float64()), 1e6)
+    immunity = _immunity(pending, settings.max_check_age)
+    epoch_message = pc.is_valid(pending.column("sink_id"))
+    groups = pa.array(sorted(routed), pa.string())
+    group_routed = pc.is_in(pending.column("producer_group"), value_set=groups)
+    reason = pc.case_when(
+        pc.make_struct(
+            _misplaced(ids, store.shard),
+            pc.greater(age, settings.max_check_age),
+            pc.invert(pc.or_(group_routed, epoch_message)),
+            pc.less(age, pc.max_element_wise(immunity, settings.transaction_timeout)),
+        ),
+        MISPLACED,
+        TOO_OLD,
+        UNROUTED,
+        NOT_YET_DUE,
+        CHECK,
     )
-    classified = (
-        _to_spark(spark, pending)
-        .join(state, "transaction_id", "left")
-        .join(_to_spark(spark, ages), "transaction_id", "left")
-        .select(
-            "*",
-            (age / 1e6).alias("age_seconds"),
-            immunity.alias("immunity_seconds"),
-            F.col("first_seen").isNull().alias("new"),
-            # Set only by the sink and publish_with_delta_write, never from user input.
-            F.col("sink_id").isNotNull().alias("epoch_message"),
-        )
-        .withColumn("first_seen", first_seen)
-        .drop("stored_age")
-        .withColumn("check_count", F.coalesce("check_count", F.lit(0)).cast("int"))
-        .withColumn("reason", reason)
-    )
-    # Frozen: the run writes op and check_state, which must not change what it decides.
-    classified = classified.localCheckpoint(eager=True)
-    return classified.join(_bodies(spark, store, classified), ["transaction_id", "msg_id"], "left")
+    made = {
+        "first_seen": first_seen.cast(TIMESTAMP),
+        "check_count": pc.coalesce(
+            state.column("check_count").take(seen), pa.scalar(0, pa.int32())
+        ),
+        "age_seconds": age,
+        "immunity_seconds": immunity,
+        "new": pc.is_null(seen),
+        "epoch_message": epoch_message,
+        "reason": reason,
+    }
+    classified = pending.select(PENDING_SCHEMA.names)
+    for name, column in made.items():
+        classified = classified.append_column(name, column)
+    classified = classified.append_column("body", _bodies(store, classified))
+    return classified.cast(CHECK_BATCH_SCHEMA)
 
 
-def _bodies(spark: SparkSession, store: Store, classified: DataFrame) -> DataFrame:
-    """The bodies of the due transactions' representative messages, read by id."""
-    due = classified.where(F.col("reason") == CHECK).select("transaction_id").toArrow()
+def _immunity(pending: pa.Table, max_check_age: float) -> pa.Array:
+    """Each message's check immunity in seconds, at most ``max_check_age``: 0 where it has
+    none, or one that is not a number of seconds as producers write it (a sink stores any
+    value; one garbage property must not fail the round for everyone)."""
+    asked = pc.map_lookup(pending.column("properties"), PROPERTY_CHECK_IMMUNITY, "first")
+    number = pc.fill_null(pc.match_substring_regex(asked, f"^{SECONDS.pattern}$"), False)
+    seconds = pc.if_else(number, asked, "0").cast(pa.float64())
+    # Digits past a double's range parse as infinity: no immunity either.
+    return pc.if_else(pc.is_finite(seconds), pc.min_element_wise(seconds, max_check_age), 0.0)
+
+
+def _misplaced(ids: pa.ChunkedArray, shard: int) -> pa.ChunkedArray:
+    """Whether each transaction id names a shard other than ``shard``: a half row another Delta
+    writer put in the wrong shard is never decided here (nor there, where it has no half
+    message). The shard is compared as the id spells it, so no number can overflow."""
+    named = pc.struct_field(pc.extract_regex(ids, SHARD_ID_PATTERN), "shard")
+    return pc.not_equal(pc.fill_null(named, "0"), str(shard))
+
+
+def _bodies(store: Store, classified: pa.Table) -> pa.ChunkedArray:
+    """The bodies of the due transactions' representative messages, read by id (null for the
+    others)."""
+    due = classified.filter(pc.equal(classified.column("reason"), CHECK))
+    if not due.num_rows:
+        return pa.chunked_array([pa.nulls(classified.num_rows, pa.binary())])
     half = store.half_messages(due.column("transaction_id").to_pylist())
-    return _to_spark(spark, half.select(["transaction_id", "msg_id", "body"]))
+    keys = ["transaction_id", "msg_id"]
+    rows = classified.select(keys).append_column("row", pa.array(range(classified.num_rows)))
+    found = rows.join(half.select([*keys, "body"]), keys, join_type="left outer")
+    return found.sort_by("row").column("body")
 
 
-def _to_spark(spark: SparkSession, table: pa.Table) -> DataFrame:
-    """``table`` as a Spark DataFrame, empty or not."""
-    # Spark cannot take an Arrow table without chunks (an empty filter result).
-    return spark.createDataFrame(table if table.num_rows else table.schema.empty_table())
+def as_dataframe(spark: SparkSession, batch: pa.Table) -> DataFrame:
+    """``batch`` (a check batch, or some of its rows) as a Spark DataFrame, empty or not."""
+    # One chunk: pyspark 4.2 drops the chunks after an empty one (shards' batches concatenated),
+    # and cannot take a table without chunks (an empty filter result).
+    return spark.createDataFrame(
+        batch.combine_chunks() if batch.num_rows else batch.schema.empty_table()
+    )

@@ -9,7 +9,8 @@ failing does not stop the others. On each shard:
    ever checked, unlike apache/rocketmq#1517), kept incrementally in the ``pending`` table
    (:mod:`rmq_spark.checkback.pending`).
 2. **Check batch** (:mod:`rmq_spark.checkback.batch`): pending transactions classified by age
-   against the transaction timeout, their check immunity and the max check age.
+   against the transaction timeout, their check immunity and the max check age, in Arrow: a
+   round that asks no checker starts no Spark job.
 3. **Routing** (:mod:`rmq_spark.checkback.routing`): each producer group's checker answers
    COMMIT / ROLLBACK / UNKNOWN, on Spark's executors; a failing group does not stop the others.
 4. **Decisions** (:mod:`rmq_spark.checkback.decisions`) go through the producers'
@@ -37,14 +38,15 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
-from functools import reduce
 
-from pyspark.sql import DataFrame, SparkSession
+import pyarrow as pa
+from pyspark.sql import SparkSession
 
+from rmq_spark.checkback.batch import as_dataframe
 from rmq_spark.checkback.checkers import Checker
 from rmq_spark.checkback.decisions import ObjectLooks
 from rmq_spark.checkback.discards import insert_discards
-from rmq_spark.checkback.round import CheckRound
+from rmq_spark.checkback.round import CheckRound, RoundResult
 from rmq_spark.checkback.routing import misconfigured
 from rmq_spark.checkback.summary import CheckBackResult, CheckBackSummary, combine_summaries
 from rmq_spark.model.config import RetentionSettings, TransactionSettings
@@ -129,14 +131,14 @@ class CheckBackJob:
         broken = misconfigured(self.spark, self.checkers)
         rounds: dict[int, CheckRound] = {}
 
-        def run(shard: Store) -> CheckBackResult:
+        def run(shard: Store) -> RoundResult:
             looks = self._looks.setdefault(shard.shard, ObjectLooks())
             rounds[shard.shard] = CheckRound(self, shard, broken, looks)
             return rounds[shard.shard].run(run_id)
 
         def combine(
-            results: dict[int, CheckBackResult], failures: dict[int, Exception]
-        ) -> CheckBackResult | CheckBackSummary:
+            results: dict[int, RoundResult], failures: dict[int, Exception]
+        ) -> RoundResult | CheckBackSummary:
             summary = combine_summaries(
                 {k: r.summary for k, r in sorted(rounds.items()) if r.summary is not None},
                 sorted(failures),
@@ -149,12 +151,12 @@ class CheckBackJob:
             )
             if failures:
                 return summary  # what ShardsFailedError carries
-            batches = [r.check_batch for _, r in sorted(results.items())]
-            return CheckBackResult(summary, reduce(DataFrame.unionByName, batches))
+            batches = [r.batch for _, r in sorted(results.items())]
+            return RoundResult(summary, pa.concat_tables(batches))
 
         result = on_every_shard(self.store.shards(refresh=True), "check-back round", run, combine)
-        assert isinstance(result, CheckBackResult)
-        return result
+        assert isinstance(result, RoundResult)
+        return CheckBackResult(result.summary, as_dataframe(self.spark, result.batch))
 
     def run_forever(self, interval: float, stop: threading.Event) -> int:
         """Run a round every ``interval`` seconds until ``stop`` is set; return rounds run.

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from pyspark.sql import DataFrame
-from pyspark.sql import functions as F
 
 from rmq_spark.checkback.batch import (
     CHECK,
@@ -37,15 +36,24 @@ from rmq_spark.checkback.decisions import (
 from rmq_spark.checkback.discards import DECIDED_BY_CHECK_MAX, insert_discards, repair_discards
 from rmq_spark.checkback.epoch_checker import WRITER_ALIVE, EpochChecker
 from rmq_spark.checkback.pending import PendingUpdate, update_pending
-from rmq_spark.checkback.routing import ANSWERS_ARROW, ANSWERS_DDL, ask
+from rmq_spark.checkback.routing import ANSWERS_ARROW, ask, with_answers
 from rmq_spark.checkback.state import STATE_COLUMNS, start_clocks, update_check_state
-from rmq_spark.checkback.summary import CheckBackResult, CheckBackSummary, record_run
+from rmq_spark.checkback.summary import CheckBackSummary, record_run
 from rmq_spark.store.facade import Store
 
 if TYPE_CHECKING:
     from rmq_spark.checkback.job import CheckBackJob
 
 log = logging.getLogger("rmq_spark.checkback.job")
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """A round's summary and its check batch, in Arrow (the job shows its shards' rounds as
+    one DataFrame)."""
+
+    summary: CheckBackSummary
+    batch: pa.Table
 
 
 class CheckRound:
@@ -75,27 +83,25 @@ class CheckRound:
         #: The round's summary, once recorded (a failed round's too).
         self.summary: CheckBackSummary | None = None
 
-    def run(self, run_id: str) -> CheckBackResult:
+    def run(self, run_id: str) -> RoundResult:
         """Run the round; always records a ``check_runs`` row, even when it fails."""
         started = self.job.clock()
         counts: Counter[str] = Counter()
-        batch: DataFrame | None = None
+        batch: pa.Table | None = None
         oldest: float | None = None
         status, message = "finished", None
         try:
             self.store.publish()  # finish publishes cut off by a crash, before reading state
             repair_discards(self.store, self.job.settings.transaction_check_max, self.job.clock)
             batch = self._check_batch(started)
-            pending = batch.drop("body", "properties").toArrow()
+            pending = batch.drop_columns(["body", "properties"])
             counts["pending_found"] = pending.num_rows
             counts.update(_left_counts(pending))
             oldest = pc.max(pending.column("age_seconds")).as_py()
             self._report_unrouted(pending)
             answers, ended = self._check_groups(batch, pending, started, counts)
             self._start_clocks(pending, ended)
-            batch = batch.join(
-                self.job.spark.createDataFrame(answers, ANSWERS_DDL), "transaction_id", "left"
-            )
+            batch = with_answers(batch, answers)
             self.store.publish()
         except Exception as exc:
             status, message = "failed", f"{type(exc).__name__}: {exc}"[:1000]
@@ -107,15 +113,14 @@ class CheckRound:
             log_level = logging.INFO if status == "finished" else logging.ERROR
             log.log(log_level, "%s", self.summary.format())
         assert batch is not None
-        return CheckBackResult(self.summary, batch)
+        return RoundResult(self.summary, batch)
 
-    def _check_batch(self, now: datetime) -> DataFrame:
+    def _check_batch(self, now: datetime) -> pa.Table:
         """Pending transactions, classified, frozen for the rest of the run."""
         # Half messages still in intake objects their writer left (killed) are pending too.
         self.store.land_intake(self.job.settings.transaction_timeout, now.timestamp())
         self._pending = update_pending(self.store)
         return check_batch(
-            self.job.spark,
             self.store,
             self._pending.rows,
             self.job.checkers,
@@ -150,7 +155,7 @@ class CheckRound:
             )
 
     def _check_groups(
-        self, batch: DataFrame, pending: pa.Table, now: datetime, counts: Counter[str]
+        self, batch: pa.Table, pending: pa.Table, now: datetime, counts: Counter[str]
     ) -> tuple[pa.Table, set[str]]:
         """Ask each group's checker and apply its answers before the next group, so one
         group failing (or the job dying) never holds back the groups already done.
@@ -180,7 +185,7 @@ class CheckRound:
             counts.subtract(
                 _left_counts(pending.filter(pc.is_in(pending.column("transaction_id"), gone)))
             )
-            batch = batch.where(~F.col("transaction_id").isin(gone.to_pylist()))
+            batch = batch.filter(pc.invert(pc.is_in(batch.column("transaction_id"), gone)))
         answers = [ANSWERS_ARROW.empty_table()]
         for group in sorted(set(due.column("producer_group").to_pylist())):
             mine = due.filter(pc.equal(due.column("producer_group"), group))
@@ -194,7 +199,7 @@ class CheckRound:
         return pa.concat_tables(answers), ended
 
     def _ask(
-        self, group: str, epoch_message: bool, batch: DataFrame, ids: pa.ChunkedArray
+        self, group: str, epoch_message: bool, batch: pa.Table, ids: pa.ChunkedArray
     ) -> pa.Table:
         """The answers of ``group``'s checker (or the epoch checker) about ``ids``."""
         checker = (
@@ -203,7 +208,7 @@ class CheckRound:
             else self.job.checkers[group]
         )
         broken = None if epoch_message else self._broken.get(group)
-        return ask(checker, group, epoch_message, batch, ids, broken)
+        return ask(self.job.spark, checker, group, epoch_message, batch, ids, broken)
 
     def _apply(
         self,

@@ -13,16 +13,15 @@ import logging
 from collections.abc import Mapping
 
 import pyarrow as pa
-from pyspark.sql import DataFrame, SparkSession
-from pyspark.sql import functions as F
+import pyarrow.compute as pc
+from pyspark.sql import SparkSession
 
-from rmq_spark.checkback.batch import CHECK
+from rmq_spark.checkback.batch import CHECK, as_dataframe
 from rmq_spark.checkback.checkers import Checker, CheckerConfigError
 from rmq_spark.model.messages import LocalTransactionState
 
 log = logging.getLogger(__name__)
 
-ANSWERS_DDL = "transaction_id string, answer string, error string"
 ANSWERS_ARROW = pa.schema(
     [("transaction_id", pa.string()), ("answer", pa.string()), ("error", pa.string())]
 )
@@ -47,21 +46,26 @@ def misconfigured(spark: SparkSession, checkers: Mapping[str, Checker]) -> dict[
 
 
 def ask(
+    spark: SparkSession,
     checker: Checker,
     group: str,
     epoch_message: bool,
-    batch: DataFrame,
+    batch: pa.Table,
     ids: pa.ChunkedArray,
     broken: str | None = None,
 ) -> pa.Table:
     """``checker``'s answers (``ANSWERS_ARROW``) for ``group``'s due transactions ``ids`` in
-    ``batch``; UNKNOWN for all of them, with the error, if it raises or is ``broken``."""
+    the check ``batch``; UNKNOWN for all of them, with the error, if it raises or is
+    ``broken``."""
     log.info("asking the %s checker of %r about %d transaction(s)", checker.kind, group, len(ids))
-    group_batch = batch.where(
-        (F.col("reason") == CHECK)
-        & (F.col("producer_group") == group)
-        & (F.col("epoch_message") == epoch_message)
+    mine = pc.and_(
+        pc.and_(
+            pc.equal(batch.column("reason"), CHECK),
+            pc.equal(batch.column("producer_group"), group),
+        ),
+        pc.equal(batch.column("epoch_message"), epoch_message),
     )
+    group_batch = as_dataframe(spark, batch.filter(mine))
     try:
         if broken is not None:
             raise CheckerConfigError(broken)
@@ -81,3 +85,14 @@ def ask(
             }
         )
     return answer.rename_columns(ANSWERS_ARROW.names).cast(ANSWERS_ARROW)
+
+
+def with_answers(batch: pa.Table, answers: pa.Table) -> pa.Table:
+    """The check ``batch`` with each transaction's checker ``answer`` and ``error`` (null when
+    it was not asked)."""
+    at = pc.index_in(
+        batch.column("transaction_id"), value_set=answers.column("transaction_id").combine_chunks()
+    )
+    for name in ("answer", "error"):
+        batch = batch.append_column(ANSWERS_ARROW.field(name), answers.column(name).take(at))
+    return batch

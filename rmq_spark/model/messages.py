@@ -379,8 +379,8 @@ MAX_SHARDS = 1000
 #: What follows :func:`new_id` in a transaction id decided by its decision object
 #: (:func:`shard_transaction_id`, :mod:`rmq_spark.store.arbiter`): lower case, so never a digit.
 OBJECT_DECIDED_MARK = "d"
-#: A transaction id of shard ``k`` >= 1 (:func:`shard_transaction_id`); group 1 is ``k``.
-SHARD_ID_PATTERN = r"^[0-9A-F]{32}d?\.([1-9][0-9]*)$"
+#: A transaction id of shard ``k`` >= 1 (:func:`shard_transaction_id`); group ``shard`` is ``k``.
+SHARD_ID_PATTERN = r"^[0-9A-F]{32}d?\.(?P<shard>[1-9][0-9]*)$"
 _SHARD_SUFFIX = re.compile(SHARD_ID_PATTERN, re.ASCII)
 #: What an id of a shard looks like to a reader, canonical or not (``<id>.01``, ``<id>.0``).
 _SHARD_SHAPED = re.compile(r"^[0-9A-F]{32}d?\.[0-9]+$", re.ASCII)

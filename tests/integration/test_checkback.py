@@ -306,7 +306,7 @@ def test_unrouted_groups_can_be_left_pending(spark, store: Store) -> None:
     assert (s.committed, s.unrouted) == (1, 1)
 
 
-@pytest.mark.parametrize("immunity", ["1_0", "abc", "１０", " 10 ", "NaN"])
+@pytest.mark.parametrize("immunity", ["1_0", "abc", "１０", " 10 ", "NaN", "9" * 400])
 def test_a_garbage_immunity_property_stops_nobody(spark, store: Store, immunity: str) -> None:
     """One half message whose CHECK_IMMUNITY_TIME_IN_SECONDS is not a number (a sink stores
     any value) failed every round with CAST_INVALID_INPUT under ANSI mode, for every group.
@@ -488,6 +488,18 @@ def test_check_max_rollbacks_cut_off_before_their_discard_are_repaired(spark, st
     assert sorted(discarded) == sorted([first, second])
     job(spark, store, clock).run_once()
     assert store.read("discard").num_rows == 2
+
+
+def test_a_round_that_asks_nobody_runs_no_spark_job(spark, store: Store) -> None:
+    """Classifying the pending list is in-memory work: a round with transactions not yet due,
+    or none at all, starts no Spark job (it made three, 0.4 s a shard, every round)."""
+    prepare(store, "COMMIT", "ROLLBACK")
+    tracker = spark.sparkContext.statusTracker()
+    before = set(tracker.getJobIdsForGroup())
+    result = job(spark, store, Clock(), transaction_timeout=3600.0).run_once()
+    assert (result.summary.pending_found, result.summary.not_yet_due) == (2, 2)
+    assert set(tracker.getJobIdsForGroup()) - before == set()
+    assert {r["reason"] for r in result.check_batch.collect()} == {"not yet due"}
 
 
 def test_rounds_do_not_read_the_decided_history(spark, store: Store) -> None:
