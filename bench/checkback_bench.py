@@ -6,7 +6,11 @@ pending transaction is due: a third commits, a third rolls back, a third stays U
 Prints seconds and half messages reconciled per second for each N, and the cost ratio
 between sizes (linear growth means time ratio ~ size ratio).
 
-Usage: python bench/checkback_bench.py [--sizes 250000,1000000,4000000]
+Then the idle cost: rounds on a store of ``--shards`` shards, each with a few transactions not
+yet due (what a check-back loop does most of the time), beside one trivial Spark job on the
+same session.
+
+Usage: python bench/checkback_bench.py [--sizes 250000,1000000,4000000] [--shards 8]
 """
 
 from __future__ import annotations
@@ -22,11 +26,11 @@ import pyarrow as pa
 from decided import append_decisions, mark_published
 from deltalake import write_deltalake
 
-from rmq_spark import LocalTransactionState, MessageExt, Store, get_spark
+from rmq_spark import LocalTransactionState, Message, MessageExt, Store, get_spark
 from rmq_spark.checkback.checkers import CallableChecker
 from rmq_spark.checkback.job import CheckBackJob
-from rmq_spark.model.config import TransactionSettings
-from rmq_spark.model.schema import HALF_SCHEMA
+from rmq_spark.model.config import StoreSettings, TransactionSettings
+from rmq_spark.model.schema import HALF_SCHEMA, WRITER_COLUMNS
 
 CHUNK = 250_000
 
@@ -56,6 +60,7 @@ def build(store: Store, size: int) -> None:
                     "properties": [[]] * n,
                     "born_timestamp": [now] * n,
                     "store_timestamp": [now] * n,
+                    **{f.name: [None] * n for f in WRITER_COLUMNS},
                 },
                 schema=HALF_SCHEMA,
             ),
@@ -81,9 +86,44 @@ def timed_run(spark, root: Path, size: int) -> tuple[int, float]:
     return summary.pending_found, elapsed
 
 
+def idle_rounds(spark, root: Path, shards: int, rounds: int = 10) -> None:
+    """Time rounds on a store of ``shards`` shards with 2 transactions not yet due in each,
+    beside one trivial Spark job."""
+    store = Store.open(root, settings=StoreSettings(shards=shards))
+    for shard in range(shards):
+        store.shard_store(shard).prepare([Message("Bench", b"x", tags="COMMIT")] * 2, "bench")
+    job = CheckBackJob(
+        spark,
+        store,
+        {"bench": CallableChecker(by_tag)},
+        TransactionSettings(transaction_timeout=3600),
+    )
+    job.run_once()  # each shard's pending list made once
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        summary = job.run_once().summary
+        times.append(time.perf_counter() - start)
+        assert summary.not_yet_due == 2 * shards
+    spark_times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        spark.range(1).count()
+        spark_times.append(time.perf_counter() - start)
+    median, job_median = sorted(times)[rounds // 2], sorted(spark_times)[rounds // 2]
+    shard = median / shards
+    print(
+        f"idle round, {shards} shards (2 pending each, not due): {median * 1000:.0f} ms a round, "
+        f"{shard * 1000:.0f} ms a shard (median of {rounds}); "
+        f"one spark.range(1).count(): {job_median * 1000:.0f} ms; "
+        f"a shard's round / that job: {shard / job_median:.2f}x"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", default="250000,1000000,4000000")
+    parser.add_argument("--shards", type=int, default=8)
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     logging.basicConfig(level=logging.WARNING)
@@ -103,6 +143,7 @@ def main() -> None:
                 f"{elapsed / base_time:>10.2f} {size / base_size:>10.2f}",
                 flush=True,
             )
+        idle_rounds(spark, Path(tmp) / "idle", args.shards)
     spark.stop()
 
 
