@@ -26,7 +26,11 @@ import pyarrow.compute as pc
 from pyspark.sql import DataFrame, SparkSession
 
 from rmq_spark.model.config import TransactionSettings
-from rmq_spark.model.messages import PROPERTY_CHECK_IMMUNITY, SECONDS, SHARD_ID_PATTERN
+from rmq_spark.model.messages import (
+    PROPERTY_CHECK_IMMUNITY,
+    SHARD_ID_PATTERN,
+    check_immunity,
+)
 from rmq_spark.model.schema import PENDING_SCHEMA, TIMESTAMP
 from rmq_spark.store.facade import Store
 
@@ -125,14 +129,12 @@ def check_batch(
 
 
 def _immunity(pending: pa.Table, max_check_age: float) -> pa.Array:
-    """Each message's check immunity in seconds, at most ``max_check_age``: 0 where it has
-    none, or one that is not a number of seconds as producers write it (a sink stores any
-    value; one garbage property must not fail the round for everyone)."""
+    """Each message's check immunity in seconds (:func:`check_immunity`: 0 for none or a
+    value that is not a number of seconds), at most ``max_check_age``."""
     asked = pc.map_lookup(pending.column("properties"), PROPERTY_CHECK_IMMUNITY, "first")
-    number = pc.fill_null(pc.match_substring_regex(asked, f"^{SECONDS.pattern}$"), False)
-    seconds = pc.if_else(number, asked, "0").cast(pa.float64())
-    # Digits past a double's range parse as infinity: no immunity either.
-    return pc.if_else(pc.is_finite(seconds), pc.min_element_wise(seconds, max_check_age), 0.0)
+    return pa.array(
+        [min(check_immunity(v), max_check_age) for v in asked.to_pylist()], pa.float64()
+    )
 
 
 def _misplaced(ids: pa.ChunkedArray, shard: int) -> pa.ChunkedArray:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 import os
 import re
 import secrets
@@ -328,6 +329,17 @@ def validate_message(message: object, max_body_bytes: int = DEFAULT_MAX_BODY_BYT
             "(ASCII digits, an optional decimal point); use e.g. '30'."
         )
     return message
+
+
+def check_immunity(value: str | None) -> float:
+    """The seconds of check immunity a message's ``CHECK_IMMUNITY_TIME_IN_SECONDS`` asks for:
+    0 when it has none, or when the value is not a number of seconds as producers write it
+    (:data:`SECONDS`): a row another Delta writer stored may hold anything, and one such value
+    must not stop the checks of every transaction."""
+    if value is None or not SECONDS.fullmatch(value):
+        return 0.0
+    seconds = float(value)
+    return seconds if math.isfinite(seconds) else 0.0
 
 
 def _check_utf8(text: str, what: str) -> int:

@@ -33,7 +33,7 @@ import pyarrow.compute as pc
 from rocketmq.grpc_protocol import service_pb2 as service_pb
 
 from rmq_spark.model.config import TransactionSettings
-from rmq_spark.model.messages import PROPERTY_CHECK_IMMUNITY
+from rmq_spark.model.messages import PROPERTY_CHECK_IMMUNITY, check_immunity
 from rmq_spark.serve.accounts import Account
 from rmq_spark.serve.protocol import check_command
 from rmq_spark.store.facade import Store
@@ -254,7 +254,8 @@ class ClientCheckBack:
         return due
 
     def _timeout(self, row: dict[str, Any]) -> float:
-        """Seconds before a transaction is checked: its message's check immunity, else the
-        store's transaction timeout."""
-        immunity = dict(row["properties"] or {}).get(PROPERTY_CHECK_IMMUNITY)
-        return float(immunity) if immunity else self.settings.transaction_timeout
+        """Seconds before a transaction is checked: the store's transaction timeout, or its
+        message's check immunity (at most the max check age) when that is longer, as in the
+        check-back job's rounds (:mod:`rmq_spark.checkback.batch`)."""
+        immunity = check_immunity(dict(row["properties"] or {}).get(PROPERTY_CHECK_IMMUNITY))
+        return max(self.settings.transaction_timeout, min(immunity, self.settings.max_check_age))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pyarrow as pa
 import pytest
 
 from rmq_spark import Decision, LocalTransactionState, Message, Store
@@ -56,3 +57,44 @@ def test_a_client_is_asked_only_about_topics_its_account_may_publish(store: Stor
         loop._last_asked.clear()
     assert intruder.outbox.empty()
     assert owner.outbox.qsize() == 2
+
+
+@pytest.mark.parametrize("immunity", ["abc", "NaN", "inf", "1e400", "9" * 400, "1_0", " 10 "])
+def test_a_garbage_immunity_property_stops_nobody(store: Store, immunity: str) -> None:
+    """A half message whose CHECK_IMMUNITY_TIME_IN_SECONDS is not a number of seconds (another
+    Delta writer's row) failed every round of the server's check-back, so no client was asked
+    about any transaction. It counts as no immunity, as in the check-back job's rounds."""
+    (good,) = store.prepare([Message("TxOrders", "good")], "TxOrders")
+    rows = store.half_messages([good.transaction_id]).to_pylist()
+    rows[0] |= {
+        "transaction_id": "garbage-immunity",
+        "msg_id": "garbage-immunity",
+        "properties": [("CHECK_IMMUNITY_TIME_IN_SECONDS", immunity)],
+    }
+    store.append("half", pa.Table.from_pylist(rows, schema=store.half_messages([]).schema))
+    update_pending(store)
+    clients = Clients()
+    client = clients.connect("client-1")
+    clients.note_topics("client-1", None, ["TxOrders"])
+    loop = ClientCheckBack(store, clients, TransactionSettings(transaction_timeout=0.0))
+    assert asyncio.run(loop.round()) == 2
+    asked = set()
+    while not client.outbox.empty():
+        asked.add(client.outbox.get_nowait().recover_orphaned_transaction_command.transaction_id)
+    assert asked == {good.transaction_id, "garbage-immunity"}
+
+
+def test_an_immunity_shorter_than_the_timeout_does_not_make_a_transaction_due(
+    store: Store,
+) -> None:
+    """Rule 6: a transaction is asked about once its age is at least the transaction timeout
+    and its check immunity; a short immunity does not shorten the timeout."""
+    store.prepare(
+        [Message("TxOrders", "m", properties={"CHECK_IMMUNITY_TIME_IN_SECONDS": "0"})], "TxOrders"
+    )
+    update_pending(store)
+    clients = Clients()
+    clients.connect("client-1")
+    clients.note_topics("client-1", None, ["TxOrders"])
+    loop = ClientCheckBack(store, clients, TransactionSettings(transaction_timeout=3600.0))
+    assert asyncio.run(loop.round()) == 0
