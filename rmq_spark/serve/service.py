@@ -35,16 +35,14 @@ import hashlib
 import logging
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import grpc
 from rocketmq.grpc_protocol import definition_pb2 as pb
 from rocketmq.grpc_protocol import service_pb2 as service_pb
 from rocketmq.grpc_protocol import service_pb2_grpc as service_grpc
 
-from rmq_spark.group_commit import GroupCommitter
 from rmq_spark.model.errors import RmqSparkError
 from rmq_spark.model.messages import LocalTransactionState, Message, is_topic, shard_of
 from rmq_spark.serve import calls
@@ -61,14 +59,9 @@ from rmq_spark.serve.protocol import (
     to_message,
 )
 from rmq_spark.serve.recovery import Client, Clients
+from rmq_spark.serve.writes import LINGER_SECONDS, ServerWrites
 from rmq_spark.store.decisions import Decision, EndTransactionResult, EndTransactionStatus
 from rmq_spark.store.facade import Store
-from rmq_spark.store.publish_loop import (
-    BackgroundPublisher,
-    end_in_background,
-    publish_own,
-    publisher_for,
-)
 
 log = logging.getLogger(__name__)
 
@@ -81,12 +74,6 @@ REMEMBERED_TRANSACTIONS = 100_000
 _MAX_OUTBOX = 64
 #: Who decided, in ``op``, a transaction ended by a client's answer to a check.
 DECIDED_BY_CLIENT_CHECK = "check-back:client"
-#: How long a group commit waits for more sends or decisions once clients are concurrent:
-#: their requests arrive spread out (not in waves, as a producer's threads do), and with 64
-#: senders batches of 3 ms held 5 to 8 items, each a Delta commit whose CPU the clients'
-#: requests then lacked (measured: 20 ms gave about 40% more transactions per second in
-#: three paired runs of ``make bench-serve``).
-_LINGER_SECONDS = 0.02
 _RESOLUTIONS = {
     pb.COMMIT: LocalTransactionState.COMMIT,
     pb.ROLLBACK: LocalTransactionState.ROLLBACK,
@@ -151,10 +138,7 @@ class MessagingService(ConsumerCalls, service_grpc.MessagingServiceServicer):
         self.counters = Counters()
         self._max_batch = max_batch
         self._max_body = store.settings.max_body_bytes
-        self._writer = store
-        self._publisher: BackgroundPublisher | None = None
-        self._prepare: GroupCommitter[tuple[Message, str], Any] | None = None
-        self._end: GroupCommitter[Decision | tuple[Message, str], Any] | None = None
+        self._writes = ServerWrites(store, max_batch)
         #: Sends in flight or done, by :func:`_retry_key`.
         self._sends: OrderedDict[bytes, asyncio.Task[service_pb.SendResultEntry]] = OrderedDict()
         #: This process's open transactions: their producer group and topics.
@@ -162,22 +146,10 @@ class MessagingService(ConsumerCalls, service_grpc.MessagingServiceServicer):
 
     # -------------------------------------------------------------- lifecycle
     def start(self) -> None:
-        """Pick the shard to write to (as a producer process does), start the publisher and
-        the group committers (blocking)."""
-        self._publisher = publisher_for(self.store)
-        self._writer = self._publisher.writer
-        self._writer.maintain_in_background()
-        self._prepare = GroupCommitter(
-            "rmqtx-serve-prepare",
-            self._prepare_batch,
-            self._max_batch,
-            _LINGER_SECONDS,
-            wave=False,
-        )
-        self._end = GroupCommitter(
-            "rmqtx-serve-end", self._end_batch, self._max_batch, _LINGER_SECONDS, wave=False
-        )
-        self.start_consumers(self._max_batch, _LINGER_SECONDS)
+        """Start the store's writes (:class:`ServerWrites`: the shard to write to is picked
+        as a producer process does) and the consumers' (blocking)."""
+        self._writes.start()
+        self.start_consumers(self._max_batch, LINGER_SECONDS)
 
     async def finish_sends(self) -> None:
         """Wait for the sends under way (their clients may have gone)."""
@@ -186,16 +158,9 @@ class MessagingService(ConsumerCalls, service_grpc.MessagingServiceServicer):
             await asyncio.wait(running)
 
     def close(self) -> None:
-        """Finish what the committers hold, publish this process's COMMITs, stop the
-        publisher and wait for the maintenance asked for (blocking)."""
+        """Finish the writes under way and publish this server's COMMITs (blocking)."""
         self.close_consumers()
-        for committer in (self._prepare, self._end):
-            if committer is not None:
-                committer.close()
-        if self._publisher is not None:
-            self._publisher.stop()
-        publish_own(self._writer, "this server")
-        self._writer.finish_maintenance()
+        self._writes.close()
 
     # -------------------------------------------------------------- helpers
     # -------------------------------------------------------------- routes, liveness
@@ -216,12 +181,12 @@ class MessagingService(ConsumerCalls, service_grpc.MessagingServiceServicer):
         queues = [
             pb.MessageQueue(
                 topic=request.topic,
-                id=self._writer.queue_base + i,
+                id=self._writes.writer.queue_base + i,
                 permission=pb.READ_WRITE,
                 broker=broker,
                 accept_message_types=[pb.NORMAL, pb.TRANSACTION],
             )
-            for i in range(self._writer.settings.queue_nums)
+            for i in range(self._writes.writer.settings.queue_nums)
         ]
         return service_pb.QueryRouteResponse(status=status(Code.OK), message_queues=queues)
 
@@ -354,15 +319,13 @@ class MessagingService(ConsumerCalls, service_grpc.MessagingServiceServicer):
         message_id = message.properties[UNIQ_KEY]
         try:
             if transactional:
-                assert self._prepare is not None
-                prepared = await calls.result(self._prepare.submit((message, group)))
+                prepared = await calls.result(self._writes.prepare(message, group))
                 self._remember_transaction(prepared.transaction_id, group, message.topic)
                 entry = service_pb.SendResultEntry(
                     message_id=message_id, transaction_id=prepared.transaction_id
                 )
             else:
-                assert self._end is not None
-                sent = await calls.result(self._end.submit((message, group)))
+                sent = await calls.result(self._writes.end((message, group)))
                 if isinstance(sent, Exception):
                     raise sent  # the publish of this batch's normal messages failed
                 _, _, offset = sent
@@ -443,9 +406,8 @@ class MessagingService(ConsumerCalls, service_grpc.MessagingServiceServicer):
             request.source != pb.SOURCE_CLIENT and self.clients.was_asked(transaction_id)
         )
         decided_by = DECIDED_BY_CLIENT_CHECK if by_check else "producer"
-        assert self._end is not None
         result: EndTransactionResult = await calls.result(
-            self._end.submit(Decision(transaction_id, group, state, decided_by))
+            self._writes.end(Decision(transaction_id, group, state, decided_by))
         )
         if result.status is EndTransactionStatus.REFUSED:
             raise RequestError(
@@ -486,32 +448,6 @@ class MessagingService(ConsumerCalls, service_grpc.MessagingServiceServicer):
     GetOffset = calls.unsupported(service_pb.GetOffsetResponse, _NO_PULL)
     QueryOffset = calls.unsupported(service_pb.QueryOffsetResponse, _NO_PULL)
     SyncLiteSubscription = calls.unsupported(service_pb.SyncLiteSubscriptionResponse, _NO_PULL)
-
-    # -------------------------------------------------------------- batch handlers
-    def _prepare_batch(self, items: list[tuple[Message, str]]) -> list[Any]:
-        by_group: dict[str, list[int]] = {}
-        for i, (_, group) in enumerate(items):
-            by_group.setdefault(group, []).append(i)
-        results: list[Any] = [None] * len(items)
-        for group, indexes in by_group.items():
-            prepared = self._writer.prepare([items[i][0] for i in indexes], group, validated=True)
-            for i, p in zip(indexes, prepared, strict=True):
-                results[i] = p
-        return results
-
-    def _end_batch(self, items: list[Decision | tuple[Message, str]]) -> list[Any]:
-        decisions = [i for i in items if isinstance(i, Decision)]
-        normal = [i for i in items if not isinstance(i, Decision)]
-        ended = iter(end_in_background(self.store, self._publisher, decisions, normal=bool(normal)))
-        try:
-            sent: Sequence[Any] = self._writer.publish(normal, latest=False).sent if normal else []
-        except Exception as exc:
-            if not decisions:
-                raise
-            # The decisions are durable (their callers succeeded); the normal messages failed.
-            sent = [exc] * len(normal)
-        published = iter(sent)
-        return [next(ended) if isinstance(i, Decision) else next(published) for i in items]
 
 
 def _retry_key(message: Message, transactional: bool, account: Account | None) -> bytes:
