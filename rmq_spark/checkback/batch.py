@@ -26,11 +26,7 @@ import pyarrow.compute as pc
 from pyspark.sql import DataFrame, SparkSession
 
 from rmq_spark.model.config import TransactionSettings
-from rmq_spark.model.messages import (
-    PROPERTY_CHECK_IMMUNITY,
-    SHARD_ID_PATTERN,
-    check_immunity,
-)
+from rmq_spark.model.messages import PROPERTY_CHECK_IMMUNITY, check_immunity, named_shard
 from rmq_spark.model.schema import PENDING_SCHEMA, TIMESTAMP
 from rmq_spark.store.facade import Store
 
@@ -88,7 +84,7 @@ def check_batch(
     )
     now_us = pa.scalar(now, TIMESTAMP).value
     first_seen = pc.coalesce(
-        state.column("first_seen").take(seen).cast(pa.int64()),
+        state.column("first_seen").take(seen).cast(TIMESTAMP).cast(pa.int64()),
         pc.subtract(now_us, pc.trunc(pc.multiply(stored_age, 1e6)).cast(pa.int64())),
         now_us,
     )
@@ -137,12 +133,11 @@ def _immunity(pending: pa.Table, max_check_age: float) -> pa.Array:
     )
 
 
-def _misplaced(ids: pa.ChunkedArray, shard: int) -> pa.ChunkedArray:
-    """Whether each transaction id names a shard other than ``shard``: a half row another Delta
-    writer put in the wrong shard is never decided here (nor there, where it has no half
-    message). The shard is compared as the id spells it, so no number can overflow."""
-    named = pc.struct_field(pc.extract_regex(ids, SHARD_ID_PATTERN), "shard")
-    return pc.not_equal(pc.fill_null(named, "0"), str(shard))
+def _misplaced(ids: pa.ChunkedArray, shard: int) -> pa.Array:
+    """Whether each transaction id names a shard other than ``shard``, or none
+    (:func:`named_shard`): a half row another Delta writer put in the wrong shard is never
+    decided here (nor there, where it has no half message)."""
+    return pa.array([named_shard(t) != shard for t in ids.to_pylist()], pa.bool_())
 
 
 def _bodies(store: Store, classified: pa.Table) -> pa.ChunkedArray:

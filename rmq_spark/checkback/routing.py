@@ -65,11 +65,10 @@ def ask(
         ),
         pc.equal(batch.column("epoch_message"), epoch_message),
     )
-    group_batch = as_dataframe(spark, batch.filter(mine))
     try:
         if broken is not None:
             raise CheckerConfigError(broken)
-        answer = checker.check(group_batch).toArrow()
+        answer = checker.check(as_dataframe(spark, batch.filter(mine))).toArrow()
     except Exception as exc:
         log.error(
             "checker of producer group %r failed: %s; its transactions count as UNKNOWN this run",

@@ -392,31 +392,42 @@ MAX_SHARDS = 1000
 #: (:func:`shard_transaction_id`, :mod:`rmq_spark.store.arbiter`): lower case, so never a digit.
 OBJECT_DECIDED_MARK = "d"
 #: A transaction id of shard ``k`` >= 1 (:func:`shard_transaction_id`); group ``shard`` is ``k``.
-SHARD_ID_PATTERN = r"^[0-9A-F]{32}d?\.(?P<shard>[1-9][0-9]*)$"
-_SHARD_SUFFIX = re.compile(SHARD_ID_PATTERN, re.ASCII)
+_SHARD_SUFFIX = re.compile(r"[0-9A-F]{32}d?\.(?P<shard>[1-9][0-9]*)", re.ASCII)
 #: What an id of a shard looks like to a reader, canonical or not (``<id>.01``, ``<id>.0``).
-_SHARD_SHAPED = re.compile(r"^[0-9A-F]{32}d?\.[0-9]+$", re.ASCII)
+_SHARD_SHAPED = re.compile(r"[0-9A-F]{32}d?\.[0-9]+", re.ASCII)
 _OBJECT_DECIDED = re.compile(r"^[0-9A-F]{32}d(?:\.[1-9][0-9]*)?\Z", re.ASCII)
 
 
+def named_shard(transaction_id: str) -> int | None:
+    """The shard a transaction id names: ``k`` for an id made by shard ``k``
+    (:func:`shard_transaction_id`: 32 hex digits, a dot and ``k``), 0 for any other id; None
+    for one shaped like a shard's id that no shard makes (``<id>.0``, ``<id>.01``, a shard
+    past :data:`MAX_SHARDS`), which names no transaction. The whole id is matched: one with a
+    line break after it is not a shard's."""
+    found = _SHARD_SUFFIX.fullmatch(transaction_id)
+    if found is not None:
+        digits = found.group("shard")
+        return int(digits) if len(digits) <= len(str(MAX_SHARDS)) else None
+    return None if _SHARD_SHAPED.fullmatch(transaction_id) else 0
+
+
 def shard_of(transaction_id: str) -> int:
-    """The shard of the store that holds a transaction: ``k`` for an id made by shard ``k``
-    (:func:`shard_transaction_id`: 32 hex digits, a dot and ``k``), 0 for any other id.
+    """The shard of the store that holds a transaction (:func:`named_shard`).
 
     Raises
     ------
     RmqSparkError
-        The id has that shape but no shard makes it (``<id>.0``, ``<id>.01``): it names no
-        transaction, and a decision for it would be recorded for nothing.
+        The id has a shard's shape but no shard makes it (``<id>.0``, ``<id>.01``): it names
+        no transaction, and a decision for it would be recorded for nothing.
     """
-    found = _SHARD_SUFFIX.match(transaction_id)
-    if found is None and _SHARD_SHAPED.match(transaction_id) is not None:
+    shard = named_shard(transaction_id)
+    if shard is None:
         raise RmqSparkError(
-            f"{transaction_id!r} is not a transaction id rmq-spark made: a shard's ids end in "
-            "'.<shard>' with no leading zero (shard 0's have no suffix). Use the id the send "
+            f"{transaction_id[:80]!r} is not a transaction id rmq-spark made: a shard's ids end "
+            "in '.<shard>' with no leading zero (shard 0's have no suffix). Use the id the send "
             "returned."
         )
-    return int(found.group(1)) if found else 0
+    return shard
 
 
 def shard_transaction_id(shard: int, *, object_decided: bool = False) -> str:

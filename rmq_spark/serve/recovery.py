@@ -257,5 +257,6 @@ class ClientCheckBack:
         """Seconds before a transaction is checked: the store's transaction timeout, or its
         message's check immunity (at most the max check age) when that is longer, as in the
         check-back job's rounds (:mod:`rmq_spark.checkback.batch`)."""
-        immunity = check_immunity(dict(row["properties"] or {}).get(PROPERTY_CHECK_IMMUNITY))
+        asked = (v for k, v in row["properties"] or () if k == PROPERTY_CHECK_IMMUNITY)
+        immunity = check_immunity(next(asked, None))  # the first, as the job's rounds read it
         return max(self.settings.transaction_timeout, min(immunity, self.settings.max_check_age))

@@ -494,11 +494,13 @@ def test_a_round_that_asks_nobody_runs_no_spark_job(spark, store: Store) -> None
     """Classifying the pending list is in-memory work: a round with transactions not yet due,
     or none at all, starts no Spark job (it made three, 0.4 s a shard, every round)."""
     prepare(store, "COMMIT", "ROLLBACK")
-    tracker = spark.sparkContext.statusTracker()
-    before = set(tracker.getJobIdsForGroup())
-    result = job(spark, store, Clock(), transaction_timeout=3600.0).run_once()
+    spark.sparkContext.setJobGroup("idle-round", "jobs of this thread's round")
+    try:
+        result = job(spark, store, Clock(), transaction_timeout=3600.0).run_once()
+    finally:
+        spark.sparkContext.setLocalProperty("spark.jobGroup.id", None)
     assert (result.summary.pending_found, result.summary.not_yet_due) == (2, 2)
-    assert set(tracker.getJobIdsForGroup()) - before == set()
+    assert spark.sparkContext.statusTracker().getJobIdsForGroup("idle-round") == []
     assert {r["reason"] for r in result.check_batch.collect()} == {"not yet due"}
 
 

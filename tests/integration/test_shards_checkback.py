@@ -176,8 +176,10 @@ def test_a_discard_is_redriven_in_its_own_shard(spark, sharded: Store, capsys) -
 
 def test_a_half_message_with_another_shards_id_stops_no_round(spark, sharded: Store) -> None:
     """Another Delta writer appends half rows whose ids name another shard (a copy from shard
-    1 into the root, a shard-0 id into shard 1): no decider may record them in the wrong
-    shard's op, and they must not stop check-back for everyone (apache/rocketmq#9500)."""
+    1 into the root, a shard-0 id into shard 1) or no shard (``<id>.0``, ``<id>.01``, whose
+    decision failed every round in shard 0): no decider may record them in the wrong shard's
+    op, and they must not stop check-back for everyone (apache/rocketmq#9500). An id with a
+    line break after a shard's suffix is no shard's id: shard 0's, decided there alone."""
     from deltalake import write_deltalake
 
     from rmq_spark.model.messages import new_id, shard_transaction_id
@@ -185,18 +187,23 @@ def test_a_half_message_with_another_shards_id_stops_no_round(spark, sharded: St
     clock = Clock()
     honest = prepare(sharded, 1, "COMMIT")
     row = sharded.shard_store(1).read("half").to_pylist()[0]
-    strays = {0: shard_transaction_id(1), 1: new_id()}
-    for shard, stray in strays.items():
+    broken = shard_transaction_id(2) + "\n"
+    strays = {
+        0: [shard_transaction_id(1), f"{new_id()}.0", f"{new_id()}.01", broken],
+        1: [new_id()],
+    }
+    for shard, ids in strays.items():
         uri = sharded.shard_store(shard).table_uri("half")
-        rows = pa.Table.from_pylist([{**row, "transaction_id": stray}], sharded.read("half").schema)
-        write_deltalake(uri, rows, mode="append")
+        rows = [{**row, "transaction_id": t, "msg_id": f"m-{t}"} for t in ids]
+        write_deltalake(uri, pa.Table.from_pylist(rows, sharded.read("half").schema), mode="append")
     job(spark, sharded, clock, transaction_timeout=60.0).run_once()
     clock.now += timedelta(seconds=70)
 
     result = job(spark, sharded, clock, transaction_timeout=60.0).run_once()
     s = result.summary
-    assert (s.status, s.errors, s.committed, s.unrouted) == ("finished", 0, 1, 2)
+    assert (s.status, s.errors, s.committed, s.unrouted) == ("finished", 0, 2, 4)
     reasons = {r["transaction_id"]: r["reason"] for r in result.check_batch.collect()}
-    assert reasons[strays[0]] == reasons[strays[1]] == MISPLACED
+    assert {t for t, r in reasons.items() if r == MISPLACED} == set(strays[0][:3] + strays[1])
     assert decisions(sharded, 1) == {honest: "COMMIT"}
-    assert decisions(sharded, 0) == {}
+    assert decisions(sharded, 0) == {broken: "COMMIT"}
+    assert decisions(sharded, 2) == {}
