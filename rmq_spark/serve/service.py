@@ -162,7 +162,6 @@ class MessagingService(ConsumerCalls, service_grpc.MessagingServiceServicer):
         self.close_consumers()
         self._writes.close()
 
-    # -------------------------------------------------------------- helpers
     # -------------------------------------------------------------- routes, liveness
     @calls.signed(service_pb.QueryRouteResponse)
     async def QueryRoute(

@@ -54,11 +54,12 @@ class ServerWrites:
         self._publisher = publisher_for(self.store)
         self.writer = self._publisher.writer
         self.writer.maintain_in_background()
+        # wave=False: remote callers' requests arrive spread out, not in waves.
         self._prepare = GroupCommitter(
-            "rmqtx-serve-prepare", self._prepare_batch, self._max_batch, LINGER_SECONDS, False
+            "rmqtx-serve-prepare", self._prepare_batch, self._max_batch, LINGER_SECONDS, wave=False
         )
         self._end = GroupCommitter(
-            "rmqtx-serve-end", self._end_batch, self._max_batch, LINGER_SECONDS, False
+            "rmqtx-serve-end", self._end_batch, self._max_batch, LINGER_SECONDS, wave=False
         )
 
     def prepare(self, message: Message, group: str) -> Slot[Any]:
