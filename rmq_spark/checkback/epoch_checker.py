@@ -7,15 +7,15 @@ out, so a staged transaction is rolled back only when no writer can list it any 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from urllib.parse import urlsplit
 
 from pyspark.sql import DataFrame
 
 from rmq_spark.checkback.checkers import ANSWER_SCHEMA, Checker
 from rmq_spark.delta.storage import scheme
+from rmq_spark.model.clock import Clock, in_utc, utc_now
 from rmq_spark.model.errors import StoreError
 from rmq_spark.spark.epoch_records import (
     ABANDONED,
@@ -34,10 +34,6 @@ log = logging.getLogger(__name__)
 #: The epoch checker's answer for a transaction whose writer still holds the epoch's lease:
 #: not a check (RocketMQ's check immunity), so it never spends the check budget.
 WRITER_ALIVE = "WRITER_ALIVE"
-
-
-def _now() -> datetime:
-    return datetime.now(UTC)
 
 
 def check_delta_table(store: Store, table_uri: str, sink_id: str) -> None:
@@ -87,9 +83,9 @@ class EpochChecker(Checker):
 
     kind = "epoch"
 
-    def __init__(self, store: Store, clock: Callable[[], datetime] = _now) -> None:
+    def __init__(self, store: Store, clock: Clock = utc_now) -> None:
         self.store = store
-        self.clock = clock
+        self.clock = in_utc(clock)
 
     def check(self, batch: DataFrame) -> DataFrame:
         columns = ["transaction_id", "producer_group", "sink_id", "epoch", "generation"]

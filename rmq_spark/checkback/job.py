@@ -36,8 +36,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
-from datetime import UTC, datetime
+from collections.abc import Mapping
+from datetime import datetime
 
 import pyarrow as pa
 from pyspark.sql import SparkSession
@@ -49,6 +49,7 @@ from rmq_spark.checkback.discards import insert_discards
 from rmq_spark.checkback.round import CheckRound, RoundResult
 from rmq_spark.checkback.routing import misconfigured
 from rmq_spark.checkback.summary import CheckBackResult, CheckBackSummary, combine_summaries
+from rmq_spark.model.clock import Clock, in_utc, utc_now
 from rmq_spark.model.config import RetentionSettings, TransactionSettings
 from rmq_spark.model.messages import new_id
 from rmq_spark.store.facade import Store
@@ -56,10 +57,6 @@ from rmq_spark.store.fanout import on_every_shard
 from rmq_spark.store.retention import maintain
 
 log = logging.getLogger(__name__)
-
-
-def _utcnow() -> datetime:
-    return datetime.now(UTC)
 
 
 class CheckBackJob:
@@ -82,7 +79,7 @@ class CheckBackJob:
         When given, :meth:`run_forever` also runs maintenance (:func:`rmq_spark.store.retention.
         maintain`) every ``retention.maintenance_interval``.
     clock : callable, optional
-        Returns the current UTC time (tests move it).
+        Returns the current UTC time (tests move it; a naive time is read as UTC).
 
     Examples
     --------
@@ -99,7 +96,7 @@ class CheckBackJob:
         *,
         skip_unrouted: bool = False,
         retention: RetentionSettings | None = None,
-        clock: Callable[[], datetime] = _utcnow,
+        clock: Clock = utc_now,
     ) -> None:
         self.spark = spark
         self.store = store
@@ -107,7 +104,7 @@ class CheckBackJob:
         self.settings = settings or TransactionSettings()
         self.skip_unrouted = skip_unrouted
         self.retention = retention
-        self.clock = clock
+        self.clock = in_utc(clock)
         #: Per shard, whose decision objects its rounds read (kept from round to round).
         self._looks: dict[int, ObjectLooks] = {}
 

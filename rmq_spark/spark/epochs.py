@@ -33,12 +33,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from rmq_spark.delta.reads import sql_string
+from rmq_spark.model.clock import Clock, utc_now
 from rmq_spark.model.errors import EpochLostError
 from rmq_spark.model.failpoints import failpoint
 from rmq_spark.model.messages import LocalTransactionState
@@ -79,11 +80,6 @@ class EpochOutcome:
     first: bool
 
 
-def _now() -> datetime:
-    """The current time, in UTC (the default clock)."""
-    return datetime.now(UTC)
-
-
 def aborted_by(attempt: str | None) -> str:
     """``closed_by`` of an epoch that attempt ``attempt`` of its writer aborted."""
     return "abort" if attempt is None else f"abort:{attempt}"
@@ -106,7 +102,7 @@ def hold(
     epoch: int,
     owner: str,
     lease_seconds: float,
-    clock: Callable[[], datetime] = _now,
+    clock: Clock = utc_now,
     attempt: str | None = None,
 ) -> Epoch:
     """Take the epoch for a writer about to stage: open it (generation 0), reopen it when it
@@ -191,7 +187,7 @@ def renew(
     epoch: int,
     generation: int,
     lease_seconds: float,
-    clock: Callable[[], datetime] = _now,
+    clock: Clock = utc_now,
 ) -> bool:
     """Push the lease of an OPEN epoch on (a heartbeat); False once the epoch is not OPEN in
     ``generation`` any more."""
@@ -310,7 +306,7 @@ def close(
             "generation": generation or 0,
             "transaction_ids": list(transaction_ids),
             "closed_by": closed_by,
-            "closed_timestamp": _now(),
+            "closed_timestamp": utc_now(),
         },
         lambda m: insert_all(
             m.when_matched_update(
@@ -484,7 +480,7 @@ def release(
             "generation": 0,
             "owner": owner,
             "closed_by": aborted_by(attempt),
-            "closed_timestamp": _now(),
+            "closed_timestamp": utc_now(),
         },
         clauses,
     )

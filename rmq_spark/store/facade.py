@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from deltalake import CommitProperties, DeltaTable
 from deltalake.table import TableMerger
 
 from rmq_spark.delta.tables import DeltaTables
+from rmq_spark.model.clock import in_utc
 from rmq_spark.model.config import Settings, StoreSettings
 from rmq_spark.model.errors import StoreError, StoreVersionError
 from rmq_spark.model.messages import (
@@ -62,10 +63,6 @@ from rmq_spark.store.shards import Shards
 log = logging.getLogger(__name__)
 
 
-def _now() -> datetime:
-    return datetime.now(UTC)
-
-
 class Store:
     """An rmq-spark store: the Delta tables under one root, and the broker operations on them.
 
@@ -79,7 +76,8 @@ class Store:
     settings : StoreSettings
         Queue count, body size limit and storage options.
     clock : callable, optional
-        Returns the current UTC time for the timestamps this process writes.
+        Returns the current UTC time for the timestamps this process writes (a naive time
+        is read as UTC).
     """
 
     def __init__(
@@ -93,7 +91,7 @@ class Store:
     ) -> None:
         self.root = root
         self.settings = settings
-        self.clock = clock or _now
+        self.clock = in_utc(clock)
         #: Which shard of its store this is (0: the root; :mod:`rmq_spark.store.shards`).
         self.shard = shard
         self._shards = shards or Shards(self, self._make_shard)

@@ -53,6 +53,7 @@ from deltalake import CommitProperties, DeltaTable, Transaction
 from rmq_spark.delta.reads import sql_string, sql_time
 from rmq_spark.delta.retry import retry_commits
 from rmq_spark.delta.vacuum import tombstone_retention, vacuum
+from rmq_spark.model.clock import in_utc
 from rmq_spark.model.config import RetentionSettings
 from rmq_spark.model.failpoints import failpoint
 from rmq_spark.model.messages import new_id
@@ -103,6 +104,7 @@ def maintain(
     """
     settings = settings or RetentionSettings()
     run_id = new_id()
+    clock = in_utc(clock) if clock else None
     return on_every_shard(
         store.shards(refresh=True),
         "maintenance",
@@ -150,7 +152,7 @@ def expiry_plan(
     """What :func:`maintain` would expire from the CommitLog now (``rmqtx maintain --dry-run``),
     for every queue (those it leaves alone too); nothing is changed."""
     settings = settings or RetentionSettings()
-    cutoff = (clock or store.clock)() - timedelta(seconds=settings.file_reserved_time)
+    cutoff = in_utc(clock or store.clock)() - timedelta(seconds=settings.file_reserved_time)
     return _queue_expiries(store, store.table("commitlog"), cutoff)
 
 
