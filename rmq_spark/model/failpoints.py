@@ -32,7 +32,8 @@ and ``shards.made`` (the shards' markers are in place, the root's count not rais
 published there; :mod:`rmq_spark.store.deliveries`); ``decision.claimed`` (transactions'
 decision objects are put, their decisions not recorded in ``op``;
 :mod:`rmq_spark.store.decisions`); ``intake.landing`` (a producer's background landing of the
-intake objects it staged starts: its sends returned, nothing of them is in ``half``) and
+intake objects it staged starts: its sends returned, nothing of them is in ``half``),
+``intake.read`` (a recovery has read the intake objects it found, landed nothing yet) and
 ``intake.landed`` (a landing's commit is in ``half``, its objects not deleted yet;
 :mod:`rmq_spark.store.intake`).
 """

@@ -21,7 +21,11 @@
   finds them there. A writer skips that lookup while the application id of its bucket is the one
   its own last landing recorded (no one landed any of its objects since). An object is deleted
   after its landing (by its writer, once the decisions of that moment are in ``op``); one whose
-  deletion failed is found landed by the next recoverer, which deletes it. No clock or file
+  deletion failed is found landed by the next recoverer, which deletes it. So an object gone
+  was landed: a landing that did not read the application id as its own lands only the objects
+  it lists after reading the snapshot it commits on. A writer stalled while a recoverer landed
+  its objects, the transactions were decided and retention removed them, does not bring them
+  back from memory (nor does a recoverer stalled after reading an object). No clock or file
   time is trusted: the age a recoverer waits for only spares a live writer the race.
 
 An intake object left unlanded (its writer killed, no check-back job running) is pending all
@@ -70,10 +74,15 @@ def intake_app_id(token: str) -> str:
     return _APP_ID.format(bucket=zlib.crc32(token.encode()) % INTAKE_BUCKETS)
 
 
+def _base(name: str) -> str:
+    """An intake object's name without its folder."""
+    return name.rsplit("/", 1)[-1]
+
+
 def _parts(name: str) -> list[str]:
     """An intake object's name's parts: its first and last transaction ids and its writer
     token (``<first>-<last>-<token>.arrow``)."""
-    return name.rsplit("/", 1)[-1].removesuffix(_SUFFIX).split("-")
+    return _base(name).removesuffix(_SUFFIX).split("-")
 
 
 def _covers(name: str, transaction_ids: Sequence[str]) -> bool:
@@ -138,20 +147,23 @@ class Intake(StoreConcept):
         os.replace(temp, name)  # whole or not at all
 
     # ------------------------------------------------------------------ landing
-    def land(self) -> list[str]:
+    def land(self) -> tuple[list[str], set[str]]:
         """Land in ``half`` the objects this process staged so far, in one commit; return
         their names, for :meth:`delete` (after the decisions of that moment are landed: the
-        deletion is not on the way to ``op``). A failed landing keeps them for the next call."""
+        deletion is not on the way to ``op``), and the transactions of those another process
+        landed and deleted first (this one stalled): their decisions are that landing's
+        (see :class:`rmq_spark.store.landing.Landing`). A failed landing keeps them for the
+        next call."""
         with self._landing:
             with self._lock:
                 batch = list(self._staged)
             if not batch:
-                return []
+                return [], set()
             failpoint("intake.landing")
-            self._land(batch, own=True)
+            _, gone = self._land(batch, own=True)
             with self._lock:
                 del self._staged[: len(batch)]
-            return [name for name, _ in batch]
+            return [name for name, _ in batch], gone
 
     def recover(
         self,
@@ -169,15 +181,16 @@ class Intake(StoreConcept):
         itself, left alone (it deletes them)."""
         with self._landing:
             found = self._listed(older_than, time.time() if now is None else now)
-            mine = {name.rsplit("/", 1)[-1] for name in just_landed}
-            found = [name for name in found if name.rsplit("/", 1)[-1] not in mine]
+            mine = {_base(name) for name in just_landed}
+            found = [name for name in found if _base(name) not in mine]
             if covering is not None:
                 found = [name for name in found if _covers(name, covering)]
             if not found:
                 return 0
             datas = each(self._read, found, "intake-reads")
             objects = [(n, r) for n, r in zip(found, datas, strict=True) if r is not None]
-            landed = self._land(objects, own=False) if objects else 0
+            failpoint("intake.read")
+            landed = self._land(objects, own=False)[0] if objects else 0
             self.delete([n for n, _ in objects])
             if landed:
                 log.info(
@@ -197,19 +210,30 @@ class Intake(StoreConcept):
         names = self._listed(0.0, float("inf"))
         return {t for t in transaction_ids if any(_covers(name, [t]) for name in names)}
 
-    def _land(self, objects: Sequence[tuple[str, pa.Table]], *, own: bool) -> int:
+    def _land(self, objects: Sequence[tuple[str, pa.Table]], *, own: bool) -> tuple[int, set[str]]:
         """Append the rows of ``objects`` to ``half`` unless they are there; return how many
-        transactions that was (the landing arbiter: see the module docstring)."""
+        transactions that was (the landing arbiter: see the module docstring), and the
+        transactions of the objects found gone (landed by another process)."""
         ids = sorted({t for _, rows in objects for t in rows.column("transaction_id").to_pylist()})
         apps = {intake_app_id(_parts(name)[-1]) for name, _ in objects}
+        gone: set[str] = set()
 
         def attempt(n: int) -> tuple[int, int | None]:
+            gone.clear()
             head = self.tables.head("half", reload=n > 0 or not own)
             mine = own and n == 0 and head.txns.get(self._app_id) == self._landed_at
             if not mine and head.snapshot.version() != head.version:
                 head = self.tables.head("half", reload=True)
             todo = list(objects)
             if not mine:
+                # Listed after the snapshot is read: an object gone by now was landed (a
+                # recoverer deletes one only after landing it), on this snapshot or on one the
+                # commit below then conflicts with. Its rows may be gone from half too (retention,
+                # while this process was stalled): landing them would bring them back.
+                present = {_base(name) for name, _ in self._entries()}
+                for name, rows in objects:
+                    if _base(name) not in present:
+                        gone.update(rows.column("transaction_id").to_pylist())
                 files = self.tables.data_files("half", head.snapshot)
                 there = set(
                     rows_by_id(self.tables, files, "half", ids, ["transaction_id"])
@@ -219,7 +243,8 @@ class Intake(StoreConcept):
                 todo = [
                     (name, rows)
                     for name, rows in objects
-                    if not there.intersection(rows.column("transaction_id").to_pylist())
+                    if _base(name) in present
+                    and not there.intersection(rows.column("transaction_id").to_pylist())
                 ]
             if not todo:
                 return 0, None
@@ -240,7 +265,14 @@ class Intake(StoreConcept):
         landed, value = retry_commits(f"land {len(objects)} intake object(s)", "half", attempt)
         if own and value is not None:
             self._landed_at = value
-        return landed
+        if gone:
+            log.warning(
+                "%d transaction(s) (e.g. %s) of intake objects this process staged were landed "
+                "by another process while this one was stalled; not landed again",
+                len(gone),
+                min(gone),
+            )
+        return landed, gone
 
     # ------------------------------------------------------------------ objects
     def waiting(self, now: float) -> tuple[int, float | None]:

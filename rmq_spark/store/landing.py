@@ -86,7 +86,11 @@ class Landing:
             landed: list[str] = []
             try:
                 if self._staging is not None:
-                    landed = self._staging.land()
+                    landed, elsewhere = self._staging.land()
+                    # Landed by another process while this one was stalled: the check-back job
+                    # records their decisions from their objects, if retention has not removed
+                    # them since (op must not hold a decision that half lacks the messages of).
+                    batch = [d for d in batch if d.transaction_id not in elsewhere]
                 if batch:
                     self._land_halves([d.transaction_id for d in batch], landed)
                     self._land(batch)

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -27,9 +28,10 @@ from rmq_spark.checkback.checkers import (
 )
 from rmq_spark.checkback.discards import redrive
 from rmq_spark.checkback.job import CheckBackJob
-from rmq_spark.model.config import TransactionSettings
+from rmq_spark.model.config import RetentionSettings, TransactionSettings
 from rmq_spark.ops.demo import OrderService
 from rmq_spark.ops.status import store_status
+from rmq_spark.store.retention import maintain
 from tests.conftest import Clock, commitlog, foreign_compaction_after_the_stores, race
 
 BY_TAG = "tests.checker_functions:by_tag"
@@ -808,3 +810,68 @@ def test_sends_a_killed_producer_left_in_intake_objects_are_landed_then_resolved
     assert pending(store) == set()
     store.publish()
     assert visible_ids(store) == [committed]
+
+
+def test_a_writer_stalled_past_retention_lands_none_of_its_sends_again(
+    spark, store: Store, tmp_path: Path
+) -> None:
+    """A producer with intake stops (SIGSTOP) as its publisher starts landing a COMMITted send
+    (only in its intake object). A round lands the object and records the COMMIT its decision
+    object holds; the message is published; 73 hours later retention removes the transaction.
+    Resumed, the producer must not land the rows and the decision it still holds again: the
+    message would be published a second time (rule 2)."""
+    marker, go = tmp_path / "stopped.pid", tmp_path / "go"
+    child = (
+        "import os, time\n"
+        "from rmq_spark import LocalTransactionState, Message, Store, TransactionMQProducer\n"
+        "from rmq_spark.model.config import StoreSettings\n"
+        "from tests.unit.test_producer import ScriptedListener\n"
+        f"store = Store.open({store.root!r}, settings=StoreSettings(queue_nums=2, intake=True))\n"
+        "with TransactionMQProducer('pg', ScriptedListener(), store=store) as producer:\n"
+        "    sent = producer.send_message_in_transaction(\n"
+        "        Message('Orders', b'x', tags='COMMIT'), LocalTransactionState.COMMIT)\n"
+        "    print(sent.transaction_id, flush=True)\n"
+        f"    while not os.path.exists({str(go)!r}):\n"
+        "        time.sleep(0.05)\n"
+        "    producer.flush()\n"
+        "print('flushed', flush=True)\n"
+    )
+    failpoint = {
+        "RMQ_SPARK_FAILPOINT": "intake.landing:stop",
+        "RMQ_SPARK_FAILPOINT_MARKER": str(marker),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-c", child],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        env={**os.environ, **failpoint},
+        start_new_session=True,
+    )
+    try:
+        tid = proc.stdout.readline().decode().strip()
+        while not marker.exists() or not marker.read_text().strip():
+            assert proc.poll() is None
+            time.sleep(0.05)
+        assert pending(store) == set()  # only in the stopped writer's intake object
+        clock = Clock()
+        start_clocks(spark, store, clock)
+        job(spark, store, clock).run_once()  # lands it; its age starts there
+        assert pending(store) == {tid}
+        clock.advance(10)
+        s = job(spark, store, clock).run_once().summary
+        assert (s.pending_found, s.already_decided) == (1, 1)  # its decision object's COMMIT
+        store.publish()
+        assert visible_ids(store) == [tid]
+        later = Store.open(store.root, clock=lambda: clock.now + timedelta(hours=73))
+        assert maintain(later, RetentionSettings()).half_removed == 1
+        assert visible_ids(store) == []  # its CommitLog file expired too (consumed long ago)
+        os.kill(proc.pid, signal.SIGCONT)
+        go.touch()
+        assert proc.stdout.readline().decode().strip() == "flushed"
+        assert proc.wait(timeout=60) == 0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    store.publish()
+    assert visible_ids(store) == []  # not published a second time
+    assert store.read("half").num_rows == 0 and store.read("op").num_rows == 0

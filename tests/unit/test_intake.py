@@ -3,25 +3,32 @@ before any decision of it reaches ``op``, by its writer or by whoever finds it l
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 from collections import Counter
 from dataclasses import replace
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 from deltalake import DeltaTable
 
 from rmq_spark import Decision, LocalTransactionState, Message, Store
-from rmq_spark.model.config import Settings, StoreSettings, load_settings
+from rmq_spark.model.config import RetentionSettings, Settings, StoreSettings, load_settings
 from rmq_spark.model.errors import InvalidOptionError
+from rmq_spark.model.failpoints import ENV, MARKER_ENV
 from rmq_spark.store.decisions import EndTransactionStatus
 from rmq_spark.store.intake import INTAKE_DIR
 from rmq_spark.store.layout import LAYOUT_VERSION, MARKER_FILE, OBJECTS_LAYOUT
+from rmq_spark.store.retention import maintain
+from tests.conftest import Clock, commitlog
 
 COMMIT, ROLLBACK = LocalTransactionState.COMMIT, LocalTransactionState.ROLLBACK
 REPO = Path(__file__).resolve().parents[2]
@@ -286,3 +293,40 @@ def test_status_shows_the_intake_objects_waiting(settings: Settings) -> None:
     (shard,) = store_status(writer)["shards"]
     assert (shard["intake_objects"], shard["oldest_intake_seconds"]) == (0, None)
     assert "intake objects" not in format_status(store_status(writer))
+
+
+def test_a_recoverer_stalled_past_retention_lands_nothing_back(tmp_path: Path) -> None:
+    """A recoverer (``land_intake``, as a check-back round runs it) reads a producer's intake
+    object and stops (SIGSTOP) before landing it. The producer lands it itself, the transaction
+    is committed, published and, 73 hours later, removed by retention. Resumed, the recoverer
+    must land nothing: the message would be pending again, and published a second time."""
+    root, marker = tmp_path / "store", tmp_path / "stopped.pid"
+    settings = Settings(store=StoreSettings(path=str(root), queue_nums=2, intake=True))
+    writer = _open(settings)
+    (prepared,) = writer.prepare([Message("Orders", b"x")], "pg")
+    recoverer = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"from rmq_spark import Store; print(Store.open({str(root)!r}).land_intake(0.0))",
+        ],
+        stdout=subprocess.PIPE,
+        env={**os.environ, ENV: "intake.read:stop", MARKER_ENV: str(marker)},
+        start_new_session=True,
+    )
+    try:
+        while not marker.exists() or not marker.read_text().strip():
+            assert recoverer.poll() is None, "the recoverer ended before its failpoint"
+            time.sleep(0.05)
+        writer.end_transactions([Decision(prepared.transaction_id, "pg", COMMIT, "producer")])
+        assert _objects(writer) == [] and commitlog(writer).num_rows == 1
+        later = Clock(datetime.now(UTC) + timedelta(hours=73))
+        assert maintain(Store.open(root, clock=later), RetentionSettings()).half_removed == 1
+        os.kill(recoverer.pid, signal.SIGCONT)
+        assert recoverer.communicate(timeout=60)[0].decode().split() == ["0"]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(recoverer.pid, signal.SIGKILL)
+    assert _half_ids(writer) == []
+    writer.publish()
+    assert commitlog(writer).num_rows == 0
