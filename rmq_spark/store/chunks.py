@@ -52,6 +52,12 @@ class Chunks(StoreConcept):
         ``publish_max_messages`` committed transactions are found (each has one message or
         more), and only the half messages of those are read.
         """
+        self.recent.publishing(cursor)
+        end, rows, guard = self._next_chunk(cursor, target, guard)
+        self.recent.published_to(end)
+        return end, rows, guard
+
+    def _next_chunk(self, cursor: int, target: int, guard: int) -> tuple[int, pa.Table, int]:
         max_messages = self.settings.publish_max_messages
         decided, found, end, window = [], 0, cursor, 16
         while end < target and found < max_messages:

@@ -8,6 +8,12 @@ was new), and retention removes only transactions that are published or rolled b
 publish that finds every transaction of its chunk here uses these rows; any miss (another
 process prepared it, or the cache dropped it) reads ``half`` as before. Memory is bounded by
 body bytes, oldest first.
+
+Rows of a transaction that another process published are stale: retention may remove it,
+and a decision of it recorded again after that (this process stalled between its decision and
+its landing, or a late end-transaction) must publish nothing. This process cannot see which
+transactions others published, only that they did: a publish that finds the ``op`` cursor past
+where this process's last one read (or that is its first) forgets every row first.
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ class RecentHalves:
         self._bytes = 0
         self._rows: OrderedDict[str, tuple[_Prepared, int]] = OrderedDict()
         self._lock = threading.Lock()
+        #: The ``op`` version up to which this process's last publish read (None: none yet).
+        self._read_to: int | None = None
 
     def add(self, rows: pa.Table) -> None:
         """Keep ``rows``: one message per transaction, each transaction whole."""
@@ -79,6 +87,20 @@ class RecentHalves:
         for prepared, row in taken:
             by_prepare.setdefault(id(prepared), (prepared.rows, []))[1].append(row)
         return pa.concat_tables([rows.take(picked) for rows, picked in by_prepare.values()])
+
+    def publishing(self, cursor: int) -> None:
+        """A publish reads the transactions decided after ``op`` version ``cursor``: forget
+        every row when another process published since this one's last publish read (see the
+        module docstring)."""
+        with self._lock:
+            if self._read_to is None or cursor > self._read_to:
+                self._rows.clear()
+                self._bytes = 0
+
+    def published_to(self, end: int) -> None:
+        """A publish read the transactions decided up to ``op`` version ``end``."""
+        with self._lock:
+            self._read_to = end
 
     def discard(self, transaction_ids: Iterable[str]) -> None:
         """Forget transactions that will not be published (rolled back)."""

@@ -66,3 +66,22 @@ def test_rolled_back_transactions_leave_the_producers_cache(store: Store) -> Non
     (p,) = store.prepare([Message("Orders", b"a")], "pg")
     store.end_transactions([Decision(p.transaction_id, "pg", LocalTransactionState.ROLLBACK)])
     assert store._recent.take([p.transaction_id]) is None
+
+
+def test_rows_are_forgotten_once_another_process_published(store: Store) -> None:
+    """Rows of transactions another process published are stale (retention may remove them,
+    and one decided again after that must publish nothing): a publish that finds the cursor
+    past where this process's last publish read forgets every row, and so does a first one."""
+    cache = RecentHalves()
+    rows = _prepared(store, 2)
+    ids = rows.column("transaction_id").to_pylist()
+    cache.add(rows)
+    cache.publishing(4)  # this process's first publish
+    assert cache.take(ids) is None
+    cache.published_to(7)
+    cache.add(rows)
+    cache.publishing(7)  # where this process's last publish read to: nobody else published
+    assert cache.take(ids[:1]).num_rows == 1
+    cache.published_to(9)
+    cache.publishing(12)  # another process published versions 10 to 12
+    assert cache.take(ids[1:]) is None
