@@ -63,6 +63,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
+from urllib.parse import unquote
 
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -71,6 +72,7 @@ from deltalake.exceptions import CommitFailedError
 from deltalake.transaction import AddAction
 
 from rmq_spark._version import __version__
+from rmq_spark.delta.removals import listed_records, read_records
 from rmq_spark.delta.storage import filesystem, is_s3, scheme
 from rmq_spark.model.errors import StoreError
 from rmq_spark.model.failpoints import failpoint
@@ -340,7 +342,10 @@ class _Log:
         after that checkpoint, which holds the table without these files. A put that landed
         in order and stalled before this check is in it, its files live or, when compacted
         away since, as tombstones; made again, they would be added beside the compacted copy
-        of their rows. So the checkpoint decides. The hint and the entry before go out at once.
+        of their rows. So the checkpoint decides, and when it names none of them (a put that
+        stalled longer than the tombstones of a compaction are kept), the entries up to it do:
+        only a put that readers saw can have its files removed. The hint and the entry before
+        go out at once.
         """
         hint_path = f"{self.path}/_last_checkpoint"
         before = self.name(version - 1)
@@ -359,7 +364,43 @@ class _Log:
         whole = [v for v, files in checkpoints.items() if complete(files)]
         if not whole:
             return True
-        return bool(paths) and not set(paths).isdisjoint(self._files_in(checkpoints[min(whole)]))
+        first = min(whole)
+        if not paths or not set(paths).isdisjoint(self._files_in(checkpoints[first])):
+            return bool(paths)
+        return self._removed(version, first, paths)
+
+    def _removed(self, version: int, checkpoint: int, paths: Sequence[str]) -> bool:
+        """Whether a commit removed one of ``paths``, added by the entry put at ``version``
+        that the first checkpoint after it (``checkpoint``) does not name: an entry up to that
+        checkpoint, not cleaned yet, or the removals the store's VACUUM wrote down say so.
+
+        Raises
+        ------
+        StoreError
+            Neither says so, and one of the files is gone from storage: removed and vacuumed
+            after readers saw the put, or (a put in a cleaned hole) deleted by another tool's
+            VACUUM as a file no table used. Which one cannot be told, so the commit is neither
+            made again (it would name a file that is gone) nor reported as made.
+        """
+        wanted = {unquote(p) for p in paths}
+        names = [self.name(v) for v in range(version + 1, checkpoint + 1)]
+        for entry in self.fs.cat(names, on_error="return").values():
+            for line in entry.splitlines() if isinstance(entry, bytes) else ():
+                action = json.loads(line).get("remove") if b'"remove"' in line else None
+                if action is not None and unquote(action["path"]) in wanted:
+                    return True
+        root = self.path.removesuffix("/_delta_log")
+        if wanted.intersection(read_records(self.fs, list(listed_records(self.fs, root)))):
+            return True
+        gone = [p for p in wanted if not self.fs.exists(f"{root}/{p}")]
+        if gone:
+            raise StoreError(
+                f"version {version} of {root} was put after a stall so long that whether "
+                f"readers saw it cannot be told: its file {gone[0]} is gone from storage and "
+                "no commit or VACUUM record names it removed. It is not made again; retry "
+                "what it was written for."
+            )
+        return False
 
     def _files_in(self, checkpoint: list[str]) -> set[str]:
         """The paths a checkpoint names: its live files and its tombstones."""

@@ -29,33 +29,26 @@ import logging
 import math
 import re
 import time
-import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import unquote
 
-import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from deltalake import DeltaTable
 
 from rmq_spark.delta.commit import checkpoint_interval
 from rmq_spark.delta.reads import read_arrow
+from rmq_spark.delta.removals import listed_records, read_records, write_records
 from rmq_spark.delta.storage import filesystem, scheme
 from rmq_spark.delta.txnlog import _checkpoint_at_or_before, _commits
 
 log = logging.getLogger(__name__)
 
-#: The folder, under a table's root, of the removals written down for a later VACUUM.
-REMOVALS_DIR = "_rmqtx_vacuum"
 #: Delta's default ``delta.deletedFileRetentionDuration``.
 _DEFAULT_RETENTION = 7 * 86400.0
 _INTERVAL = re.compile(r"^\s*interval\s+(\d+)\s+(second|minute|hour|day|week)s?\s*$", re.I)
 _UNIT_SECONDS = {"second": 1, "minute": 60, "hour": 3600, "day": 86400, "week": 7 * 86400}
-#: A file of removals written down: when they are due (seconds since the epoch), a unique id;
-#: with a leading dot and ``.tmp``, its copy being written (left by a run killed meanwhile).
-_RECORDS = re.compile(r"^\.?(\d{12})-[0-9a-f]{32}\.parquet(?:\.tmp)?$")
-_REMOVALS_SCHEMA = pa.schema([("path", pa.string()), ("removed_ms", pa.int64())])
 
 
 def tombstone_retention(table: DeltaTable) -> float:
@@ -91,17 +84,10 @@ def vacuum(
     tombstones."""
     fs, path = filesystem(uri, storage_options)
     base = path.rstrip("/")
-    folder = f"{base}/{REMOVALS_DIR}"
     now = time.time()
-    fs.invalidate_cache(folder)  # another process's runs write there too
-    try:
-        listed = fs.ls(folder, detail=False)
-    except FileNotFoundError:
-        listed = []
-    names = {p: _RECORDS.match(p.rsplit("/", 1)[-1]) for p in listed}
-    ripe = [p for p, m in names.items() if m is not None and int(m.group(1)) <= now]
+    ripe = [p for p, at in listed_records(fs, base).items() if at <= now]
     # A copy is written only of removals not due yet: one due is a killed run's, abandoned.
-    due = set(_read_records(fs, [p for p in ripe if not p.endswith(".tmp")]))
+    due = set(read_records(fs, [p for p in ripe if not p.endswith(".tmp")]))
     table = snapshot()
     step = int(min(max(retention // 24, 1), 3600))
     waiting: dict[int, dict[str, int]] = {}
@@ -112,42 +98,12 @@ def vacuum(
         else:  # in the file of the step it falls due in
             waiting.setdefault(math.ceil(due_at / step) * step, {})[p] = ms
     for at, removals in waiting.items():  # before anything is deleted: a killed run loses none
-        _write_records(fs, folder, at, removals, local=scheme(uri) == "file")
+        write_records(fs, base, at, removals, local=scheme(uri) == "file")
     live = {unquote(p) for p in read_arrow(table.get_add_actions()).column("path").to_pylist()}
     deleted = sorted(due - live)
     _delete(fs, [f"{base}/{p}" for p in deleted])
     _delete(fs, ripe)  # another run may have taken them in too, and deleted them
     return deleted
-
-
-def _read_records(fs: Any, files: list[str]) -> list[str]:
-    """The paths written down in ``files``; one that cannot be read (a copy cut short on a
-    filesystem without atomic renames) is logged and deleted: its files stay in storage."""
-    paths: list[str] = []
-    for file in files:
-        try:
-            paths += pq.read_table(file, filesystem=fs).column("path").to_pylist()
-        except (OSError, pa.ArrowInvalid) as exc:
-            log.warning("removals file %s is unreadable (%s); its files stay", file, exc)
-    return paths
-
-
-def _write_records(
-    fs: Any, folder: str, due: int, removals: Mapping[str, int], *, local: bool
-) -> None:
-    """Write ``removals`` down, due at ``due`` (seconds since the epoch), whole or not at all:
-    a hidden copy renamed into place (an object store's PUT is whole by itself)."""
-    rows = pa.table([list(removals), list(removals.values())], schema=_REMOVALS_SCHEMA)
-    name = f"{due:012d}-{uuid.uuid4().hex}.parquet"
-    fs.makedirs(folder, exist_ok=True)
-    if local:
-        temp = f"{folder}/.{name}.tmp"
-        with fs.open(temp, "wb") as out:
-            pq.write_table(rows, out)
-        fs.mv(temp, f"{folder}/{name}")
-    else:
-        with fs.open(f"{folder}/{name}", "wb") as out:
-            pq.write_table(rows, out)
 
 
 def _delete(fs: Any, paths: list[str]) -> None:

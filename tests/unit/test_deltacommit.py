@@ -3,6 +3,7 @@ tables: racing writers of both kinds, conflicts, checkpoints, and processes kill
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -26,9 +27,10 @@ from rmq_spark.delta.files import KEPT_FILE_BYTES, WrittenFiles, write_files
 from rmq_spark.delta.reads import read_arrow, read_files
 from rmq_spark.delta.storage import filesystem
 from rmq_spark.delta.txnlog import LOG_ENTRY_MIN_AGE
-from rmq_spark.model.config import Settings, StoreSettings
+from rmq_spark.model.config import RetentionSettings, Settings, StoreSettings
 from rmq_spark.model.messages import new_id
 from rmq_spark.model.schema import HALF_SCHEMA
+from rmq_spark.store.retention import maintain
 from tests.conftest import committing
 
 REPO = Path(__file__).resolve().parents[2]
@@ -468,6 +470,47 @@ def test_a_commit_paused_after_its_put_is_not_made_twice(store: Store, tmp_path:
     bodies = DeltaTable(uri).to_pyarrow_table(columns=["body"]).column("body").to_pylist()
     assert bodies.count(b"stalled") == 1
     assert reported < 10
+
+
+@pytest.mark.parametrize("vacuumed", [False, True])
+def test_a_commit_paused_after_its_put_is_not_made_twice_once_its_tombstone_expired(
+    store: Store, tmp_path: Path, vacuumed: bool
+) -> None:
+    """As above, but the compaction's tombstone of its file expired before the checkpoint after
+    its version was written (a stall longer than ``delta.deletedFileRetentionDuration``), and
+    the entries after it were cleaned: as for a put in a cleaned hole, nothing in the log names
+    its file. The removal the maintenance's VACUUM wrote down does: only a put that readers saw
+    can have its file removed. Once VACUUM deleted the file, nothing tells the two apart: the
+    prepare fails, and is made neither twice nor with a file that is gone."""
+    uri = store.table_uri("half")
+    store.table("half").alter.set_table_properties(
+        {
+            "delta.checkpointInterval": "10",
+            "delta.deletedFileRetentionDuration": "interval 3 seconds",
+        }
+    )
+    proc = _stopped_prepare(store, tmp_path, "deltacommit.committed")
+    try:
+        for n in range(5):
+            store.prepare([Message("T", f"m{n}")], "pg")
+        store.compact("half")
+        maintain(store, RetentionSettings())  # writes the removal down, due in 3 s
+        time.sleep(3.5)  # its tombstone expires
+        for n in range(25):
+            store.prepare([Message("T", f"after-{n}")], "pg")
+        _cleaned(store)
+        if vacuumed:
+            assert maintain(store, RetentionSettings()).files_vacuumed["half"] > 0
+        os.kill(proc.pid, signal.SIGCONT)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGKILL)
+    assert (proc.returncode != 0) is vacuumed
+    if vacuumed:
+        assert b"cannot be told" in err
+    bodies = DeltaTable(uri).to_pyarrow_table(columns=["body"]).column("body").to_pylist()
+    assert bodies.count(b"stalled") == 1
 
 
 def _state(pid: int) -> str:
