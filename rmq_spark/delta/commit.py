@@ -390,7 +390,8 @@ class _Log:
                 if action is not None and unquote(action["path"]) in wanted:
                     return True
         root = self.path.removesuffix("/_delta_log")
-        if wanted.intersection(read_records(self.fs, list(listed_records(self.fs, root)))):
+        written = [p for p in listed_records(self.fs, root) if not p.endswith(".tmp")]
+        if wanted.intersection(read_records(self.fs, written)):
             return True
         gone = [p for p in wanted if not self.fs.exists(f"{root}/{p}")]
         if gone:

@@ -41,7 +41,7 @@ def listed_records(fs: Any, table_path: str) -> dict[str, int]:
 
 def read_records(fs: Any, files: list[str]) -> list[str]:
     """The paths written down in ``files``; one that cannot be read (a copy cut short on a
-    filesystem without atomic renames) is logged and deleted: its files stay in storage."""
+    filesystem without atomic renames) is logged, and its files stay in storage."""
     paths: list[str] = []
     for file in files:
         try:

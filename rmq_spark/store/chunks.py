@@ -74,7 +74,11 @@ class Chunks(StoreConcept):
         if found > max_messages:
             end = _cut(versions, max_messages)
             decisions = decisions.filter(pa.array(versions <= end))
+        committed = decisions.column("transaction_id")
         decisions = self._not_published(decisions, guard)
+        if decisions.num_rows < len(committed):  # those published already: stale if kept
+            kept = set(decisions.column("transaction_id").to_pylist())
+            self.recent.discard(t for t in committed.to_pylist() if t not in kept)
         if not decisions.num_rows:
             return end, COMMITLOG_SCHEMA.empty_table(), guard
         txn_ids = decisions.column("transaction_id")

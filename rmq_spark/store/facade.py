@@ -31,7 +31,7 @@ from deltalake import CommitProperties, DeltaTable
 from deltalake.table import TableMerger
 
 from rmq_spark.delta.tables import DeltaTables
-from rmq_spark.model.clock import in_utc
+from rmq_spark.model.clock import Clock, in_utc
 from rmq_spark.model.config import Settings, StoreSettings
 from rmq_spark.model.errors import StoreError, StoreVersionError
 from rmq_spark.model.messages import (
@@ -84,7 +84,7 @@ class Store:
         self,
         root: str,
         settings: StoreSettings,
-        clock: Callable[[], datetime] | None = None,
+        clock: Clock | None = None,
         *,
         shard: int = 0,
         shards: Shards | None = None,
@@ -117,7 +117,7 @@ class Store:
         *,
         settings: Settings | StoreSettings | None = None,
         create: bool = True,
-        clock: Callable[[], datetime] | None = None,
+        clock: Clock | None = None,
     ) -> Store:
         """Open the store at ``path``, creating it on first use.
 
@@ -134,7 +134,7 @@ class Store:
             the store's layout (and may have read-only credentials).
         clock : callable, optional
             Returns the current UTC time for the timestamps this process writes (the
-            default is the system clock).
+            default is the system clock; a naive time is read as UTC).
 
         Raises
         ------

@@ -150,10 +150,11 @@ class Intake(StoreConcept):
     def land(self) -> tuple[list[str], set[str]]:
         """Land in ``half`` the objects this process staged so far, in one commit; return
         their names, for :meth:`delete` (after the decisions of that moment are landed: the
-        deletion is not on the way to ``op``), and the transactions of those another process
-        landed and deleted first (this one stalled): their decisions are that landing's
-        (see :class:`rmq_spark.store.landing.Landing`). A failed landing keeps them for the
-        next call."""
+        deletion is not on the way to ``op``; those gone already are gone), and the
+        transactions of those that another process landed and deleted and that ``half`` no
+        longer holds (retention removed them while this one stalled): their decisions must
+        not land (see :class:`rmq_spark.store.landing.Landing`). A failed landing keeps them
+        for the next call."""
         with self._landing:
             with self._lock:
                 batch = list(self._staged)
@@ -199,7 +200,7 @@ class Intake(StoreConcept):
                     landed,
                     len(objects),
                     self.tables.uri("half"),
-                    objects[0][0].rsplit("/", 1)[-1],
+                    _base(objects[0][0]),
                 )
             return landed
 
@@ -213,7 +214,8 @@ class Intake(StoreConcept):
     def _land(self, objects: Sequence[tuple[str, pa.Table]], *, own: bool) -> tuple[int, set[str]]:
         """Append the rows of ``objects`` to ``half`` unless they are there; return how many
         transactions that was (the landing arbiter: see the module docstring), and the
-        transactions of the objects found gone (landed by another process)."""
+        transactions of the objects found gone (landed by another process) that ``half`` does
+        not hold."""
         ids = sorted({t for _, rows in objects for t in rows.column("transaction_id").to_pylist()})
         apps = {intake_app_id(_parts(name)[-1]) for name, _ in objects}
         gone: set[str] = set()
@@ -230,16 +232,19 @@ class Intake(StoreConcept):
                 # recoverer deletes one only after landing it), on this snapshot or on one the
                 # commit below then conflicts with. Its rows may be gone from half too (retention,
                 # while this process was stalled): landing them would bring them back.
-                present = {_base(name) for name, _ in self._entries()}
-                for name, rows in objects:
-                    if _base(name) not in present:
-                        gone.update(rows.column("transaction_id").to_pylist())
+                listed = {_base(name) for name, _ in self._entries()}
+                present = listed | {  # each one not listed asked alone: a listing may lag
+                    _base(n) for n, _ in objects if _base(n) not in listed and self._exists(n)
+                }
                 files = self.tables.data_files("half", head.snapshot)
                 there = set(
                     rows_by_id(self.tables, files, "half", ids, ["transaction_id"])
                     .column("transaction_id")
                     .to_pylist()
                 )
+                for name, rows in objects:
+                    if _base(name) not in present:  # in half still, the decision may land
+                        gone.update(set(rows.column("transaction_id").to_pylist()) - there)
                 todo = [
                     (name, rows)
                     for name, rows in objects
@@ -267,8 +272,9 @@ class Intake(StoreConcept):
             self._landed_at = value
         if gone:
             log.warning(
-                "%d transaction(s) (e.g. %s) of intake objects this process staged were landed "
-                "by another process while this one was stalled; not landed again",
+                "%d transaction(s) (e.g. %s) of intake objects were landed by another process "
+                "and removed from half since (retention, while this one stalled): not landed "
+                "again, nor their decisions",
                 len(gone),
                 min(gone),
             )
@@ -303,6 +309,13 @@ class Intake(StoreConcept):
             ]
         except FileNotFoundError:
             return []
+
+    def _exists(self, name: str) -> bool:
+        """Whether the object ``name`` is in storage, asked of it alone."""
+        if self.local:
+            return os.path.exists(name)
+        self.fs.invalidate_cache(self.path)
+        return bool(self.fs.exists(name))
 
     def _read(self, name: str) -> pa.Table | None:
         """The rows of an intake object; None when it is gone (landed and deleted meanwhile) or

@@ -86,11 +86,10 @@ class Landing:
             landed: list[str] = []
             try:
                 if self._staging is not None:
-                    landed, elsewhere = self._staging.land()
-                    # Landed by another process while this one was stalled: the check-back job
-                    # records their decisions from their objects, if retention has not removed
-                    # them since (op must not hold a decision that half lacks the messages of).
-                    batch = [d for d in batch if d.transaction_id not in elsewhere]
+                    landed, removed = self._staging.land()
+                    # Landed by another process while this one was stalled, and removed from
+                    # half by retention since: decided and published long ago.
+                    batch = [d for d in batch if d.transaction_id not in removed]
                 if batch:
                     self._land_halves([d.transaction_id for d in batch], landed)
                     self._land(batch)

@@ -6,8 +6,8 @@ small publish. The rows a prepare wrote are exactly what ``half`` holds for its 
 ``half`` is append-only, each of these transactions was made whole by that one prepare (its id
 was new), and retention removes only transactions that are published or rolled back. So a
 publish that finds every transaction of its chunk here uses these rows; any miss (another
-process prepared it, or the cache dropped it) reads ``half`` as before. Memory is bounded by
-body bytes, oldest first.
+process prepared it, or the cache dropped it) reads ``half`` as before, and forgets the rows
+it found here. Memory is bounded by body bytes, oldest first.
 
 Rows of a transaction that another process published are stale: retention may remove it,
 and a decision of it recorded again after that (this process stalled between its decision and
@@ -69,8 +69,9 @@ class RecentHalves:
                 self._release(self._rows.popitem(last=False)[1])
 
     def take(self, transaction_ids: Sequence[str]) -> pa.Table | None:
-        """The rows of all ``transaction_ids`` (each once), removed from the cache; None (and
-        nothing removed) when one of them is not here.
+        """The rows of all ``transaction_ids`` (each once), removed from the cache; None when
+        one of them is not here (the others are forgotten all the same: the publish reads them
+        from ``half``, and kept they would be stale).
 
         The rows come grouped by the prepare that wrote them, in the order of ``ids`` within
         each group: the caller sorts them. One ``take`` per prepare, not a slice per row (a
@@ -78,11 +79,11 @@ class RecentHalves:
         """
         wanted = list(dict.fromkeys(transaction_ids))  # as a table read: each one once
         with self._lock:
-            if not wanted or any(t not in self._rows for t in wanted):
-                return None
-            taken = [self._rows.pop(t) for t in wanted]
+            taken = [self._rows.pop(t) for t in wanted if t in self._rows]
             for entry in taken:
                 self._release(entry)
+            if not wanted or len(taken) < len(wanted):
+                return None
         by_prepare: dict[int, tuple[pa.Table, list[int]]] = {}
         for prepared, row in taken:
             by_prepare.setdefault(id(prepared), (prepared.rows, []))[1].append(row)

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from datetime import datetime, timedelta
 
 import pyarrow as pa
@@ -53,7 +52,7 @@ from deltalake import CommitProperties, DeltaTable, Transaction
 from rmq_spark.delta.reads import sql_string, sql_time
 from rmq_spark.delta.retry import retry_commits
 from rmq_spark.delta.vacuum import tombstone_retention, vacuum
-from rmq_spark.model.clock import in_utc
+from rmq_spark.model.clock import Clock, in_utc
 from rmq_spark.model.config import RetentionSettings
 from rmq_spark.model.failpoints import failpoint
 from rmq_spark.model.messages import new_id
@@ -77,7 +76,7 @@ def maintain(
     store: Store,
     settings: RetentionSettings | None = None,
     *,
-    clock: Callable[[], datetime] | None = None,
+    clock: Clock | None = None,
 ) -> MaintenanceSummary:
     """Remove what the store's retention settings no longer keep (see the module notes), in
     every shard of the store, one after the other.
@@ -116,7 +115,7 @@ def maintain(
 def _maintain_shard(
     store: Store,
     settings: RetentionSettings,
-    clock: Callable[[], datetime] | None,
+    clock: Clock | None,
     run_id: str,
 ) -> MaintenanceSummary:
     """Maintain one shard's tables (under its own ``maintain`` lock)."""
@@ -147,7 +146,7 @@ def expiry_plan(
     store: Store,
     settings: RetentionSettings | None = None,
     *,
-    clock: Callable[[], datetime] | None = None,
+    clock: Clock | None = None,
 ) -> list[QueueExpiry]:
     """What :func:`maintain` would expire from the CommitLog now (``rmqtx maintain --dry-run``),
     for every queue (those it leaves alone too); nothing is changed."""

@@ -818,8 +818,9 @@ def test_sends_a_killed_producer_left_in_intake_objects_are_landed_then_resolved
 def test_a_writer_stalled_past_retention_sends_nothing_again(
     spark, store: Store, tmp_path: Path, intake: bool, stop_at: str
 ) -> None:
-    """A producer stops (SIGSTOP) as its publisher starts landing a COMMITted send that is only
-    in its intake object, or (without intake) as it has put the COMMIT's decision object. A
+    """A producer that has published its own first send stops (SIGSTOP) as its publisher starts
+    landing a COMMITted send that is only in its intake object, or (without intake) as it has
+    put the COMMIT's decision object. A
     round records the COMMIT that object holds (landing the intake object first); the message
     is published; 73 hours later retention removes the transaction. Resumed, the producer must
     not land the rows or the decision it still holds, nor publish the rows it keeps for its own
@@ -833,6 +834,11 @@ def test_a_writer_stalled_past_retention_sends_nothing_again(
         f"settings = StoreSettings(queue_nums=2, intake={intake})\n"
         f"store = Store.open({store.root!r}, settings=settings)\n"
         "with TransactionMQProducer('pg', ScriptedListener(), store=store) as producer:\n"
+        "    warm = producer.send_message_in_transaction(\n"
+        "        Message('Orders', b'w', tags='COMMIT'), LocalTransactionState.COMMIT)\n"
+        "    producer.flush()  # published by this producer\n"
+        "    print(warm.transaction_id, flush=True)\n"
+        f"    os.environ['RMQ_SPARK_FAILPOINT'] = '{stop_at}:stop'\n"
         "    sent = producer.send_message_in_transaction(\n"
         "        Message('Orders', b'x', tags='COMMIT'), LocalTransactionState.COMMIT)\n"
         "    print(sent.transaction_id, flush=True)\n"
@@ -841,18 +847,15 @@ def test_a_writer_stalled_past_retention_sends_nothing_again(
         "    producer.flush()\n"
         "print('flushed', flush=True)\n"
     )
-    failpoint = {
-        "RMQ_SPARK_FAILPOINT": f"{stop_at}:stop",
-        "RMQ_SPARK_FAILPOINT_MARKER": str(marker),
-    }
     proc = subprocess.Popen(
         [sys.executable, "-c", child],
         cwd=REPO,
         stdout=subprocess.PIPE,
-        env={**os.environ, **failpoint},
+        env={**os.environ, "RMQ_SPARK_FAILPOINT_MARKER": str(marker)},
         start_new_session=True,
     )
     try:
+        warm = proc.stdout.readline().decode().strip()
         while not marker.exists() or not marker.read_text().strip():
             assert proc.poll() is None
             time.sleep(0.05)
@@ -863,11 +866,11 @@ def test_a_writer_stalled_past_retention_sends_nothing_again(
             decided += job(spark, store, clock).run_once().summary.already_decided
             clock.advance(10)
         assert decided == 1 and pending(store) == set()  # its decision object's COMMIT
-        (tid,) = store.read("half").column("transaction_id").to_pylist()
+        (tid,) = set(store.read("half").column("transaction_id").to_pylist()) - {warm}
         store.publish()
-        assert visible_ids(store) == [tid]
+        assert visible_ids(store) == [warm, tid]
         later = Store.open(store.root, clock=lambda: clock.now + timedelta(hours=73))
-        assert maintain(later, RetentionSettings()).half_removed == 1
+        assert maintain(later, RetentionSettings()).half_removed == 2
         assert visible_ids(store) == []  # its CommitLog file expired too (consumed long ago)
         os.kill(proc.pid, signal.SIGCONT)
         go.touch()

@@ -93,6 +93,23 @@ def test_a_decider_in_another_process_lands_the_half_first(settings: Settings) -
     assert _half_ids(sender) == sorted([p.transaction_id, unrelated.transaction_id])
 
 
+def test_a_writer_whose_object_a_decider_landed_still_lands_its_own_decision(
+    settings: Settings,
+) -> None:
+    """A decider in another process lands the sender's intake object (one of its two
+    transactions is decided there), and deletes it. The sender finds its object gone, but
+    ``half`` holds the other transaction: its own decision of it lands at once, not a check-back
+    round later."""
+    sender, decider = _open(settings), _open(settings)
+    mine, theirs = sender.prepare([Message("T", b"a"), Message("T", b"b")], "pg")
+    decider.end_transactions([Decision(theirs.transaction_id, "pg", COMMIT)], publish=False)
+    assert _objects(sender) == []  # landed by the decider, and deleted
+    sender.end_transactions([Decision(mine.transaction_id, "pg", COMMIT)], land=False)
+    sender.land_decisions()
+    decided = sender.read("op").column("transaction_id").to_pylist()
+    assert sorted(decided) == sorted([mine.transaction_id, theirs.transaction_id])
+
+
 def test_a_stalled_writer_and_a_recoverer_land_it_once(settings: Settings) -> None:
     """The writer stalls after its put; a recoverer lands its objects; the writer resumes and
     lands them too: ``half`` holds each message once."""
