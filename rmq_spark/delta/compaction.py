@@ -17,17 +17,22 @@ twice, and readers would meet the copies for good.
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
+from urllib.parse import unquote
 
 import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import DeltaTable
 
 from rmq_spark.delta.reads import once_per_key, read_files
+from rmq_spark.delta.removals import write_records
 from rmq_spark.delta.retry import relisting
-from rmq_spark.delta.storage import check_conditional_put
+from rmq_spark.delta.storage import check_conditional_put, filesystem, scheme
 from rmq_spark.delta.tables import DeltaTables
+from rmq_spark.delta.vacuum import tombstone_retention
 
 _COMPACT_TARGET_BYTES = 16 * 1024 * 1024
 
@@ -41,6 +46,7 @@ def compact(
     copies: Sequence[str] = (),
     newest: Sequence[str] = (),
     tiered: bool = False,
+    written_down: bool = False,
 ) -> dict[str, Any]:
     """Rewrite a table's files smaller than ``_COMPACT_TARGET_BYTES`` (the caller holds the
     table's compaction lock); return the metrics (``numFilesRemoved``, ``numFilesAdded``,
@@ -48,6 +54,9 @@ def compact(
     the copies among the files read together, the row in force is kept (the first with the
     greatest ``newest`` columns: :func:`once_per_key`), on a table appended to directly.
     ``tiered``: only the files :func:`_tiered` picks (the compactions that follow checkpoints).
+    ``written_down``: the removals are written down for VACUUM (:mod:`rmq_spark.delta.removals`),
+    due when the table's checkpoints drop their tombstones, as a VACUUM run would write them:
+    for a table whose VACUUM keeps removed files that long.
     A compaction that loses a race to a writer rewriting the same files raises deltalake's
     ``CommitFailedError``: nothing landed."""
     check_conditional_put(tables.root, tables.storage_options)
@@ -68,7 +77,7 @@ def compact(
         if tiered:
             group = _tiered(group)
         if group.num_rows > 1:
-            added += _rewrite(tables, name, snapshot, group, value, once)
+            added += _rewrite(tables, name, snapshot, group, value, once, written_down)
             removed += group.num_rows
     return {"numFilesRemoved": removed, "numFilesAdded": added, "numCopiesRemoved": once.dropped}
 
@@ -115,10 +124,11 @@ def _rewrite(
     files: pa.Table,
     value: str | None,
     once: _Once,
+    written_down: bool,
 ) -> int:
     """Rewrite ``files`` (add actions of ``snapshot``, of one partition ``value``, oldest
     first) as larger ones in one commit that changes no data (but for ``once``'s copies);
-    return how many files it added."""
+    return how many files it added. ``written_down``: see :func:`compact`."""
     schema, partitions, _ = tables.specs[name]
     partition = partitions[0] if partitions else None
     stored = pa.schema([f for f in schema if f.name != partition])
@@ -151,4 +161,16 @@ def _rewrite(
         {"path": p, "size": n, "partition_values": where} for p, n in zip(paths, sizes, strict=True)
     ]
     tables.commit(name, adds, snapshot, info={"rmqtx.operation": "compact"}, removes=removes)
+    if written_down:
+        # Found there by a put of one of these files that stalled past its tombstone, before
+        # any VACUUM ran (rmq_spark.delta.commit): only a put readers saw is removed.
+        now = time.time()
+        fs, path = filesystem(tables.uri(name), tables.storage_options)
+        write_records(
+            fs,
+            path.rstrip("/"),
+            math.ceil(now + tombstone_retention(snapshot)),
+            {unquote(p): int(now * 1000) for p in paths},
+            local=scheme(tables.uri(name)) == "file",
+        )
     return len(adds)

@@ -127,7 +127,14 @@ class Maintenance(StoreConcept):
                     metrics = trim_deliveries(self.tables, self.clock())
                 else:
                     metrics = compact_table(
-                        self.tables, name, COPY_KEYS.get(name, ()), NEWEST.get(name, ()), tiered
+                        self.tables,
+                        name,
+                        COPY_KEYS.get(name, ()),
+                        NEWEST.get(name, ()),
+                        tiered,
+                        # The CommitLog's VACUUM keeps files as long as retention says, whose
+                        # log keeps the removals longer than its checkpoints (30 days).
+                        written_down=name != "commitlog",
                     )
             except CommitFailedError as exc:
                 log.debug("compaction of %s lost a race (%s); the next one will do it", name, exc)

@@ -479,9 +479,10 @@ def test_a_commit_paused_after_its_put_is_not_made_twice_once_its_tombstone_expi
     """As above, but the compaction's tombstone of its file expired before the checkpoint after
     its version was written (a stall longer than ``delta.deletedFileRetentionDuration``), and
     the entries after it were cleaned: as for a put in a cleaned hole, nothing in the log names
-    its file. The removal the maintenance's VACUUM wrote down does: only a put that readers saw
-    can have its file removed. Once VACUUM deleted the file, nothing tells the two apart: the
-    prepare fails, and is made neither twice nor with a file that is gone."""
+    its file. The removal the compaction wrote down for VACUUM does (no maintenance ran): only
+    a put that readers saw can have its file removed. Once a VACUUM deleted the file, nothing
+    tells the two apart: the prepare fails, and is made neither twice nor with a file that is
+    gone."""
     uri = store.table_uri("half")
     store.table("half").alter.set_table_properties(
         {
@@ -493,8 +494,7 @@ def test_a_commit_paused_after_its_put_is_not_made_twice_once_its_tombstone_expi
     try:
         for n in range(5):
             store.prepare([Message("T", f"m{n}")], "pg")
-        store.compact("half")
-        maintain(store, RetentionSettings())  # writes the removal down, due in 3 s
+        store.compact("half")  # writes the removal down, due in 3 s
         time.sleep(3.5)  # its tombstone expires
         for n in range(25):
             store.prepare([Message("T", f"after-{n}")], "pg")
