@@ -408,6 +408,12 @@ class MessagingService(ConsumerCalls, service_grpc.MessagingServiceServicer):
         result: EndTransactionResult = await calls.result(
             self._writes.end(Decision(transaction_id, group, state, decided_by))
         )
+        if result.status is EndTransactionStatus.NOT_FOUND:  # retention removed it meanwhile
+            raise RequestError(
+                Code.INVALID_TRANSACTION_ID,
+                f"unknown transaction {transaction_id!r}: the store no longer holds its half "
+                "message (retention removed it after its decision); nothing was recorded.",
+            )
         if result.status is EndTransactionStatus.REFUSED:
             raise RequestError(
                 Code.INVALID_TRANSACTION_ID,

@@ -394,7 +394,8 @@ def finish_epoch(
     losers = tuple(t for t in txns if t not in set(winners))
     decisions = [Decision(t, producer_group, COMMIT, closed_by) for t in winners]
     decisions += [Decision(t, producer_group, ROLLBACK, closed_by) for t in losers]
-    results = store.end_transactions(decisions) if decisions else []
+    # in_half: each was committed to half by a task of this epoch before the task returned.
+    results = store.end_transactions(decisions, in_half=True) if decisions else []
     lost = [r for r in results[: len(winners)] if r.decision is not COMMIT]
     if lost:
         raise EpochLostError(
@@ -408,7 +409,9 @@ def finish_epoch(
 def _roll_back(store: Store, txns: Sequence[str], group: str, decided_by: str) -> None:
     """Roll back staged transactions (none: nothing to do)."""
     if txns:
-        store.end_transactions([Decision(t, group, ROLLBACK, decided_by) for t in txns])
+        store.end_transactions(
+            [Decision(t, group, ROLLBACK, decided_by) for t in txns], in_half=True
+        )
 
 
 def abandon_attempt(

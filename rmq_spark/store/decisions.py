@@ -62,7 +62,7 @@ from rmq_spark.store.intake import Intake
 from rmq_spark.store.landing import Landing
 from rmq_spark.store.layout import LAYOUT_VERSION, OBJECTS_LAYOUT
 from rmq_spark.store.oplog import COMMITS_KEY, DECIDED_BY_RECOVERY
-from rmq_spark.store.reads import decisions_of
+from rmq_spark.store.reads import decisions_of, half_messages
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +91,9 @@ class EndTransactionStatus(StrEnum):
     ALREADY_DECIDED = "ALREADY_DECIDED"
     #: The transaction already had the opposite decision, which stays in force.
     REFUSED = "REFUSED"
+    #: The store holds no half message of the transaction: its id is not one a send returned,
+    #: or retention removed the transaction after it was decided. Nothing was recorded.
+    NOT_FOUND = "NOT_FOUND"
 
 
 @dataclass(frozen=True)
@@ -392,13 +395,17 @@ class Decisions(StoreConcept):
             producer's background publisher lands them with the others of that moment; a
             process that dies first leaves them to the check-back job).
         in_half : bool, default False
-            The caller read these transactions in ``half`` (the check-back job): no intake
-            object of theirs needs landing first (:class:`Landing`).
+            The caller knows these transactions' half messages are in ``half``: it read them
+            there (the check-back job) or its tasks committed them (a sink's epoch). No intake
+            object of theirs needs landing first (:class:`Landing`), and none is looked for.
+            Otherwise a transaction this process did not make is decided only if the store
+            holds its half messages (:meth:`_missing`).
 
         Returns
         -------
         list of EndTransactionResult
-            One per decision, in order.
+            One per decision, in order; ``NOT_FOUND`` for a transaction the store holds no
+            half message of, for which nothing is recorded.
         """
         for d in decisions:
             if d.state not in (LocalTransactionState.COMMIT, LocalTransactionState.ROLLBACK):
@@ -410,6 +417,8 @@ class Decisions(StoreConcept):
         for d in decisions:
             first.setdefault(d.transaction_id, d)
         self._check_shard(list(first))
+        missing = set() if in_half else self._missing(list(first))
+        first = {t: d for t, d in first.items() if t not in missing}
         by_object = [d for t, d in first.items() if object_decided(t)]
         before, landing = self._claim(by_object)
         if landing:
@@ -427,6 +436,16 @@ class Decisions(StoreConcept):
         )
         results = []
         for d in decisions:
+            if d.transaction_id in missing:
+                results.append(
+                    EndTransactionResult(
+                        d.transaction_id,
+                        d.state,
+                        EndTransactionStatus.NOT_FOUND,
+                        LocalTransactionState.UNKNOWN,
+                    )
+                )
+                continue
             in_force = before.get(d.transaction_id, first[d.transaction_id].state)
             if d is first[d.transaction_id] and d.transaction_id not in before:
                 status = EndTransactionStatus.APPLIED
@@ -444,7 +463,36 @@ class Decisions(StoreConcept):
                 refused[0].transaction_id,
                 refused[0].decision.value,
             )
+        if missing:
+            log.warning(
+                "%d end-transaction request(s) for transactions the store holds no half message "
+                "of (never sent, or removed by retention after their decision), e.g. %s: "
+                "nothing recorded",
+                len(missing),
+                sorted(missing)[0],
+            )
         return results
+
+    def _missing(self, transaction_ids: list[str]) -> set[str]:
+        """Those of ``transaction_ids`` the store holds no half message of: a decision for one
+        would be recorded for nothing (rule 7), or, after retention removed a transaction
+        decided long ago, against the decision its consumers saw (rule 3).
+
+        A transaction this process made is there: retention keeps it while it is undecided,
+        and once decided, its decision refuses an opposite one (unless this process stalls
+        for longer than retention keeps it: docs/limitations.md). The others, sent by another
+        process, are looked for in the intake objects, then in ``half``: an object landed
+        after the listing is in ``half`` by then (a landing deletes an object after its commit).
+        """
+        made = self._made.after(transaction_ids, float("-inf"))
+        strangers = [t for t in transaction_ids if t not in made]
+        if strangers and self.intake is not None:
+            covered = self.intake.covering(strangers)
+            strangers = [t for t in strangers if t not in covered]
+        if not strangers:
+            return set()
+        found = half_messages(self.tables, strangers).column("transaction_id").to_pylist()
+        return set(strangers).difference(found)
 
     def _claim(
         self, decisions: list[Decision]

@@ -296,12 +296,15 @@ class Store:
             Record the decisions in ``op`` before returning; False leaves a decision that its
             decision object decided to :meth:`land_decisions` (see :meth:`Decisions.end`).
         in_half : bool, default False
-            The caller read these transactions in ``half`` (see :meth:`Decisions.end`).
+            The caller knows these transactions' half messages are in ``half`` (see
+            :meth:`Decisions.end`).
 
         Returns
         -------
         list of EndTransactionResult
-            One per decision, in order.
+            One per decision, in order: ``NOT_FOUND``, with nothing recorded, for a transaction
+            the store holds no half message of (an id no send returned, or one retention
+            removed after its decision).
         """
         by_shard: dict[int, list[int]] = {}
         for i, d in enumerate(decisions):

@@ -253,6 +253,25 @@ def test_a_misplaced_or_foreign_id_has_no_decision_object(store: Store) -> None:
     assert not object_decided(shard_transaction_id(0, object_decided=True) + "\n")
 
 
+def test_a_decision_for_a_transaction_never_sent_records_nothing(any_store: Store) -> None:
+    """An id the store holds no half message of (mistyped, made up, another store's) is
+    ``NOT_FOUND``, as RocketMQ's broker answers a commit it finds no half message for: no
+    decision object, no ``op`` row, nothing published. Its real neighbours are decided."""
+    (sent,) = any_store.prepare([Message("T", b"real")], "pg")
+    other = Store.open(any_store.root, settings=any_store.settings, create=False)
+    ghosts = [shard_transaction_id(0, object_decided=True), shard_transaction_id(0)]
+    asked = [Decision(t, "pg", COMMIT) for t in [*ghosts, sent.transaction_id]]
+    results = other.end_transactions(asked)
+    assert [(r.status, r.decision) for r in results] == [
+        (EndTransactionStatus.NOT_FOUND, LocalTransactionState.UNKNOWN),
+        (EndTransactionStatus.NOT_FOUND, LocalTransactionState.UNKNOWN),
+        (EndTransactionStatus.APPLIED, COMMIT),
+    ]
+    assert _op_rows(any_store) == [(sent.transaction_id, "COMMIT")]
+    assert other.object_decisions(ghosts) == {}
+    assert other.read("commitlog").column("body").to_pylist() == [b"real"]
+
+
 @pytest.mark.parametrize("when", ["in a forked child", "at interpreter exit"])
 def test_a_batch_decides_in_a_forked_child_and_at_interpreter_exit(
     tmp_path: Path, when: str

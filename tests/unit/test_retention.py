@@ -20,11 +20,13 @@ from rmq_spark.checkback.discards import redrive
 from rmq_spark.checkback.job import CheckBackJob
 from rmq_spark.model.config import RetentionSettings, Settings, StoreSettings
 from rmq_spark.spark.offsets import earliest_offsets, latest_offsets
+from rmq_spark.store.decisions import EndTransactionStatus
 from rmq_spark.store.retention import maintain
 from tests.conftest import Clock, commitlog, race
 
 COMMIT, ROLLBACK = LocalTransactionState.COMMIT, LocalTransactionState.ROLLBACK
 CHECK_MAX = "check-back:check-max"
+NOT_FOUND, APPLIED = EndTransactionStatus.NOT_FOUND, EndTransactionStatus.APPLIED
 REPO = Path(__file__).resolve().parents[2]
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 LATER = T0 + timedelta(hours=73)  # past the default 72 h retentions
@@ -145,6 +147,24 @@ def test_only_decided_published_transactions_leave(store: Store, clock: Clock) -
     decide(store, [ids["rolled_back"]], COMMIT)  # a late opposite decision publishes nothing
     bodies = commitlog(store).column("body").to_pylist()
     assert sorted(bodies) == [b"committed", b"maxed_redriven", b"unpublished"]
+
+
+def test_a_late_decision_after_retention_is_not_found(store: Store, clock: Clock) -> None:
+    """Retention removed a decided transaction; a decider that did not send it (another process,
+    or this one restarted) ends it again, the other way: ``NOT_FOUND``, nothing recorded, so
+    ``op`` never says the published transaction was rolled back."""
+    ids = history(store)
+    clock.now = LATER
+    maintain(store, KEEP_FILES)
+    late = Store.open(store.root, create=False, clock=clock)
+    op_before = store.read("op").num_rows
+    results = late.end_transactions(
+        [Decision(ids["committed"], "pg", ROLLBACK), Decision(ids["undecided"], "pg", COMMIT)]
+    )
+    assert [r.status for r in results] == [NOT_FOUND, APPLIED]
+    assert store.read("op").num_rows == op_before + 1
+    assert ids["committed"] not in remaining(store, "op")
+    assert store.object_decisions([ids["committed"]]) == {}
 
 
 MAINTAIN = (
