@@ -62,7 +62,7 @@ from rmq_spark.store.intake import Intake
 from rmq_spark.store.landing import Landing
 from rmq_spark.store.layout import LAYOUT_VERSION, OBJECTS_LAYOUT
 from rmq_spark.store.oplog import COMMITS_KEY, DECIDED_BY_RECOVERY
-from rmq_spark.store.reads import decisions_of, half_messages
+from rmq_spark.store.reads import decisions_of, rows_by_id
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,8 @@ class EndTransactionResult:
     """The outcome of an end-transaction request.
 
     ``decision`` is the decision in force after the request: the requested one when
-    ``status`` is ``APPLIED`` or ``ALREADY_DECIDED``, the earlier one when ``REFUSED``.
+    ``status`` is ``APPLIED`` or ``ALREADY_DECIDED``, the earlier one when ``REFUSED``,
+    ``UNKNOWN`` when ``NOT_FOUND``.
     """
 
     transaction_id: str
@@ -483,6 +484,9 @@ class Decisions(StoreConcept):
         for longer than retention keeps it: docs/limitations.md). The others, sent by another
         process, are looked for in the intake objects, then in ``half``: an object landed
         after the listing is in ``half`` by then (a landing deletes an object after its commit).
+        Only their ids are read. A store whose listings lag behind its puts (not S3, MinIO or
+        a local disk) could report a send of another process that was just staged as
+        ``NOT_FOUND``; check-back then decides it.
         """
         made = self._made.after(transaction_ids, float("-inf"))
         strangers = [t for t in transaction_ids if t not in made]
@@ -491,8 +495,9 @@ class Decisions(StoreConcept):
             strangers = [t for t in strangers if t not in covered]
         if not strangers:
             return set()
-        found = half_messages(self.tables, strangers).column("transaction_id").to_pylist()
-        return set(strangers).difference(found)
+        files = self.tables.data_files("half")
+        found = rows_by_id(self.tables, files, "half", strangers, ["transaction_id"])
+        return set(strangers).difference(found.column("transaction_id").to_pylist())
 
     def _claim(
         self, decisions: list[Decision]
