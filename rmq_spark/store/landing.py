@@ -19,7 +19,8 @@ from rmq_spark.model.messages import LocalTransactionState, object_decided
 from rmq_spark.store.intake import Intake
 
 if TYPE_CHECKING:
-    from rmq_spark.store.decisions import Decision, MadeIds
+    from rmq_spark.store.decisions import Decision
+    from rmq_spark.store.own_writes import MadeIds
 
 log = logging.getLogger(__name__)
 

@@ -41,8 +41,8 @@ from rmq_spark.model.config import Settings, StoreSettings
 from rmq_spark.model.messages import shard_transaction_id
 from rmq_spark.model.schema import CHECKPOINT_INTERVAL, LOCKS_SCHEMA
 from rmq_spark.store import decisions as decisions_module
-from rmq_spark.store.decisions import decision_app_id
 from rmq_spark.store.layout import MARKER_FILE
+from rmq_spark.store.own_writes import OwnDecisions, decision_app_id
 from tests.conftest import commitlog, committing
 from tests.latency_proxy import LatencyProxy
 
@@ -895,7 +895,7 @@ def test_a_decision_another_writer_made_since_this_writers_last_look_wins(store:
 def test_a_thread_s_own_decisions_are_counted_as_commits_come_and_go() -> None:
     """What a thread's own ``op`` commits recorded is counted, not rebuilt for each decision:
     an arbiter two kept commits recorded stays recorded when the snapshot takes the first."""
-    own = decisions_module._OwnDecisions()
+    own = OwnDecisions()
     a, b = "tx-a", "tx-b"
     own.add(11, 10, [a])
     own.add(12, 10, [a, b])  # the same arbiters, recorded again at the same version
