@@ -37,6 +37,7 @@ from rmq_spark.delta.reads import read_arrow, with_uris
 from rmq_spark.delta.retry import refused_if_cleaned, relisting, retry_commits
 from rmq_spark.delta.storage import check_conditional_put, deltalake_options, filesystem
 from rmq_spark.delta.txnlog import app_transactions, commit_infos, follow, hint_version
+from rmq_spark.model.clock import elapsed
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +70,8 @@ class Head:
     #: ``version`` is this thread's own commit, put at the first version it tried: no other
     #: writer was seen, and the next commit goes on without reading the log first.
     calm: bool = False
-    #: ``time.monotonic()`` once ``snapshot`` was loaded: nothing that came to exist after it
-    #: (a transaction id made since) is in the snapshot.
+    #: :func:`rmq_spark.model.clock.elapsed` once ``snapshot`` was loaded: nothing that came to
+    #: exist after it (a transaction id made since) is in the snapshot.
     loaded: float = 0.0
 
 
@@ -277,7 +278,7 @@ class DeltaTables:
                 setattr(self._heads, name, head)
                 return head
         snapshot = self.snapshot(name)
-        loaded = time.monotonic()
+        loaded = elapsed()
         txns = self.app_transactions(name, snapshot)
         head = Head(snapshot, snapshot.version(), txns, now, txns, loaded=loaded)
         direct = self.direct_interval(name, snapshot) is not None

@@ -1,7 +1,9 @@
-"""The clocks rmq-spark reads: the current time in UTC, and a caller's clock read in UTC."""
+"""The clocks rmq-spark reads: the current time in UTC, a caller's clock read in UTC, and the
+time a process has been running, stops included."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 
@@ -26,3 +28,14 @@ def in_utc(clock: Clock | None) -> Clock:
         return time.replace(tzinfo=UTC) if time.tzinfo is None else time
 
     return now
+
+
+def elapsed() -> float:
+    """Seconds on a clock that only goes forward and counts the time the process was stopped
+    (SIGSTOP) or the machine suspended: ``CLOCK_BOOTTIME`` on Linux (``time.monotonic()``
+    leaves a suspend out), ``time.monotonic()`` elsewhere. Only differences of its readings in
+    one process mean anything."""
+    return time.clock_gettime(_BOOTTIME) if _BOOTTIME is not None else time.monotonic()
+
+
+_BOOTTIME: int | None = getattr(time, "CLOCK_BOOTTIME", None)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -39,6 +38,7 @@ from deltalake import DeltaTable
 
 from rmq_spark.delta.retry import retry_commits
 from rmq_spark.delta.storage import check_conditional_put, is_s3
+from rmq_spark.model.clock import elapsed
 from rmq_spark.model.errors import RmqSparkError
 from rmq_spark.model.failpoints import failpoint
 from rmq_spark.model.messages import (
@@ -132,6 +132,12 @@ class PreparedMessage:
     store_timestamp: datetime
 
 
+#: An end of a transaction this process made within this many seconds of its making is decided
+#: without a look in ``half`` (:meth:`Decisions._missing`); a later one (after an UNKNOWN, or a
+#: stall) costs that look, on an object store a listing and a read or two.
+LATE_END_SECONDS = 1.0
+
+
 #: A prepare of at most this many new transactions makes ids that decision objects decide
 #: (:mod:`rmq_spark.store.arbiter`), on a local filesystem and on S3; a larger one (a bulk
 #: prepare) makes ids decided in ``op``. The arbiter is fixed when the id is made, whoever
@@ -215,7 +221,7 @@ class Decisions(StoreConcept):
                 validate_message(message, self.settings.max_body_bytes)
         fresh_ids = transaction_ids is None
         by_object = False
-        made = time.monotonic()
+        made = elapsed()
         if transaction_ids is None:
             # Their decisions will come as few together: one conditional put each is the
             # cheapest first decision. Many together share one op commit instead.
@@ -366,16 +372,18 @@ class Decisions(StoreConcept):
         would be recorded for nothing (rule 7), or, after retention removed a transaction
         decided long ago, against the decision its consumers saw (rule 3).
 
-        A transaction this process made is there: retention keeps it while it is undecided,
-        and once decided, its decision refuses an opposite one (unless this process stalls
-        for longer than retention keeps it: docs/limitations.md). The others, sent by another
-        process, are looked for in the intake objects, then in ``half``: an object landed
+        A transaction this process made less than :data:`LATE_END_SECONDS` ago (on
+        :func:`~rmq_spark.model.clock.elapsed`, which counts a stop or a suspend) is there:
+        check-back decides none before the transaction timeout (6 s), and retention removes a
+        decided one days later. The others (sent by another process, or ended late: after an
+        UNKNOWN, or a stall longer than retention) are looked for in the intake objects,
+        then in ``half``: an object landed
         after the listing is in ``half`` by then (a landing deletes an object after its commit).
         Only their ids are read. A store whose listings lag behind its puts (not S3, MinIO or
         a local disk) could report a send of another process that was just staged as
         ``NOT_FOUND``; check-back then decides it.
         """
-        made = self._made.after(transaction_ids, float("-inf"))
+        made = self._made.after(transaction_ids, elapsed() - LATE_END_SECONDS)
         strangers = [t for t in transaction_ids if t not in made]
         if strangers and self.intake is not None:
             covered = self.intake.covering(strangers)

@@ -43,7 +43,8 @@ _MADE_KEPT = 65536
 
 
 class MadeIds:
-    """When this process made its newest transaction ids (``time.monotonic()`` just before).
+    """When this process made its newest transaction ids (just before, on
+    :func:`rmq_spark.model.clock.elapsed`).
 
     Nobody can decide a transaction before its id exists, so an ``op`` snapshot loaded before
     that holds no decision of it (and one recorded since moved its arbiter past the snapshot):

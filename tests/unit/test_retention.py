@@ -20,7 +20,7 @@ from rmq_spark.checkback.discards import redrive
 from rmq_spark.checkback.job import CheckBackJob
 from rmq_spark.model.config import RetentionSettings, Settings, StoreSettings
 from rmq_spark.spark.offsets import earliest_offsets, latest_offsets
-from rmq_spark.store.decisions import EndTransactionStatus
+from rmq_spark.store.decisions import LATE_END_SECONDS, EndTransactionStatus
 from rmq_spark.store.retention import maintain
 from tests.conftest import Clock, commitlog, race
 
@@ -165,6 +165,52 @@ def test_a_late_decision_after_retention_is_not_found(store: Store, clock: Clock
     assert store.read("op").num_rows == op_before + 1
     assert ids["committed"] not in remaining(store, "op")
     assert store.object_decisions([ids["committed"]]) == {}
+
+
+LATE_END = """
+import sys
+from rmq_spark import LocalTransactionState, Message, Store, TransactionMQProducer
+from tests.unit.test_producer import ScriptedListener
+with TransactionMQProducer("pg", ScriptedListener(), store=Store.open(sys.argv[1])) as producer:
+    sent = producer.send_message_in_transaction(Message("Orders", b"x"), None)  # UNKNOWN
+    print(sent.transaction_id, flush=True)
+    sys.stdin.readline()
+    ended = producer.end_transaction(sent, LocalTransactionState.ROLLBACK)
+    print(ended.status.value, flush=True)
+"""
+
+
+def test_a_sender_stopped_past_retention_ends_its_own_transaction_not_found(
+    store: Store, clock: Clock
+) -> None:
+    """A producer's local transaction answers UNKNOWN; the process stops (SIGSTOP). Check-back
+    commits the transaction, it is published, and retention removes it. Resumed, the producer
+    ends it ROLLBACK: ``NOT_FOUND``, and ``op`` holds no ROLLBACK of a published message."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LATE_END, store.root],
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        tid = proc.stdout.readline().decode().strip()
+        os.kill(proc.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        decide(store, [tid], COMMIT, "check-back:checker")
+        assert commitlog(store).column("body").to_pylist() == [b"x"]
+        clock.now = LATER
+        assert maintain(store, KEEP_FILES).half_removed == 1
+        time.sleep(max(0.0, stopped + 2 * LATE_END_SECONDS - time.monotonic()))
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.stdin.write(b"go\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().decode().strip() == "NOT_FOUND"
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert tid not in remaining(store, "op") and store.object_decisions([tid]) == {}
 
 
 MAINTAIN = (
