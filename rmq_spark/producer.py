@@ -407,10 +407,10 @@ class TransactionMQProducer:
 
         Useful when the local transaction finishes after ``send_message_in_transaction``
         returned UNKNOWN. The first decision recorded wins: a conflicting late request comes
-        back with status ``REFUSED`` and the decision in force. A transaction the store holds no half
-        message of (retention removed it after its decision, for example while this process
-        was stopped; or a result of another store) comes back ``NOT_FOUND``, and nothing is
-        recorded.
+        back with status ``REFUSED`` and the decision in force. A transaction the store holds
+        no half message of (retention removed it after its decision, for example while this
+        process was stopped; or a result of another store) comes back ``NOT_FOUND``, and
+        nothing is recorded.
 
         Returns once the decision is durable. A COMMIT becomes visible to consumers when the
         store's publisher moves it into the CommitLog, within about ``store.publish_linger``

@@ -29,7 +29,8 @@ and ``shards.made`` (the shards' markers are in place, the root's count not rais
 ``layout.read`` (the root's marker is read to be raised, not rewritten yet;
 :func:`rmq_spark.store.layout.raise_layout`);
 ``deliveries.decided`` (messages decided for a dead-letter topic are committed, not yet
-published there; :mod:`rmq_spark.store.deliveries`); ``decision.claimed`` (transactions'
+published there; :mod:`rmq_spark.store.deliveries`); ``decision.end`` (an end-transaction
+request is taken, nothing looked up or decided yet) and ``decision.claimed`` (transactions'
 decision objects are put, their decisions not recorded in ``op``;
 :mod:`rmq_spark.store.decisions`); ``intake.landing`` (a producer's background landing of the
 intake objects it staged starts: its sends returned, nothing of them is in ``half``),
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 ENV = "RMQ_SPARK_FAILPOINT"
@@ -64,7 +66,9 @@ def failpoint(name: str) -> None:
         while True:
             time.sleep(60)
     if armed == f"{name}:stop" and _first_here():
-        os.kill(os.getpid(), signal.SIGSTOP)
+        # To this thread: sent to the process, the stop was taken by another thread, and this
+        # one went on for some milliseconds on a busy machine (past the point under test).
+        signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
 
 
 def _first_here() -> bool:

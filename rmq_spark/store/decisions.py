@@ -292,8 +292,8 @@ class Decisions(StoreConcept):
             The caller knows these transactions' half messages are in ``half``: it read them
             there (the check-back job) or its tasks committed them (a sink's epoch). No intake
             object of theirs needs landing first (:class:`Landing`), and none is looked for.
-            Otherwise a transaction this process did not make is decided only if the store
-            holds its half messages (:meth:`_missing`).
+            Otherwise a transaction is decided only if the store holds its half messages
+            (:meth:`_missing`).
 
         Returns
         -------
@@ -311,6 +311,7 @@ class Decisions(StoreConcept):
         for d in decisions:
             first.setdefault(d.transaction_id, d)
         self._check_shard(list(first))
+        failpoint("decision.end")
         missing = set() if in_half else self._missing(list(first))
         first = {t: d for t, d in first.items() if t not in missing}
         by_object = [d for t, d in first.items() if object_decided(t)]
@@ -373,15 +374,16 @@ class Decisions(StoreConcept):
         decided long ago, against the decision its consumers saw (rule 3).
 
         A transaction this process made less than :data:`LATE_END_SECONDS` ago (on
-        :func:`~rmq_spark.model.clock.elapsed`, which counts a stop or a suspend) is there:
-        check-back decides none before the transaction timeout (6 s), and retention removes a
+        :func:`~rmq_spark.model.clock.elapsed`, which counts a SIGSTOP or a suspend) is there:
+        check-back decides none before the transaction timeout (6 s) and retention removes a
         decided one days later. The others (sent by another process, or ended late: after an
-        UNKNOWN, or a stall longer than retention) are looked for in the intake objects,
-        then in ``half``: an object landed
-        after the listing is in ``half`` by then (a landing deletes an object after its commit).
-        Only their ids are read. A store whose listings lag behind its puts (not S3, MinIO or
-        a local disk) could report a send of another process that was just staged as
-        ``NOT_FOUND``; check-back then decides it.
+        UNKNOWN, or a stop) are looked for in the intake objects, then in ``half`` (only their
+        ids are read): an object landed after the listing is in ``half`` by then (a landing
+        deletes an object after its commit). What this does not see (docs/limitations.md): a
+        pause the guest's clocks do not count (a hypervisor's pause or a live migration) within
+        that second, or any stop between this look and the decision; and on a store whose
+        listings lag behind its puts (not S3, MinIO or a local disk), a send just staged by
+        another process, reported ``NOT_FOUND`` and left to check-back.
         """
         made = self._made.after(transaction_ids, elapsed() - LATE_END_SECONDS)
         strangers = [t for t in transaction_ids if t not in made]

@@ -85,6 +85,15 @@ def _parts(name: str) -> list[str]:
     return _base(name).removesuffix(_SUFFIX).split("-")
 
 
+def _mtime(entry: os.DirEntry[str]) -> list[float]:
+    """The modification time of a listed file, none when it was deleted since the listing (a
+    landing by another process): one gone must not throw away the rest of the listing."""
+    try:
+        return [entry.stat().st_mtime]
+    except FileNotFoundError:
+        return []
+
+
 def _covers(name: str, transaction_ids: Sequence[str]) -> bool:
     """Whether the object ``name`` may hold one of ``transaction_ids`` (by its id range)."""
     parts = _parts(name)
@@ -298,9 +307,10 @@ class Intake(StoreConcept):
         try:
             if self.local:
                 return [
-                    (e.path, e.stat().st_mtime)
+                    (e.path, at)
                     for e in os.scandir(self.path)
                     if e.name.endswith(_SUFFIX) and not e.name.startswith(".")
+                    for at in _mtime(e)
                 ]
             return [
                 (i["name"], _seconds(i.get("LastModified") or i.get("mtime")))

@@ -93,6 +93,35 @@ def test_a_decider_in_another_process_lands_the_half_first(settings: Settings) -
     assert _half_ids(sender) == sorted([p.transaction_id, unrelated.transaction_id])
 
 
+CHURN = """
+import os, sys
+folder = sys.argv[1]
+names = [os.path.join(folder, f"0-0-churn{i}.arrow") for i in range(64)]
+while True:
+    for name in names:
+        open(name, "wb").close()
+    for name in names:
+        os.unlink(name)
+"""
+
+
+def test_a_listing_is_whole_while_other_objects_come_and_go(tmp_path: Path) -> None:
+    """Objects landed and deleted by other processes while a listing reads the folder: the
+    objects that stay are listed each time (a deletion between reading the folder and reading
+    an entry's time threw the whole listing away, and a late end found its own send missing)."""
+    settings = Settings(store=StoreSettings(path=str(tmp_path / "store"), intake=True))
+    store = _open(settings)
+    (p,) = store.prepare([Message("T", b"x")], "pg")
+    folder = os.path.dirname(_objects(store)[0])
+    churn = subprocess.Popen([sys.executable, "-c", CHURN, folder])
+    try:
+        listed = [store.intake_covering([p.transaction_id]) for _ in range(2000)]
+    finally:
+        churn.kill()
+        churn.wait()
+    assert sum(found != {p.transaction_id} for found in listed) == 0  # listings that missed it
+
+
 def test_a_writer_whose_object_a_decider_landed_still_lands_its_own_decision(
     settings: Settings,
 ) -> None:

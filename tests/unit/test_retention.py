@@ -168,34 +168,38 @@ def test_a_late_decision_after_retention_is_not_found(store: Store, clock: Clock
 
 
 LATE_END = """
-import sys
+import os, sys
 from rmq_spark import LocalTransactionState, Message, Store, TransactionMQProducer
 from tests.unit.test_producer import ScriptedListener
 with TransactionMQProducer("pg", ScriptedListener(), store=Store.open(sys.argv[1])) as producer:
     sent = producer.send_message_in_transaction(Message("Orders", b"x"), None)  # UNKNOWN
     print(sent.transaction_id, flush=True)
-    sys.stdin.readline()
-    ended = producer.end_transaction(sent, LocalTransactionState.ROLLBACK)
+    os.environ["RMQ_SPARK_FAILPOINT"] = "decision.end:stop"
+    ended = producer.end_transaction(sent, LocalTransactionState.ROLLBACK)  # at once
     print(ended.status.value, flush=True)
 """
 
 
 def test_a_sender_stopped_past_retention_ends_its_own_transaction_not_found(
-    store: Store, clock: Clock
+    store: Store, clock: Clock, tmp_path: Path
 ) -> None:
-    """A producer's local transaction answers UNKNOWN; the process stops (SIGSTOP). Check-back
-    commits the transaction, it is published, and retention removes it. Resumed, the producer
-    ends it ROLLBACK: ``NOT_FOUND``, and ``op`` holds no ROLLBACK of a published message."""
+    """A producer's local transaction answers UNKNOWN; the producer ends it at once, and stops
+    (SIGSTOP) as it takes the request. Check-back commits the transaction, it is published, and
+    retention removes it. Resumed, the end is ``NOT_FOUND``: the stop counts as time since
+    the send, so the producer looks for its half message, and ``op`` holds no ROLLBACK of a
+    published message."""
+    marker = tmp_path / "stopped.pid"
     proc = subprocess.Popen(
         [sys.executable, "-c", LATE_END, store.root],
         cwd=REPO,
-        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
-        start_new_session=True,
+        env={**os.environ, "RMQ_SPARK_FAILPOINT_MARKER": str(marker)},
     )
     try:
         tid = proc.stdout.readline().decode().strip()
-        os.kill(proc.pid, signal.SIGSTOP)
+        while not marker.exists() or not marker.read_text().strip():
+            assert proc.poll() is None
+            time.sleep(0.05)
         stopped = time.monotonic()
         decide(store, [tid], COMMIT, "check-back:checker")
         assert commitlog(store).column("body").to_pylist() == [b"x"]
@@ -203,13 +207,11 @@ def test_a_sender_stopped_past_retention_ends_its_own_transaction_not_found(
         assert maintain(store, KEEP_FILES).half_removed == 1
         time.sleep(max(0.0, stopped + 2 * LATE_END_SECONDS - time.monotonic()))
         os.kill(proc.pid, signal.SIGCONT)
-        proc.stdin.write(b"go\n")
-        proc.stdin.flush()
         assert proc.stdout.readline().decode().strip() == "NOT_FOUND"
         assert proc.wait(timeout=60) == 0
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            proc.kill()
     assert tid not in remaining(store, "op") and store.object_decisions([tid]) == {}
 
 
