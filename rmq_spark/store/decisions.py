@@ -60,7 +60,7 @@ from rmq_spark.store.landing import Landing
 from rmq_spark.store.layout import LAYOUT_VERSION, OBJECTS_LAYOUT
 from rmq_spark.store.oplog import COMMITS_KEY, DECIDED_BY_RECOVERY
 from rmq_spark.store.own_writes import OWN_COMMITS_KEPT, MadeIds, OwnDecisions, decision_app_id
-from rmq_spark.store.reads import decisions_of, rows_by_id
+from rmq_spark.store.reads import decisions_of
 
 log = logging.getLogger(__name__)
 
@@ -132,12 +132,6 @@ class PreparedMessage:
     store_timestamp: datetime
 
 
-#: An end of a transaction this process made within this many seconds of its making is decided
-#: without a look in ``half`` (:meth:`Decisions._missing`); a later one (after an UNKNOWN, or a
-#: stall) costs that look, on an object store a listing and a read or two.
-LATE_END_SECONDS = 1.0
-
-
 #: A prepare of at most this many new transactions makes ids that decision objects decide
 #: (:mod:`rmq_spark.store.arbiter`), on a local filesystem and on S3; a larger one (a bulk
 #: prepare) makes ids decided in ``op``. The arbiter is fixed when the id is made, whoever
@@ -181,7 +175,7 @@ class Decisions(StoreConcept):
         #: :attr:`intake` when this process's prepares stage intake objects there.
         self._staging = self.intake if self.intake is not None and self.intake.stages else None
         #: Decisions won by their objects and not landed in ``op`` yet (``end(land=False)``).
-        self.landing = Landing(self.record, self._made, self.intake, self._staging)
+        self.landing = Landing(self.tables, self.record, self._made, self.intake, self._staging)
 
     def prepare(
         self,
@@ -293,7 +287,7 @@ class Decisions(StoreConcept):
             there (the check-back job) or its tasks committed them (a sink's epoch). No intake
             object of theirs needs landing first (:class:`Landing`), and none is looked for.
             Otherwise a transaction is decided only if the store holds its half messages
-            (:meth:`_missing`).
+            (:meth:`Landing.missing`).
 
         Returns
         -------
@@ -312,7 +306,7 @@ class Decisions(StoreConcept):
             first.setdefault(d.transaction_id, d)
         self._check_shard(list(first))
         failpoint("decision.end")
-        missing = set() if in_half else self._missing(list(first))
+        missing = set() if in_half else self.landing.missing(list(first))
         first = {t: d for t, d in first.items() if t not in missing}
         by_object = [d for t, d in first.items() if object_decided(t)]
         before, landing = self._claim(by_object)
@@ -332,14 +326,8 @@ class Decisions(StoreConcept):
         results = []
         for d in decisions:
             if d.transaction_id in missing:
-                results.append(
-                    EndTransactionResult(
-                        d.transaction_id,
-                        d.state,
-                        EndTransactionStatus.NOT_FOUND,
-                        LocalTransactionState.UNKNOWN,
-                    )
-                )
+                status, in_force = EndTransactionStatus.NOT_FOUND, LocalTransactionState.UNKNOWN
+                results.append(EndTransactionResult(d.transaction_id, d.state, status, in_force))
                 continue
             in_force = before.get(d.transaction_id, first[d.transaction_id].state)
             if d is first[d.transaction_id] and d.transaction_id not in before:
@@ -367,34 +355,6 @@ class Decisions(StoreConcept):
                 sorted(missing)[0],
             )
         return results
-
-    def _missing(self, transaction_ids: list[str]) -> set[str]:
-        """Those of ``transaction_ids`` the store holds no half message of: a decision for one
-        would be recorded for nothing (rule 7), or, after retention removed a transaction
-        decided long ago, against the decision its consumers saw (rule 3).
-
-        A transaction this process made less than :data:`LATE_END_SECONDS` ago (on
-        :func:`~rmq_spark.model.clock.elapsed`, which counts a SIGSTOP or a suspend) is there:
-        check-back decides none before the transaction timeout (6 s) and retention removes a
-        decided one days later. The others (sent by another process, or ended late: after an
-        UNKNOWN, or a stop) are looked for in the intake objects, then in ``half`` (only their
-        ids are read): an object landed after the listing is in ``half`` by then (a landing
-        deletes an object after its commit). What this does not see (docs/limitations.md): a
-        pause the guest's clocks do not count (a hypervisor's pause or a live migration) within
-        that second, or any stop between this look and the decision; and on a store whose
-        listings lag behind its puts (not S3, MinIO or a local disk), a send just staged by
-        another process, reported ``NOT_FOUND`` and left to check-back.
-        """
-        made = self._made.after(transaction_ids, elapsed() - LATE_END_SECONDS)
-        strangers = [t for t in transaction_ids if t not in made]
-        if strangers and self.intake is not None:
-            covered = self.intake.covering(strangers)
-            strangers = [t for t in strangers if t not in covered]
-        if not strangers:
-            return set()
-        files = self.tables.data_files("half")
-        found = rows_by_id(self.tables, files, "half", strangers, ["transaction_id"])
-        return set(strangers).difference(found.column("transaction_id").to_pylist())
 
     def _claim(
         self, decisions: list[Decision]

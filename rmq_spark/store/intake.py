@@ -56,7 +56,7 @@ from rmq_spark.delta.storage import check_conditional_put, filesystem, scheme
 from rmq_spark.model.failpoints import failpoint
 from rmq_spark.model.schema import HALF_SCHEMA
 from rmq_spark.store.context import StoreConcept, StoreContext
-from rmq_spark.store.reads import rows_by_id
+from rmq_spark.store.reads import held_in_half
 
 log = logging.getLogger(__name__)
 
@@ -245,12 +245,7 @@ class Intake(StoreConcept):
                 present = listed | {  # each one not listed asked alone: a listing may lag
                     _base(n) for n, _ in objects if _base(n) not in listed and self._exists(n)
                 }
-                files = self.tables.data_files("half", head.snapshot)
-                there = set(
-                    rows_by_id(self.tables, files, "half", ids, ["transaction_id"])
-                    .column("transaction_id")
-                    .to_pylist()
-                )
+                there = held_in_half(self.tables, ids, head.snapshot)
                 for name, rows in objects:
                     if _base(name) not in present:  # in half still, the decision may land
                         gone.update(set(rows.column("transaction_id").to_pylist()) - there)

@@ -5,7 +5,9 @@ soon as the object is put; :meth:`rmq_spark.store.decisions.Decisions.end` with 
 leaves it here, and the process's background publisher lands the decisions of a moment in one
 ``op`` commit. ``op`` must never hold a decision before ``half`` holds its messages (rule 4:
 check-back and the publisher read a transaction's messages in ``half``), so a landing first
-lands the intake objects that may hold them (:mod:`rmq_spark.store.intake`).
+lands the intake objects that may hold them (:mod:`rmq_spark.store.intake`). For the same
+reason, a decision is taken only for a transaction whose half messages the store holds
+(:meth:`Landing.missing`).
 """
 
 from __future__ import annotations
@@ -15,8 +17,11 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from rmq_spark.delta.tables import DeltaTables
+from rmq_spark.model.clock import elapsed
 from rmq_spark.model.messages import LocalTransactionState, object_decided
 from rmq_spark.store.intake import Intake
+from rmq_spark.store.reads import held_in_half
 
 if TYPE_CHECKING:
     from rmq_spark.store.decisions import Decision
@@ -24,12 +29,19 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: An end of a transaction this process made within this many seconds of its making is decided
+#: without a look in ``half`` (:meth:`Landing.missing`); a later one (after an UNKNOWN, or a
+#: stall) costs that look, on an object store a listing and a read or two.
+LATE_END_SECONDS = 1.0
+
 
 class Landing:
     """The decisions of one store (shard) won by their objects and not in ``op`` yet.
 
     Parameters
     ----------
+    tables : DeltaTables
+        The shard's tables.
     record : callable
         Appends decisions to ``op`` and returns those already there
         (:meth:`rmq_spark.store.decisions.Decisions.record`).
@@ -43,11 +55,13 @@ class Landing:
 
     def __init__(
         self,
+        tables: DeltaTables,
         record: Callable[[list[Decision]], dict[str, LocalTransactionState]],
         made: MadeIds,
         intake: Intake | None,
         staging: Intake | None,
     ) -> None:
+        self._tables = tables
         self._record = record
         self._made = made
         self._intake = intake
@@ -102,6 +116,32 @@ class Landing:
                 if self._staging is not None:
                     self._staging.delete(landed)
             return sum(d.state is LocalTransactionState.COMMIT for d in batch)
+
+    def missing(self, transaction_ids: list[str]) -> set[str]:
+        """Those of ``transaction_ids`` the store holds no half message of: a decision for one
+        would be recorded for nothing (rule 7), or, after retention removed a transaction
+        decided long ago, against the decision its consumers saw (rule 3).
+
+        A transaction this process made less than :data:`LATE_END_SECONDS` ago (on
+        :func:`~rmq_spark.model.clock.elapsed`, which counts a SIGSTOP or a suspend) is there:
+        check-back decides none before the transaction timeout (6 s) and retention removes a
+        decided one days later. The others (sent by another process, or ended late: after an
+        UNKNOWN, or a stop) are looked for in the intake objects, then in ``half`` (only their
+        ids are read): an object landed after the listing is in ``half`` by then (a landing
+        deletes an object after its commit). What this does not see (docs/limitations.md): a
+        pause the guest's clocks do not count (a hypervisor's pause or a live migration) within
+        that second, or any stop between this look and the decision; and on a store whose
+        listings lag behind its puts (not S3, MinIO or a local disk), a send just staged by
+        another process, reported ``NOT_FOUND`` and left to check-back.
+        """
+        made = self._made.after(transaction_ids, elapsed() - LATE_END_SECONDS)
+        strangers = [t for t in transaction_ids if t not in made]
+        if strangers and self._intake is not None:
+            covered = self._intake.covering(strangers)
+            strangers = [t for t in strangers if t not in covered]
+        if not strangers:
+            return set()
+        return set(strangers) - held_in_half(self._tables, strangers)
 
     def _land_halves(self, transaction_ids: Sequence[str], landed: Sequence[str]) -> None:
         """Land the intake objects of the shard when a transaction of ``transaction_ids`` was

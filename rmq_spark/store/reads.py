@@ -65,6 +65,16 @@ def half_messages(
     return once(conform(rows_by_id(tables, files, "half", transaction_ids), HALF_SCHEMA), "half")
 
 
+def held_in_half(
+    tables: DeltaTables, transaction_ids: Sequence[str], snapshot: DeltaTable | None = None
+) -> set[str]:
+    """Those of ``transaction_ids`` that the ``half`` snapshot (default: the latest) holds a
+    row of; only the ids are read."""
+    files = tables.data_files("half", snapshot)
+    rows = rows_by_id(tables, files, "half", transaction_ids, ["transaction_id"])
+    return set(rows.column("transaction_id").to_pylist())
+
+
 #: The columns (strings) that identify a row of the store's tables read through this module
 #: (a re-driven message keeps its ``msg_id`` under a new transaction).
 KEYS = {

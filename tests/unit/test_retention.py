@@ -20,7 +20,8 @@ from rmq_spark.checkback.discards import redrive
 from rmq_spark.checkback.job import CheckBackJob
 from rmq_spark.model.config import RetentionSettings, Settings, StoreSettings
 from rmq_spark.spark.offsets import earliest_offsets, latest_offsets
-from rmq_spark.store.decisions import LATE_END_SECONDS, EndTransactionStatus
+from rmq_spark.store.decisions import EndTransactionStatus
+from rmq_spark.store.landing import LATE_END_SECONDS
 from rmq_spark.store.retention import maintain
 from tests.conftest import Clock, commitlog, race
 
