@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -26,7 +27,6 @@ from rmq_spark import Store
 from rmq_spark.model.config import Settings, StoreSettings
 from rmq_spark.spark.session import delta_jars, s3_jars
 from tests.lifetime import die_with_parent
-from tests.minio import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -68,11 +68,26 @@ def _spawn(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
         )
 
 
+def _bound(log: Path, pattern: str, process: subprocess.Popen, deadline: float) -> str:
+    """The first match of ``pattern`` (one group) in ``log``, waiting for the process to log it."""
+    while True:
+        found = re.search(pattern, log.read_text(errors="replace"))
+        if found:
+            return found.group(1)
+        if process.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"no {pattern!r} in {log.name}: {log.read_text()[-3000:]}")
+        time.sleep(0.2)
+
+
 @pytest.fixture(scope="session")
 def spark_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    """A master and two one-core workers on loopback, stopped (SIGKILL) at the end."""
+    """A master and two one-core workers on loopback, stopped (SIGKILL) at the end.
+
+    Every port is chosen by the JVM that binds it (port 0) and read from its log: a port found
+    free here and bound later by a JVM can be taken in between, and the master's web UI then
+    moves to the next port while the tests ask whatever server holds the first one.
+    """
     base = tmp_path_factory.mktemp("cluster")
-    port, web = free_port(), free_port()
     env = {
         **os.environ,
         "SPARK_HOME": SPARK_HOME,
@@ -83,15 +98,18 @@ def spark_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]
         "PYTHONPATH": str(REPO),
     }
     spark_class = str(BIN / "spark-class")
-    cluster = Cluster(f"spark://127.0.0.1:{port}", f"http://127.0.0.1:{web}", [])
-    cluster.processes.append(
-        _spawn(
-            [spark_class, "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1"]
-            + ["--port", str(port), "--webui-port", str(web)],
-            base / "master.log",
-            env,
-        )
+    deadline = time.monotonic() + 180
+    master_log = base / "master.log"
+    master = _spawn(
+        [spark_class, "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1"]
+        + ["--port", "0", "--webui-port", "0"],
+        master_log,
+        env,
     )
+    cluster = Cluster("", "", [], [master])
+    web_ui = r"Bound MasterWebUI to \S+ and started at (http://\S+)"
+    cluster.master = _bound(master_log, r"Starting Spark master at (spark://\S+)", master, deadline)
+    cluster.web = _bound(master_log, web_ui, master, deadline)
     for n in (1, 2):
         work = base / f"worker{n}"
         work.mkdir()
@@ -100,12 +118,11 @@ def spark_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]
             _spawn(
                 [spark_class, "org.apache.spark.deploy.worker.Worker", cluster.master]
                 + ["--host", "127.0.0.1", "--cores", "1", "--memory", "1500m"]
-                + ["--work-dir", str(work), "--webui-port", str(free_port())],
+                + ["--work-dir", str(work), "--webui-port", "0"],
                 base / f"worker{n}.log",
                 env,
             )
         )
-    deadline = time.monotonic() + 180
     while True:
         try:
             if sum(w["state"] == "ALIVE" for w in cluster.workers()) == 2:
