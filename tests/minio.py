@@ -89,12 +89,12 @@ def check_free_space(data: Path) -> None:
         )
 
 
-def start(data: Path, certs: Path | None = None) -> Minio:
-    """Start MinIO on a free loopback port with its data under ``data``; make the bucket. With
-    ``certs``, a folder holding ``public.crt`` and ``private.key``, it speaks HTTPS only."""
-    data.mkdir(parents=True, exist_ok=True)
-    check_free_space(data)
-    port = free_port()
+class PortTaken(RuntimeError):
+    """MinIO could not bind the port it was given."""
+
+
+def _serve(data: Path, certs: Path | None, port: int) -> Minio:
+    """MinIO on ``port``, once it answers its readiness check."""
     log = data.parent / "minio.log"
     env = {
         **os.environ,
@@ -119,16 +119,36 @@ def start(data: Path, certs: Path | None = None) -> Minio:
     deadline = time.monotonic() + 60
     while True:
         if process.poll() is not None:
-            raise RuntimeError(f"MinIO exited with {process.returncode}: {log.read_text()[-2000:]}")
+            said = log.read_text()[-2000:]
+            taken = "port is already in use" in said
+            raise (PortTaken if taken else RuntimeError)(
+                f"MinIO exited with {process.returncode}: {said}"
+            )
         try:
             ready = f"{server.endpoint}/minio/health/ready"
             with urllib.request.urlopen(ready, timeout=2, context=trusted):
-                break
+                return server
         except OSError as exc:
             if time.monotonic() > deadline:
                 server.stop()
                 raise RuntimeError(f"MinIO not ready in 60 s: {log.read_text()[-2000:]}") from exc
             time.sleep(0.2)
+
+
+def start(data: Path, certs: Path | None = None) -> Minio:
+    """Start MinIO on a free loopback port with its data under ``data``; make the bucket. With
+    ``certs``, a folder holding ``public.crt`` and ``private.key``, it speaks HTTPS only."""
+    data.mkdir(parents=True, exist_ok=True)
+    check_free_space(data)
+    # A port found free here can be taken before MinIO binds it: MinIO then exits, and the
+    # next port is tried.
+    for attempt in range(3):
+        try:
+            server = _serve(data, certs, free_port())
+            break
+        except PortTaken:
+            if attempt == 2:
+                raise
     import s3fs
 
     s3fs.S3FileSystem(
