@@ -4,7 +4,9 @@ table."""
 
 from __future__ import annotations
 
+import random
 import threading
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -25,7 +27,11 @@ def _foreign(store: Store, name: str, holder: str, seconds: float) -> None:
         "expires": datetime.now(UTC) + timedelta(seconds=seconds),
     }
     rows = pa.Table.from_pylist([row], schema=LOCKS_SCHEMA)
-    for _ in range(20):  # deltalake refuses an append racing a rewrite: the writer retries
+    # deltalake refuses an append racing a rewrite ("a concurrent transaction deleted data this
+    # operation read"): the writer retries, a while, as a job would (on a loaded machine, S3
+    # appends that take longer than the renewals' 50 ms lose many times in a row)
+    deadline = time.monotonic() + 120.0
+    while time.monotonic() < deadline:
         try:
             return write_deltalake(
                 store.table_uri("locks"),
@@ -34,8 +40,8 @@ def _foreign(store: Store, name: str, holder: str, seconds: float) -> None:
                 storage_options=store._storage_options,
             )
         except (CommitFailedError, DeltaError):  # a listing raced a commit, too
-            continue
-    raise AssertionError("the foreign append lost 20 races")
+            time.sleep(random.uniform(0.0, 0.05))
+    raise AssertionError("the foreign append lost every race for 120 s")
 
 
 def test_racing_takers_one_wins_each_round(tmp_path: Path) -> None:
