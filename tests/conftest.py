@@ -37,8 +37,11 @@ class Clock:
 
 @pytest.fixture
 def store(tmp_path: Path) -> Store:
-    """An empty store on local disk."""
-    return Store.open(tmp_path / "store", settings=Settings(store=StoreSettings(queue_nums=2)))
+    """An empty store on local disk whose sends are ``half`` commits (``store.intake`` off):
+    the unit tests of commits, compaction and retention make those commits by sending; the
+    intake objects have tests of their own, the S3 store and the integration tests' default."""
+    settings = Settings(store=StoreSettings(queue_nums=2, intake=False))
+    return Store.open(tmp_path / "store", settings=settings)
 
 
 @pytest.fixture
@@ -149,8 +152,8 @@ def foreign_compaction_after_the_stores(store: Store, table: str) -> None:
 
 
 def committing(store: Store) -> Store:
-    """``store``'s root opened with every send a ``half`` commit (``store.intake`` off, as on
-    local disk by default), for tests of those commits: on S3 a send puts an intake object."""
+    """``store``'s root opened with every send a ``half`` commit (``store.intake`` off, as the
+    ``store`` fixture), for tests of those commits: by default a send puts an intake object."""
     return Store.open(store.root, settings=dataclasses.replace(store.settings, intake=False))
 
 

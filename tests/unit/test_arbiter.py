@@ -16,6 +16,7 @@ from deltalake import DeltaTable
 
 from rmq_spark import Decision, LocalTransactionState, Message, Store
 from rmq_spark.checkback.discards import DECIDED_BY_CHECK_MAX
+from rmq_spark.model.config import StoreSettings
 from rmq_spark.model.errors import CorruptStoreError
 from rmq_spark.model.messages import object_decided, shard_of, shard_transaction_id
 from rmq_spark.store.arbiter import DECISIONS_DIR
@@ -124,7 +125,7 @@ def test_the_first_object_decided_id_raises_the_layout(tmp_path: Path) -> None:
     """An older rmq-spark decides in ``op`` alone: the store's marker goes to the layout it
     refuses before the first id that a decision object decides is handed out."""
     root = tmp_path / "store"
-    store = Store.open(root)
+    store = Store.open(root, settings=StoreSettings(intake=False))  # intake: layout 5, below
     assert json.loads((root / MARKER_FILE).read_text())["layout_version"] == 1
     store.prepare([Message("T", b"x")], "pg")
     assert json.loads((root / MARKER_FILE).read_text())["layout_version"] == OBJECTS_LAYOUT == 4

@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def open_store(root: Path) -> Store:
-    return Store.open(root, settings=Settings(store=StoreSettings(queue_nums=2)))
+    return Store.open(root, settings=Settings(store=StoreSettings(queue_nums=2, intake=False)))
 
 
 def half_files(store: Store, body: bytes = b"x"):
@@ -300,7 +300,8 @@ def run_killed(store: Store, failpoint: str, sends: int = 1) -> None:
         f"""
         from rmq_spark import Message, Store
         from rmq_spark.model.config import Settings, StoreSettings
-        store = Store.open({store.root!r}, settings=Settings(store=StoreSettings(queue_nums=2)))
+        settings = Settings(store=StoreSettings(queue_nums=2, intake=False))
+        store = Store.open({store.root!r}, settings=settings)
         for n in range({sends}):
             store.prepare([Message("T", b"killed")], "pg")
         """
@@ -368,7 +369,8 @@ def _stopped_prepare(store: Store, tmp_path: Path, failpoint: str) -> subprocess
         import json, os
         from rmq_spark import Message, Store
         from rmq_spark.model.config import Settings, StoreSettings
-        store = Store.open({store.root!r}, settings=Settings(store=StoreSettings(queue_nums=2)))
+        settings = Settings(store=StoreSettings(queue_nums=2, intake=False))
+        store = Store.open({store.root!r}, settings=settings)
         store.prepare([Message("T", b"warm")], "pg")
         os.environ["RMQ_SPARK_FAILPOINT"] = {f"{failpoint}:stop"!r}
         (prepared,) = store.prepare([Message("T", b"stalled")], "pg")

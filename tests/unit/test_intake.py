@@ -316,7 +316,7 @@ def test_a_decision_that_comes_during_a_landing_waits_for_its_half(
 def test_the_first_intake_object_raises_the_layout_past_older_releases(tmp_path: Path) -> None:
     """A release before intake would record a decision before its half message is in
     ``half``: the store it could open (layout 4) becomes layout 5 before the first object."""
-    plain = Store.open(tmp_path / "store")
+    plain = Store.open(tmp_path / "store", settings=StoreSettings(intake=False))
     plain.prepare([Message("T", b"x")], "pg")
     marker = tmp_path / "store" / MARKER_FILE
     assert json.loads(marker.read_text())["layout_version"] == OBJECTS_LAYOUT

@@ -233,7 +233,8 @@ def test_no_send_waits_for_a_compaction_or_a_checkpoint(
         from rmq_spark import LocalTransactionState, Message, Store, TransactionMQProducer
         from tests.unit.test_producer import ScriptedListener
         COMMIT = LocalTransactionState.COMMIT
-        store = Store.open({store.root!r})
+        from rmq_spark.model.config import StoreSettings
+        store = Store.open({store.root!r}, settings=StoreSettings(intake=False))
         producer = TransactionMQProducer("pg", ScriptedListener(), store=store).start()
         def send(count):
             for i in range(count):

@@ -41,7 +41,7 @@ def clock() -> Clock:
 
 @pytest.fixture
 def store(tmp_path: Path, clock: Clock) -> Store:
-    return Store.open(tmp_path / "store", clock=clock)
+    return Store.open(tmp_path / "store", settings=StoreSettings(intake=False), clock=clock)
 
 
 def send(store: Store, topic: str, n: int, keys: str = "k") -> None:

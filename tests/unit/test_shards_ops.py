@@ -27,7 +27,9 @@ T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
 
 def sharded(path: Path, shards: int = 3, clock=None) -> Store:
-    return Store.open(path, settings=StoreSettings(shards=shards, queue_nums=2), clock=clock)
+    return Store.open(
+        path, settings=StoreSettings(shards=shards, queue_nums=2, intake=False), clock=clock
+    )
 
 
 # --------------------------------------------------------------------------- the fan-out

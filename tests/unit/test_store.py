@@ -590,7 +590,7 @@ def test_two_compactions_at_once_never_duplicate_rows(tmp_path: Path) -> None:
     from tests.conftest import race
 
     for trial in range(3):
-        store = Store.open(tmp_path / f"s{trial}")
+        store = Store.open(tmp_path / f"s{trial}", settings=StoreSettings(intake=False))
         for i in range(30):
             store.prepare([Message("Orders", f"m{i}".encode())], "pg")
         results = race(_compactor, [(store.root, n) for n in ("a", "b")])
@@ -691,7 +691,7 @@ def test_a_busy_store_keeps_minutes_not_the_log_retention_of_log(tmp_path: Path)
     the log on a local filesystem (about 8.5 us an entry here: 8.5 ms a send with 200 entries,
     58 ms with 6,000), so 15 minutes of commits made sends ten times slower. Entries that no
     reader's cursor needs go after ten seconds (here the clock is two minutes ahead)."""
-    store = Store.open(tmp_path, settings=StoreSettings(), clock=_ahead(2))
+    store = Store.open(tmp_path, settings=StoreSettings(intake=False), clock=_ahead(2))
     assert store.settings.log_retention == 900.0  # the default
     for i in range(430):
         if i % 25 == 0:
@@ -710,7 +710,9 @@ def test_the_log_a_lagging_check_back_job_needs_is_kept_for_the_log_retention(
     them stay for the log retention (here two minutes old of 15), so the next update is
     incremental; past it (20 minutes old) they go, and the update rebuilds from a full scan."""
     for minutes, full_scan in ((2, False), (20, True)):
-        store = Store.open(tmp_path / str(minutes), settings=StoreSettings(), clock=_ahead(minutes))
+        store = Store.open(
+            tmp_path / str(minutes), settings=StoreSettings(intake=False), clock=_ahead(minutes)
+        )
         update_pending(store)
         for i in range(230):
             store.prepare([Message("Orders", str(i).encode())], "pg")
@@ -723,7 +725,7 @@ def test_the_log_a_lagging_check_back_job_needs_is_kept_for_the_log_retention(
 def _long_run(tmp_path: Path, lock: str) -> tuple[Store, DeltaTable, list[str]]:
     """A store whose ``lock`` is held by a run that started on a snapshot of ``half`` with ten
     sends, and 230 sends since, on a clock two minutes ahead."""
-    store = Store.open(tmp_path, settings=StoreSettings(), clock=_ahead(2))
+    store = Store.open(tmp_path, settings=StoreSettings(intake=False), clock=_ahead(2))
     ids = [store.prepare([Message("Orders", b"old")], "pg")[0].transaction_id for _ in range(10)]
     assert store.lock(lock, "a long run", 3600.0)
     snapshot = DeltaTable(store.table_uri("half"))  # where the long operation started
@@ -761,7 +763,7 @@ def test_a_merge_that_outlives_the_log_of_its_snapshot_is_retried(tmp_path: Path
     """A MERGE (a lock, a check-back state update) that runs longer than the log entries
     after its snapshot live, while another process commits and cleans: deltalake refuses its
     commit ("Invalid table version"), which is a lost race, retried from the latest snapshot."""
-    settings = StoreSettings(log_retention=0.0)
+    settings = StoreSettings(log_retention=0.0, intake=False)
     store, other = Store.open(tmp_path, settings=settings), Store.open(tmp_path, settings=settings)
     attempts = []
 
