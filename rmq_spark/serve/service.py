@@ -436,7 +436,7 @@ class MessagingService(ConsumerCalls, service_grpc.MessagingServiceServicer):
             shard = self.store.shard_store(shard_of(transaction_id))
         except RmqSparkError:
             return None  # a shard the store does not have
-        halves = shard.half_messages([transaction_id])
+        halves = shard.half_messages([transaction_id], staged=True)
         if not halves.num_rows:
             return None
         group = halves.column("producer_group")[0].as_py()

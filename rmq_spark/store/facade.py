@@ -439,11 +439,28 @@ class Store:
 
     # ------------------------------------------------------------------ reads
     def half_messages(
-        self, transaction_ids: Sequence[str], files: pa.Table | None = None
+        self,
+        transaction_ids: Sequence[str],
+        files: pa.Table | None = None,
+        *,
+        staged: bool = False,
     ) -> pa.Table:
         """The half messages of the given transactions (``half`` schema); ``files``: the add
-        actions of the latest ``half`` snapshot (:meth:`data_files`) if read already."""
-        return reads.half_messages(self._tables, transaction_ids, files)
+        actions of the latest ``half`` snapshot (:meth:`data_files`) if read already.
+        ``staged``: those of transactions ``half`` lacks are also looked for in the intake
+        objects not landed yet, then in ``half`` again (landed after the first read)."""
+        rows = reads.half_messages(self._tables, transaction_ids, files)
+        intake = self._decisions.intake
+        if not staged or intake is None:
+            return rows
+        found = set(rows.column("transaction_id").to_pylist())
+        rest = [t for t in transaction_ids if t not in found]
+        if not rest:
+            return rows
+        in_objects = intake.held(rest)
+        rest = list(set(rest) - set(in_objects.column("transaction_id").to_pylist()))
+        landed = reads.half_messages(self._tables, rest) if rest else None
+        return pa.concat_tables([t for t in (rows, in_objects, landed) if t is not None])
 
     def data_files(self, name: str, snapshot: DeltaTable | None = None) -> pa.Table:
         """The data files of a table's ``snapshot`` (default: the latest): Delta's add actions

@@ -220,6 +220,15 @@ class Intake(StoreConcept):
         names = self._listed(0.0, float("inf"))
         return {t for t in transaction_ids if any(_covers(name, [t]) for name in names)}
 
+    def held(self, transaction_ids: Sequence[str]) -> pa.Table:
+        """The half messages of ``transaction_ids`` that the intake objects of this shard hold,
+        not landed yet (one listing, and a read of each object whose id range covers one);
+        an object listed and gone by its read was landed: ``half`` holds its rows."""
+        found = [name for name in self._listed(0.0, float("inf")) if _covers(name, transaction_ids)]
+        datas = [d for d in each(self._read, found, "intake-reads") if d is not None]
+        rows = pa.concat_tables([HALF_SCHEMA.empty_table(), *datas])
+        return rows.filter(pc.is_in(rows.column("transaction_id"), pa.array(transaction_ids)))
+
     def _land(self, objects: Sequence[tuple[str, pa.Table]], *, own: bool) -> tuple[int, set[str]]:
         """Append the rows of ``objects`` to ``half`` unless they are there; return how many
         transactions that was (the landing arbiter: see the module docstring), and the

@@ -76,6 +76,27 @@ def test_a_send_is_durable_in_one_object_and_lands_before_its_decision(
     assert store.read("commitlog").column("transaction_id").to_pylist() == [p.transaction_id]
 
 
+def test_half_messages_still_in_an_intake_object_are_found_by_another_process(
+    settings: Settings,
+) -> None:
+    """``rmqtx serve`` looks a transaction up to end it (its owner, its topics) when it does
+    not remember it (ended before, or sent before a restart): one not landed yet is there."""
+    store = _open(settings)
+    (p,) = store.prepare([Message("T", b"x", keys="k")], "pg")
+    other = _open(settings)
+    assert other.half_messages([p.transaction_id]).num_rows == 0  # half alone: not landed yet
+    (row,) = other.half_messages([p.transaction_id, "nobody"], staged=True).to_pylist()
+    assert (row["transaction_id"], row["topic"], row["producer_group"]) == (
+        p.transaction_id,
+        "T",
+        "pg",
+    )
+    store.end_transactions([Decision(p.transaction_id, "pg", COMMIT)])  # landed and deleted
+    assert _objects(store) == []
+    (row,) = other.half_messages([p.transaction_id], staged=True).to_pylist()
+    assert row["transaction_id"] == p.transaction_id
+
+
 def test_a_decider_in_another_process_lands_the_half_first(settings: Settings) -> None:
     """A transaction sent through one process and decided through another (two ``rmqtx
     serve`` behind one address): the decider lands the sender's intake object before it
