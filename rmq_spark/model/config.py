@@ -258,9 +258,11 @@ class StoreSettings:
     publish_lease: float = 10.0
     #: Half messages of a producer or ``rmqtx serve`` made durable in one put of an intake
     #: object each send (batch), landed in ``half`` in the background
-    #: (``rmq_spark.store.intake``): one round trip instead of a Delta commit's three. Unset:
-    #: on for an S3 store, off on a local filesystem (where a commit is about a millisecond).
-    intake: bool | None = None
+    #: (``rmq_spark.store.intake``): one round trip instead of a Delta commit's three on S3,
+    #: and on local disk one file written instead of a data file and a log entry (a sender's
+    #: send p50 1.5 against 4.2 ms, the same throughput at 64 senders). Off: each send
+    #: (batch) is a ``half`` commit.
+    intake: bool = True
     #: How long the Delta log entries of the internal tables (all but the CommitLog) that a
     #: lagging check-back job still needs are kept (15 min); entries nobody needs go after ten
     #: seconds. On a local filesystem every commit lists the whole log, so its cost would grow

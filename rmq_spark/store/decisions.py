@@ -37,7 +37,7 @@ import pyarrow as pa
 from deltalake import DeltaTable
 
 from rmq_spark.delta.retry import retry_commits
-from rmq_spark.delta.storage import check_conditional_put, is_s3
+from rmq_spark.delta.storage import check_conditional_put
 from rmq_spark.model.clock import elapsed
 from rmq_spark.model.errors import RmqSparkError
 from rmq_spark.model.failpoints import failpoint
@@ -162,15 +162,12 @@ class Decisions(StoreConcept):
         self._objects_batch = OBJECT_DECIDED_BATCH[
             "file" if self._objects is None or self._objects.local else "s3"
         ]
-        stages = self.settings.intake
         #: The shard's intake objects (:mod:`rmq_spark.store.intake`): where this process makes
         #: the half messages of transactions that decision objects decide durable in one put
         #: when it ``stages`` (else in a ``half`` commit), and lands those of others; None on
         #: a filesystem that holds no decision objects.
         self.intake = (
-            Intake(context, stages=stages if stages is not None else is_s3(self.tables.root))
-            if self._objects is not None
-            else None
+            Intake(context, stages=self.settings.intake) if self._objects is not None else None
         )
         #: :attr:`intake` when this process's prepares stage intake objects there.
         self._staging = self.intake if self.intake is not None and self.intake.stages else None

@@ -28,7 +28,7 @@ from rmq_spark.checkback.checkers import (
 )
 from rmq_spark.checkback.discards import redrive
 from rmq_spark.checkback.job import CheckBackJob
-from rmq_spark.model.config import RetentionSettings, TransactionSettings
+from rmq_spark.model.config import RetentionSettings, StoreSettings, TransactionSettings
 from rmq_spark.ops.demo import OrderService
 from rmq_spark.ops.status import store_status
 from rmq_spark.store.retention import maintain
@@ -211,8 +211,9 @@ def test_two_jobs_at_once_never_double_commit_or_double_count(spark, store: Stor
 
 def test_producer_clock_skew_does_not_change_eligibility(spark, tmp_path) -> None:
     for skew_hours in (-100, +100):
-        skewed = Store.open(
+        skewed = Store.open(  # sends in half (intake objects: the storage's times count)
             tmp_path / f"s{skew_hours}",
+            settings=StoreSettings(intake=False),
             clock=lambda h=skew_hours: datetime.now(UTC) + timedelta(hours=h),
         )
         prepare(skewed, "COMMIT")
@@ -658,7 +659,11 @@ def test_the_first_round_on_a_store_resolves_what_is_overdue(spark, store: Store
 def test_a_producers_clock_does_not_make_a_transaction_due(spark, tmp_path: Path) -> None:
     """A producer whose clock is an hour behind writes store timestamps an hour old; its
     transaction is still not due in the first round (apache/rocketmq#9640)."""
-    behind = Store.open(tmp_path / "store", clock=lambda: datetime.now(UTC) - timedelta(hours=1))
+    behind = Store.open(
+        tmp_path / "store",
+        settings=StoreSettings(intake=False),  # its send in half, timestamped by its clock
+        clock=lambda: datetime.now(UTC) - timedelta(hours=1),
+    )
     prepare(behind, "COMMIT")
     s = job(spark, Store.open(tmp_path / "store"), lambda: datetime.now(UTC)).run_once().summary
     assert (s.pending_found, s.checked, s.not_yet_due) == (1, 0, 1)
@@ -734,7 +739,7 @@ def test_a_decision_its_killed_producer_never_recorded_is_recorded_not_asked(
         "from rmq_spark.model.config import StoreSettings\n"
         "from tests.unit.test_producer import ScriptedListener\n"
         f"store = Store.open({store.root!r}, settings=StoreSettings(queue_nums=2, "
-        "publish_linger=10.0))\n"
+        "publish_linger=10.0, intake=False))\n"
         f"with TransactionMQProducer({group!r}, ScriptedListener(), store=store) as producer:\n"
         "    sent = producer.send_message_in_transaction(\n"
         "        Message('Orders', b'x', tags='ROLLBACK'), LocalTransactionState.UNKNOWN)\n"

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from rmq_spark import Decision, LocalTransactionState, Message, Store
+from rmq_spark.model.config import StoreSettings
 from tests.conftest import commitlog, race
 
 COMMIT, ROLLBACK = LocalTransactionState.COMMIT, LocalTransactionState.ROLLBACK
@@ -78,8 +79,8 @@ def test_concurrent_publishers_keep_offsets_dense(any_store: Store) -> None:
         assert mine == sorted(mine)
 
 
-def _preparer(root: str, name: str, threads: int, barrier, out) -> None:
-    store = Store.open(root, create=False)
+def _preparer(root: str, name: str, threads: int, intake: bool, barrier, out) -> None:
+    store = Store.open(root, settings=StoreSettings(intake=intake), create=False)
     errors: list[str] = []
 
     def prepare(i: int) -> None:
@@ -97,12 +98,15 @@ def _preparer(root: str, name: str, threads: int, barrier, out) -> None:
     out.put((name, errors))
 
 
-def test_many_producers_preparing_at_once_all_succeed(store: Store) -> None:
+@pytest.mark.parametrize("intake", [False, True])
+def test_many_producers_preparing_at_once_all_succeed(store: Store, intake: bool) -> None:
     # 16 processes x 4 threads blind-append at once: deltalake alone gives up after its own
-    # commit retries (CommitFailedError) for a good part of them on 2 cores.
+    # commit retries (CommitFailedError) for a good part of them on 2 cores. With intake each
+    # puts its objects, which a recoverer (check-back) lands, once, after the processes end.
     procs, threads = 16, 4
-    results = race(_preparer, [(store.root, f"p{i}", threads) for i in range(procs)])
+    results = race(_preparer, [(store.root, f"p{i}", threads, intake) for i in range(procs)])
     assert {name: errors for name, errors in results.items() if errors} == {}
+    assert store.land_intake(0.0) == (procs * threads if intake else 0)
     bodies = store.read("half").column("body").to_pylist()
     assert sorted(bodies) == sorted(
         f"p{p}-{i}".encode() for p in range(procs) for i in range(threads)
@@ -147,7 +151,7 @@ def _run_child_until_killed(root: str, step: str) -> str:
 def test_half_message_survives_kill_between_prepare_and_end(store: Store) -> None:
     txn = _run_child_until_killed(store.root, "after-prepare")
     reopened = Store.open(store.root, create=False)
-    half = reopened.read("half")
+    half = reopened.half_messages([txn], staged=True)  # in half, or in its intake object
     assert half.column("transaction_id").to_pylist() == [txn]
     assert half.column("body").to_pylist() == [b"payload"]
     assert reopened.read("op").num_rows == 0

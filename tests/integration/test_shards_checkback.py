@@ -27,8 +27,9 @@ BY_TAG = "tests.checker_functions:by_tag"
 
 @pytest.fixture
 def sharded(tmp_path: Path) -> Store:
-    """An empty store of three shards, two queues each."""
-    return Store.open(tmp_path / "store", settings=StoreSettings(shards=3, queue_nums=2))
+    """An empty store of three shards, two queues each, whose sends are ``half`` commits."""
+    settings = StoreSettings(shards=3, queue_nums=2, intake=False)
+    return Store.open(tmp_path / "store", settings=settings)
 
 
 def job(spark, store: Store, clock: Clock, **settings) -> CheckBackJob:

@@ -75,7 +75,7 @@ class Options:
     #: A store on ``s3://`` (MinIO behind tests.latency_proxy) instead of local disk: the
     #: storage options of the server, given to every process in its environment.
     storage_options: dict = field(default_factory=dict)
-    #: ``[store] intake`` (None: the default, on for S3 only; rmq_spark.store.intake).
+    #: ``[store] intake`` (None: the default, on; rmq_spark.store.intake).
     intake: bool | None = None
 
 
@@ -417,7 +417,7 @@ level = "INFO"
             # Dies with decisions in their objects only: check-back records them. With intake,
             # or with sends in intake objects only, or landed and not deleted: check-back lands
             # them (once).
-            intake = self.o.intake or (self.o.intake is None and bool(self.o.storage_options))
+            intake = self.o.intake is not False
             points = ["decision.claimed"] + (["intake.landing", "intake.landed"] if intake else [])
             w.failpoint = self.rng.choice(points)
         if w.failpoint:

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--intake",
         choices=("on", "off"),
-        help="[store] intake: sends durable in intake objects (default: on for S3 only)",
+        help="[store] intake: sends durable in intake objects (default: on)",
     )
     parser.add_argument(
         "--no-compactor",
