@@ -189,8 +189,8 @@ def main() -> None:
     parser.add_argument(
         "--intake",
         choices=("on", "off"),
-        default="off",
-        help="store.intake (off by default on local disk): sends staged as intake objects",
+        default="on",
+        help="store.intake (on by default): sends staged as intake objects; off: half commits",
     )
     args = parser.parse_args()
     if args.messages < max(SENDERS) or args.baseline_messages < max(SENDERS):
