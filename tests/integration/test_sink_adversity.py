@@ -107,11 +107,13 @@ def test_a_writer_whose_epoch_is_abandoned_fails_and_its_retry_publishes_once(
         write(slow_rows(spark, gate), store, sinkId="stalled-job")
     assert read_epoch(store, "stalled-job", 0).state == ABANDONED
     assert bodies(store) == []
-    write(slow_rows(spark, gate), store, sinkId="stalled-job")  # the retry: generation 1
+    write(slow_rows(spark, gate), store, sinkId="stalled-job")  # the retry
     CheckBackJob(spark, store, {}, TIGHT).run_once()
     assert bodies(store) == sorted(f"m{i}" for i in range(20))
     assert pending(store) == set()
-    assert read_epoch(store, "stalled-job", 0).generation == 1
+    # Abandoned at least once (a round after the first job's task retries re-took the epoch,
+    # on a slow machine, abandons it again: generation 2); every row published once above.
+    assert read_epoch(store, "stalled-job", 0).generation >= 1
 
 
 def test_user_messages_cannot_pass_for_sink_messages(spark, store: Store) -> None:
