@@ -451,16 +451,7 @@ class Store:
         objects not landed yet, then in ``half`` again (landed after the first read)."""
         rows = reads.half_messages(self._tables, transaction_ids, files)
         intake = self._decisions.intake
-        if not staged or intake is None:
-            return rows
-        found = set(rows.column("transaction_id").to_pylist())
-        rest = [t for t in transaction_ids if t not in found]
-        if not rest:
-            return rows
-        in_objects = intake.held(rest)
-        rest = list(set(rest) - set(in_objects.column("transaction_id").to_pylist()))
-        landed = reads.half_messages(self._tables, rest) if rest else None
-        return pa.concat_tables([t for t in (rows, in_objects, landed) if t is not None])
+        return rows if not staged or intake is None else intake.half_messages(transaction_ids, rows)
 
     def data_files(self, name: str, snapshot: DeltaTable | None = None) -> pa.Table:
         """The data files of a table's ``snapshot`` (default: the latest): Delta's add actions

@@ -56,7 +56,7 @@ from rmq_spark.delta.storage import check_conditional_put, filesystem, scheme
 from rmq_spark.model.failpoints import failpoint
 from rmq_spark.model.schema import HALF_SCHEMA
 from rmq_spark.store.context import StoreConcept, StoreContext
-from rmq_spark.store.reads import held_in_half
+from rmq_spark.store.reads import half_messages, held_in_half
 
 log = logging.getLogger(__name__)
 
@@ -220,14 +220,23 @@ class Intake(StoreConcept):
         names = self._listed(0.0, float("inf"))
         return {t for t in transaction_ids if any(_covers(name, [t]) for name in names)}
 
-    def held(self, transaction_ids: Sequence[str]) -> pa.Table:
-        """The half messages of ``transaction_ids`` that the intake objects of this shard hold,
-        not landed yet (one listing, and a read of each object whose id range covers one);
-        an object listed and gone by its read was landed: ``half`` holds its rows."""
-        found = [name for name in self._listed(0.0, float("inf")) if _covers(name, transaction_ids)]
-        datas = [d for d in each(self._read, found, "intake-reads") if d is not None]
-        rows = pa.concat_tables([HALF_SCHEMA.empty_table(), *datas])
-        return rows.filter(pc.is_in(rows.column("transaction_id"), pa.array(transaction_ids)))
+    def half_messages(self, transaction_ids: Sequence[str], in_half: pa.Table) -> pa.Table:
+        """``in_half`` (the half messages of ``transaction_ids`` read from ``half``) with those
+        of the others that an intake object of this shard holds, not landed yet (one listing,
+        and a read of each object whose id range covers one), then of those still missing
+        that ``half`` holds now: an object gone by its read was landed (deleted after its
+        landing commit)."""
+        found = set(in_half.column("transaction_id").to_pylist())
+        rest = [t for t in transaction_ids if t not in found]
+        if not rest:
+            return in_half
+        names = [name for name in self._listed(0.0, float("inf")) if _covers(name, rest)]
+        datas = [d for d in each(self._read, names, "intake-reads") if d is not None]
+        staged = pa.concat_tables([HALF_SCHEMA.empty_table(), *datas])
+        staged = staged.filter(pc.is_in(staged.column("transaction_id"), pa.array(rest)))
+        rest = sorted(set(rest) - set(staged.column("transaction_id").to_pylist()))
+        landed = [half_messages(self.tables, rest)] if rest else []
+        return pa.concat_tables([in_half, staged, *landed])
 
     def _land(self, objects: Sequence[tuple[str, pa.Table]], *, own: bool) -> tuple[int, set[str]]:
         """Append the rows of ``objects`` to ``half`` unless they are there; return how many
