@@ -53,6 +53,7 @@ import pyarrow.compute as pc
 from rmq_spark.delta.parallel import each
 from rmq_spark.delta.retry import retry_commits
 from rmq_spark.delta.storage import check_conditional_put, filesystem, scheme
+from rmq_spark.model.errors import StoreError
 from rmq_spark.model.failpoints import failpoint
 from rmq_spark.model.schema import HALF_SCHEMA
 from rmq_spark.store.context import StoreConcept, StoreContext
@@ -63,6 +64,7 @@ log = logging.getLogger(__name__)
 #: The folder of ``half`` that holds the intake objects.
 INTAKE_DIR = "_rmqtx_intake"
 _SUFFIX = ".arrow"
+_TEMP = ".tmp"
 _APP_ID = "rmqtx.intake.{bucket}"
 #: Buckets of writers for the landing arbiter: ``half``'s snapshot keeps one application id per
 #: bucket, however many processes ever wrote intake objects.
@@ -150,10 +152,19 @@ class Intake(StoreConcept):
         if not self._made:
             os.makedirs(self.path, exist_ok=True)
             self._made = True
-        temp = f"{self.path}/.{uuid.uuid4().hex}.tmp"  # a dot: not listed as an object
+        temp = f"{self.path}/.{uuid.uuid4().hex}{_TEMP}"  # a dot: not listed as an object
         with open(temp, "wb") as out:
             out.write(data)
-        os.replace(temp, name)  # whole or not at all
+        failpoint("intake.written")
+        try:
+            os.replace(temp, name)  # whole or not at all
+        except FileNotFoundError as exc:
+            raise StoreError(
+                f"the intake object's temp file {temp} was removed before it was renamed into "
+                "place: this process stalled for longer than the transaction timeout and the "
+                "check-back job took it for one a killed writer left; nothing of this send is "
+                "stored, send it again"
+            ) from exc
 
     # ------------------------------------------------------------------ landing
     def land(self) -> tuple[list[str], set[str]]:
@@ -188,9 +199,13 @@ class Intake(StoreConcept):
         lists (0: all of them), or only those whose id range covers one of ``covering``, and
         delete them; return how many transactions' messages were landed (objects landed
         already are deleted only). ``just_landed``: objects this process has just landed
-        itself, left alone (it deletes them)."""
+        itself, left alone (it deletes them). With an age (``older_than`` > 0), the temp
+        files of that age that killed writers left on local disk are removed first."""
+        now = time.time() if now is None else now
         with self._landing:
-            found = self._listed(older_than, time.time() if now is None else now)
+            if older_than > 0:
+                self._sweep(older_than, now)
+            found = self._listed(older_than, now)
             mine = {_base(name) for name in just_landed}
             found = [name for name in found if _base(name) not in mine]
             if covering is not None:
@@ -332,6 +347,33 @@ class Intake(StoreConcept):
             ]
         except FileNotFoundError:
             return []
+
+    def _sweep(self, older_than: float, now: float) -> None:
+        """Remove the temp files (local disk) put at least ``older_than`` seconds before
+        ``now``: a writer killed between writing one and renaming it into place left it. A
+        writer only stalled there finds it gone and its send fails (:meth:`_put`): a clock
+        that is wrong fails a send, it loses none."""
+        if not self.local:
+            return
+        try:
+            temps = [
+                e.path
+                for e in os.scandir(self.path)
+                if e.name.startswith(".") and e.name.endswith(_TEMP)
+                for at in _mtime(e)
+                if now - at >= older_than
+            ]
+        except FileNotFoundError:
+            return
+        for temp in temps:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temp)
+        if temps:
+            log.info(
+                "removed %d temp file(s) that writers killed before renaming them left in %s",
+                len(temps),
+                self.path,
+            )
 
     def _exists(self, name: str) -> bool:
         """Whether the object ``name`` is in storage, asked of it alone."""

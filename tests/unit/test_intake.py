@@ -397,3 +397,54 @@ def test_a_recoverer_stalled_past_retention_lands_nothing_back(tmp_path: Path) -
     assert _half_ids(writer) == []
     writer.publish()
     assert commitlog(writer).num_rows == 0
+
+
+def test_a_temp_file_left_by_a_writer_stalled_before_its_rename_is_swept_and_its_send_fails(
+    tmp_path: Path,
+) -> None:
+    """On local disk an intake object is written to a temp file and renamed into place. A writer
+    stopped (SIGSTOP) between the two leaves the temp file; a killed one would leave it forever.
+    The check-back job's landing removes temp files older than the transaction timeout; the
+    writer, resumed, finds its temp file gone and its send fails with an error that says so:
+    nothing acknowledged is lost, and nothing is left behind."""
+    root, marker = tmp_path / "store", tmp_path / "stopped.pid"
+    child = textwrap.dedent(
+        f"""
+        from rmq_spark import Message, Store
+        from rmq_spark.model.config import StoreSettings
+        store = Store.open({str(root)!r}, settings=StoreSettings(intake=True))
+        try:
+            store.prepare([Message("T", b"x")], "pg")
+        except Exception as exc:
+            print(type(exc).__name__, exc, flush=True)
+        else:
+            print("acknowledged", flush=True)
+        """
+    )
+    writer = subprocess.Popen(
+        [sys.executable, "-c", child],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, ENV: "intake.written:stop", MARKER_ENV: str(marker)},
+        start_new_session=True,
+    )
+    try:
+        while not marker.exists() or not marker.read_text().strip():
+            assert writer.poll() is None, "the writer ended before its failpoint"
+            time.sleep(0.05)
+        folder = root / "half" / INTAKE_DIR
+        (temp,) = [p.name for p in folder.iterdir()]
+        assert temp.startswith(".") and temp.endswith(".tmp")
+        recoverer = Store.open(root)
+        assert recoverer.land_intake(0.0) == 0 and recoverer.land_intake(60.0) == 0
+        assert [p.name for p in folder.iterdir()] == [temp]  # young, or no age given: kept
+        assert recoverer.land_intake(60.0, now=time.time() + 3600) == 0
+        assert list(folder.iterdir()) == []
+        os.kill(writer.pid, signal.SIGCONT)
+        said = writer.communicate(timeout=60)[0]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(writer.pid, signal.SIGKILL)
+    assert said.startswith("StoreError") and "was removed before" in said, said
+    assert list(folder.iterdir()) == [] and _half_ids(recoverer) == []
