@@ -153,8 +153,13 @@ class Intake(StoreConcept):
             os.makedirs(self.path, exist_ok=True)
             self._made = True
         temp = f"{self.path}/.{uuid.uuid4().hex}{_TEMP}"  # a dot: not listed as an object
-        with open(temp, "wb") as out:
-            out.write(data)
+        try:
+            with open(temp, "wb") as out:
+                out.write(data)
+        except BaseException:  # a full disk: nothing left behind
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
+            raise
         failpoint("intake.written")
         try:
             os.replace(temp, name)  # whole or not at all
