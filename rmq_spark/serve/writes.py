@@ -86,12 +86,20 @@ class ServerWrites:
         self.writer.finish_maintenance()
 
     def _prepare_batch(self, items: list[tuple[Message, str]]) -> list[Any]:
+        """Prepare each group's sends in turn; a group whose write fails fails its own sends
+        alone (its exception as their result): the groups before it are stored, and sends
+        answered as failed would be sent again."""
         by_group: dict[str, list[int]] = {}
         for i, (_, group) in enumerate(items):
             by_group.setdefault(group, []).append(i)
         results: list[Any] = [None] * len(items)
         for group, indexes in by_group.items():
-            prepared = self.writer.prepare([items[i][0] for i in indexes], group, validated=True)
+            try:
+                prepared: list[Any] = self.writer.prepare(
+                    [items[i][0] for i in indexes], group, validated=True
+                )
+            except Exception as exc:
+                prepared = [exc] * len(indexes)
             for i, p in zip(indexes, prepared, strict=True):
                 results[i] = p
         return results

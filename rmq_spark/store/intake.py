@@ -26,7 +26,10 @@
   it lists after reading the snapshot it commits on. A writer stalled while a recoverer landed
   its objects, the transactions were decided and retention removed them, does not bring them
   back from memory (nor does a recoverer stalled after reading an object). No clock or file
-  time is trusted: the age a recoverer waits for only spares a live writer the race.
+  time is trusted: the age a recoverer waits for only spares a live writer the race (a
+  landing that must have every object, for a decision or for retention, lands them whatever
+  their time), and the hour after which a temp file on local disk is taken for a killed
+  writer's can fail a send that was stalled (its rename then finds nothing), never lose one.
 
 An intake object left unlanded (its writer killed, no check-back job running) is pending all
 the same, and the check-back job lands it when it runs. An object landed but not deleted would
@@ -53,7 +56,7 @@ import pyarrow.compute as pc
 from rmq_spark.delta.parallel import each
 from rmq_spark.delta.retry import retry_commits
 from rmq_spark.delta.storage import check_conditional_put, filesystem, scheme
-from rmq_spark.model.errors import StoreError
+from rmq_spark.model.errors import RmqSparkError
 from rmq_spark.model.failpoints import failpoint
 from rmq_spark.model.schema import HALF_SCHEMA
 from rmq_spark.store.context import StoreConcept, StoreContext
@@ -65,6 +68,9 @@ log = logging.getLogger(__name__)
 INTAKE_DIR = "_rmqtx_intake"
 _SUFFIX = ".arrow"
 _TEMP = ".tmp"
+#: A temp file is removed once this old (seconds), whatever the transaction timeout: a killed
+#: writer's only wastes space, and a live writer stalled this long fails its send.
+_TEMP_MIN_AGE = 3600.0
 _APP_ID = "rmqtx.intake.{bucket}"
 #: Buckets of writers for the landing arbiter: ``half``'s snapshot keeps one application id per
 #: bucket, however many processes ever wrote intake objects.
@@ -156,20 +162,21 @@ class Intake(StoreConcept):
         try:
             with open(temp, "wb") as out:
                 out.write(data)
+            failpoint("intake.written")
+            os.replace(temp, name)  # whole or not at all
+        except FileNotFoundError as exc:
+            if os.path.exists(name):  # renamed (an NFS client's retried rename finds it done)
+                return
+            raise RmqSparkError(
+                f"the intake object's temp file {temp} was removed before it was renamed into "
+                f"place: this process stalled for over {_TEMP_MIN_AGE:.0f} s and the check-back "
+                "job took it for one a killed writer left (or the folder was removed); nothing "
+                "of this send is stored, send it again"
+            ) from exc
         except BaseException:  # a full disk: nothing left behind
             with contextlib.suppress(OSError):
                 os.unlink(temp)
             raise
-        failpoint("intake.written")
-        try:
-            os.replace(temp, name)  # whole or not at all
-        except FileNotFoundError as exc:
-            raise StoreError(
-                f"the intake object's temp file {temp} was removed before it was renamed into "
-                "place: this process stalled for longer than the transaction timeout and the "
-                "check-back job took it for one a killed writer left; nothing of this send is "
-                "stored, send it again"
-            ) from exc
 
     # ------------------------------------------------------------------ landing
     def land(self) -> tuple[list[str], set[str]]:
@@ -205,11 +212,13 @@ class Intake(StoreConcept):
         delete them; return how many transactions' messages were landed (objects landed
         already are deleted only). ``just_landed``: objects this process has just landed
         itself, left alone (it deletes them). With an age (``older_than`` > 0), the temp
-        files of that age that killed writers left on local disk are removed first."""
+        files that killed writers left on local disk are removed first, once an hour old.
+        Without (0), every object is landed, whatever its time: on NFS that is the server's
+        clock, which may be ahead of this host's."""
         now = time.time() if now is None else now
         with self._landing:
             if older_than > 0:
-                self._sweep(older_than, now)
+                self._sweep(max(older_than, _TEMP_MIN_AGE), now)
             found = self._listed(older_than, now)
             mine = {_base(name) for name in just_landed}
             found = [name for name in found if _base(name) not in mine]
@@ -331,9 +340,11 @@ class Intake(StoreConcept):
         return len(times), (max(0.0, now - min(times)) if times else None)
 
     def _listed(self, older_than: float, now: float) -> list[str]:
-        """The intake objects of this shard put at least ``older_than`` seconds before ``now``,
-        oldest first."""
-        return sorted(name for name, at in self._entries() if now - at >= older_than)
+        """The intake objects of this shard put at least ``older_than`` seconds before ``now``
+        (all of them when it is 0, whatever their time), oldest first."""
+        return sorted(
+            name for name, at in self._entries() if older_than <= 0 or now - at >= older_than
+        )
 
     def _entries(self) -> list[tuple[str, float]]:
         """Every intake object of this shard with the time its storage lists (one listing)."""
@@ -370,13 +381,19 @@ class Intake(StoreConcept):
             ]
         except FileNotFoundError:
             return
+        removed = 0
         for temp in temps:
-            with contextlib.suppress(FileNotFoundError):
+            try:
                 os.unlink(temp)
-        if temps:
+                removed += 1
+            except FileNotFoundError:
+                pass
+            except OSError as exc:  # one that cannot go holds up nothing else
+                log.warning("could not remove the temp file %s (%s)", temp, exc)
+        if removed:
             log.info(
                 "removed %d temp file(s) that writers killed before renaming them left in %s",
-                len(temps),
+                removed,
                 self.path,
             )
 

@@ -400,13 +400,13 @@ def test_a_recoverer_stalled_past_retention_lands_nothing_back(tmp_path: Path) -
 
 
 def test_a_temp_file_left_by_a_writer_stalled_before_its_rename_is_swept_and_its_send_fails(
-    tmp_path: Path,
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """On local disk an intake object is written to a temp file and renamed into place. A writer
     stopped (SIGSTOP) between the two leaves the temp file; a killed one would leave it forever.
-    The check-back job's landing removes temp files older than the transaction timeout; the
-    writer, resumed, finds its temp file gone and its send fails with an error that says so:
-    nothing acknowledged is lost, and nothing is left behind."""
+    The check-back job's landing removes temp files an hour old (one it cannot remove is
+    logged and holds up nothing); the writer, resumed, finds its temp file gone and its send
+    fails with an error that says so: nothing acknowledged is lost, nothing is left behind."""
     root, marker = tmp_path / "store", tmp_path / "stopped.pid"
     child = textwrap.dedent(
         f"""
@@ -436,17 +436,24 @@ def test_a_temp_file_left_by_a_writer_stalled_before_its_rename_is_swept_and_its
         folder = root / "half" / INTAKE_DIR
         (temp,) = [p.name for p in folder.iterdir()]
         assert temp.startswith(".") and temp.endswith(".tmp")
+        stuck = folder / ".stuck.tmp"  # a temp file that cannot be removed (a folder)
+        stuck.mkdir()
         recoverer = Store.open(root)
         assert recoverer.land_intake(0.0) == 0 and recoverer.land_intake(60.0) == 0
-        assert [p.name for p in folder.iterdir()] == [temp]  # young, or no age given: kept
-        assert recoverer.land_intake(60.0, now=time.time() + 3600) == 0
-        assert list(folder.iterdir()) == []
+        # Young (the sweep waits an hour, whatever the timeout), or no age given: kept.
+        assert recoverer.land_intake(60.0, now=time.time() + 3000) == 0
+        assert sorted(p.name for p in folder.iterdir()) == sorted([temp, stuck.name])
+        with caplog.at_level("WARNING", logger="rmq_spark.store.intake"):
+            assert recoverer.land_intake(60.0, now=time.time() + 3700) == 0
+        assert [p.name for p in folder.iterdir()] == [stuck.name]
+        assert "could not remove the temp file" in caplog.text and ".stuck.tmp" in caplog.text
+        stuck.rmdir()
         os.kill(writer.pid, signal.SIGCONT)
         said = writer.communicate(timeout=60)[0]
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(writer.pid, signal.SIGKILL)
-    assert said.startswith("StoreError") and "was removed before" in said, said
+    assert said.startswith("RmqSparkError") and "was removed before" in said, said
     assert list(folder.iterdir()) == [] and _half_ids(recoverer) == []
 
 
@@ -475,3 +482,23 @@ def test_a_write_that_fails_leaves_no_temp_file(tmp_path: Path) -> None:
     assert said.stdout.split() == ["refused", "27"], said.stderr  # EFBIG
     names = [p.name for p in (root / "half" / INTAKE_DIR).iterdir()]
     assert len(names) == 1 and not names[0].startswith("."), names
+
+
+def test_an_object_whose_time_is_ahead_of_this_clock_is_landed_all_the_same(
+    tmp_path: Path,
+) -> None:
+    """On NFS an object's time is the server's clock, here a minute ahead of this host's. A
+    decider in another process lands the objects covering its transaction whatever their age,
+    before it records the decision in ``op``; retention lands every object first. Neither may
+    skip one dated in the future: the decision would be in ``op`` without its half message."""
+    settings = Settings(store=StoreSettings(path=str(tmp_path / "store"), queue_nums=2))
+    sender, decider = _open(settings), _open(settings)
+    (p,) = sender.prepare([Message("T", b"x")], "pg")
+    (q,) = sender.prepare([Message("T", b"y")], "pg")
+    ahead = time.time() + 60
+    for name in _objects(sender):
+        os.utime(name, (ahead, ahead))
+    decider.end_transactions([Decision(p.transaction_id, "pg", COMMIT)], publish=False)
+    assert _half_ids(decider) == [p.transaction_id]
+    assert _open(settings).land_intake(0.0) == 1  # as retention lands them
+    assert _half_ids(decider) == sorted([p.transaction_id, q.transaction_id])
