@@ -29,6 +29,7 @@ from rmq_spark.store.intake import INTAKE_DIR
 from rmq_spark.store.layout import LAYOUT_VERSION, MARKER_FILE, OBJECTS_LAYOUT
 from rmq_spark.store.retention import maintain
 from tests.conftest import Clock, commitlog
+from tests.full_disk import run_on_a_full_disk
 
 COMMIT, ROLLBACK = LocalTransactionState.COMMIT, LocalTransactionState.ROLLBACK
 REPO = Path(__file__).resolve().parents[2]
@@ -461,23 +462,15 @@ def test_a_write_that_fails_leaves_no_temp_file(tmp_path: Path) -> None:
     """A disk that refuses the write part-way (here the process's file size limit, as a full
     disk would) fails the send with the filesystem's error and leaves nothing behind."""
     root = tmp_path / "store"
-    child = textwrap.dedent(
-        f"""
-        import resource, signal
-        from rmq_spark import Message, Store
-        from rmq_spark.model.config import StoreSettings
-        store = Store.open({str(root)!r}, settings=StoreSettings(intake=True))
-        store.prepare([Message("T", b"x")], "pg")  # the folders, the marker: made
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+    said = run_on_a_full_disk(
+        root,
+        4096,
+        """
         try:
             store.prepare([Message("T", b"y" * 65536)], "pg")
         except OSError as exc:
             print("refused", exc.errno, flush=True)
-        """
-    )
-    said = subprocess.run(
-        [sys.executable, "-c", child], cwd=REPO, capture_output=True, text=True, timeout=120
+        """,
     )
     assert said.stdout.split() == ["refused", "27"], said.stderr  # EFBIG
     names = [p.name for p in (root / "half" / INTAKE_DIR).iterdir()]

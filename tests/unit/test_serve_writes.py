@@ -3,16 +3,13 @@ its own producer group) is prepared group by group; one group's failure is that 
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
-pytest.importorskip("rocketmq", reason="the serve extra (rocketmq-python-client) is not installed")
+from tests.full_disk import run_on_a_full_disk
 
-REPO = Path(__file__).resolve().parents[2]
+pytest.importorskip("rocketmq", reason="the serve extra (rocketmq-python-client) is not installed")
 
 
 def test_a_group_whose_write_fails_fails_its_sends_alone(tmp_path: Path) -> None:
@@ -21,25 +18,17 @@ def test_a_group_whose_write_fails_fails_its_sends_alone(tmp_path: Path) -> None
     first send must be answered as stored: answered as failed, its client would send it again,
     and the first copy, pending, could be committed by check-back and published twice."""
     root = tmp_path / "store"
-    child = textwrap.dedent(
-        f"""
-        import resource, signal
-        from rmq_spark import Message, Store
-        from rmq_spark.model.config import StoreSettings
+    done = run_on_a_full_disk(
+        root,
+        65536,
+        """
         from rmq_spark.serve.writes import ServerWrites
-        store = Store.open({str(root)!r}, settings=StoreSettings(intake=True))
-        store.prepare([Message("Warm", b"x")], "Warm")  # the folders, the marker: made
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))
         results = ServerWrites(store, 64)._prepare_batch(
             [(Message("Small", b"x"), "Small"), (Message("Large", b"y" * 262144), "Large")]
         )
         for r in results:
             print(type(r).__name__, getattr(r, "transaction_id", ""), flush=True)
-        """
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", child], cwd=REPO, capture_output=True, text=True, timeout=120
+        """,
     )
     assert done.returncode == 0, done.stderr
     (stored, failed) = [line.split() for line in done.stdout.splitlines()]
