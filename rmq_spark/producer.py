@@ -312,6 +312,12 @@ class TransactionMQProducer:
         ------
         InvalidMessageError
             The message breaks a rule; nothing was written.
+        ProducerStateError
+            The producer has no listener or is shut down; nothing was written.
+        OSError, RmqSparkError
+            The half message's write failed (a full disk, an object store that failed every
+            attempt, a stall of over an hour); the local transaction was not run. A write
+            whose answer was lost may have stored it: check-back then asks the checker.
         """
         if self.listener is None:
             raise ProducerStateError(
