@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import re
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from google.protobuf import duration_pb2
@@ -128,6 +128,49 @@ def check_consumed_topic(topic: str, topics: frozenset[str] | None) -> None:
     check_topic_name(topic, topics)
 
 
+#: The largest request gRPC takes, as RocketMQ's proxy (``grpcMaxInboundMessageSize``).
+MAX_RECEIVE_BYTES = 130 * 1024 * 1024
+
+
+def request_limit(max_body_bytes: int) -> int:
+    """The most bytes one request carries: the proxy's transport limit, or room for a body over
+    ``max_body_bytes`` (so that it is refused with RocketMQ's code, not gRPC's)."""
+    return max(2 * max_body_bytes + (1 << 20), MAX_RECEIVE_BYTES)
+
+
+def to_messages(
+    protos: Sequence[pb.Message], topics: frozenset[str] | None, max_body_bytes: int
+) -> list[Message | RequestError]:
+    """The store's message for each message of a ``SendMessageRequest``, or the error that
+    refuses it (:func:`to_message`).
+
+    Raises
+    ------
+    RequestError
+        ``MESSAGE_BODY_TOO_LARGE`` for the whole request when its bodies unzip to more than
+        :func:`request_limit` in all: GZIP bodies must not make a small request hold more
+        memory than the largest plain one. Unzipping stops there.
+    """
+    room = request_limit(max_body_bytes)
+    messages: list[Message | RequestError] = []
+    for proto in protos:
+        try:
+            message = to_message(proto, topics, max_body_bytes)
+        except RequestError as exc:
+            messages.append(exc)
+            continue
+        room -= len(message.body)
+        if room < 0:
+            raise RequestError(
+                Code.MESSAGE_BODY_TOO_LARGE,
+                f"the bodies of a request's {len(protos)} messages unzip to over "
+                f"{request_limit(max_body_bytes)} bytes, the most one request carries; send "
+                "fewer messages a request.",
+            )
+        messages.append(message)
+    return messages
+
+
 def to_message(proto: pb.Message, topics: frozenset[str] | None, max_body_bytes: int) -> Message:
     """The store's message for a message a client sent, checked in the order RocketMQ's proxy
     checks it.
@@ -214,10 +257,11 @@ def _decoded_body(proto: pb.Message, max_body_bytes: int) -> bytes:
     body = proto.body
     if proto.system_properties.body_encoding == pb.GZIP:
         try:
-            body = zlib.decompressobj(16 + zlib.MAX_WBITS).decompress(body, max_body_bytes + 1)
+            body = _unzipped(body, max_body_bytes)
         except zlib.error as exc:
             raise RequestError(
-                Code.MESSAGE_CORRUPTED, f"the GZIP body of a message cannot be unzipped: {exc}"
+                Code.MESSAGE_CORRUPTED,
+                f"the GZIP body of a message to {proto.topic.name!r} cannot be unzipped: {exc}",
             ) from exc
     if len(body) > max_body_bytes:
         raise RequestError(
@@ -226,6 +270,29 @@ def _decoded_body(proto: pb.Message, max_body_bytes: int) -> bytes:
             f"{max_body_bytes} bytes (store.max_body_bytes); send smaller messages.",
         )
     return body
+
+
+def _unzipped(body: bytes, limit: int) -> bytes:
+    """Every GZIP member of ``body`` unzipped, one after the other (as Java's
+    ``GZIPInputStream`` reads them), up to one byte over ``limit``.
+
+    Raises
+    ------
+    zlib.error
+        For a member that is not GZIP or ends before its end (a cut stream, which zlib alone
+        would answer with the part it could unzip).
+    """
+    out = bytearray()
+    while True:
+        member = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        out += member.decompress(body, limit + 1 - len(out))
+        if len(out) > limit:
+            return bytes(out)
+        if not member.eof:
+            raise zlib.error("the stream ends before its GZIP trailer (cut short)")
+        body = member.unused_data
+        if not body:
+            return bytes(out)
 
 
 def check_command(row: Mapping[str, Any], transaction_id: str) -> service_pb.TelemetryCommand:

@@ -23,15 +23,13 @@ from rocketmq.grpc_protocol import service_pb2_grpc as service_grpc
 from rmq_spark.model.config import TransactionSettings
 from rmq_spark.model.errors import InvalidOptionError
 from rmq_spark.serve.accounts import Account
+from rmq_spark.serve.protocol import request_limit
 from rmq_spark.serve.recovery import ClientCheckBack, Clients
 from rmq_spark.serve.service import Counters, MessagingService
 from rmq_spark.serve.tls import PortSharing, TlsMode, self_signed
 from rmq_spark.store.facade import Store
 
 log = logging.getLogger(__name__)
-
-#: The largest request gRPC takes, as RocketMQ's proxy (``grpcMaxInboundMessageSize``).
-MAX_RECEIVE_BYTES = 130 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -181,9 +179,7 @@ async def _serve(
     store.deliveries.configure(
         max_attempts=options.max_delivery_attempts, start=options.auto_offset_reset
     )
-    # Room for a body over the limit, so that it is refused with RocketMQ's code: up to the
-    # proxy's own transport limit, beyond which gRPC refuses it (RESOURCE_EXHAUSTED) for both.
-    receivable = max(2 * store.settings.max_body_bytes + (1 << 20), MAX_RECEIVE_BYTES)
+    receivable = request_limit(store.settings.max_body_bytes)  # beyond: RESOURCE_EXHAUSTED
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", receivable)])
     port, sharing = await _listen(server, options, credentials)
     clients = Clients()

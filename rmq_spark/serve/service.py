@@ -56,7 +56,7 @@ from rmq_spark.serve.protocol import (
     check_consumed_topic,
     settings_reply,
     status,
-    to_message,
+    to_messages,
 )
 from rmq_spark.serve.recovery import Client, Clients
 from rmq_spark.serve.writes import LINGER_SECONDS, ServerWrites
@@ -271,9 +271,17 @@ class MessagingService(ConsumerCalls, service_grpc.MessagingServiceServicer):
             return service_pb.SendMessageResponse(
                 status=status(Code.MESSAGE_CORRUPTED, "the request has no message to send.")
             )
+        try:
+            messages = to_messages(request.messages, self.topics, self._max_body)
+        except RequestError as exc:
+            log.info("send request refused: %s", exc.message)
+            return service_pb.SendMessageResponse(status=status(exc.code, exc.message))
         client_id = calls.metadata(context).get("x-mq-client-id", "")
         entries = await asyncio.gather(
-            *(self._send(m, client_id, account) for m in request.messages)
+            *(
+                self._send(p, m, client_id, account)
+                for p, m in zip(request.messages, messages, strict=True)
+            )
         )
         codes = {e.status.code for e in entries}
         overall = (
@@ -284,10 +292,15 @@ class MessagingService(ConsumerCalls, service_grpc.MessagingServiceServicer):
         return service_pb.SendMessageResponse(status=overall, entries=entries)
 
     async def _send(
-        self, proto: pb.Message, client_id: str, account: Account | None
+        self,
+        proto: pb.Message,
+        message: Message | RequestError,
+        client_id: str,
+        account: Account | None,
     ) -> service_pb.SendResultEntry:
         try:
-            message = to_message(proto, self.topics, self._max_body)
+            if isinstance(message, RequestError):
+                raise message
             check_publish(account, message.topic)
         except RequestError as exc:
             log.info("send to %r refused: %s", proto.topic.name, exc.message)

@@ -62,7 +62,16 @@ topics = ["Billing*"]
 """
 BILLING_SK = "b1ll1ng-secret"
 #: The raw scenario's messages that must be refused (RAW-<name>-<run id>).
-REFUSED_NAMES = {"SYSPROP", "IMMUNITY", "CONTROL", "DELAYED", "GROUPED", "HUGE"}
+REFUSED_NAMES = {
+    "SYSPROP",
+    "IMMUNITY",
+    "CONTROL",
+    "DELAYED",
+    "GROUPED",
+    "HUGE",
+    "TRUNCATED",
+    "BOMB",
+}
 LISTENING = re.compile(r"listening on [\d.]+:(\d+)")
 
 
@@ -373,6 +382,13 @@ def test_raw_requests_retries_and_refusals(server: Server, tmp_path: Path) -> No
         assert result[name]["code"] == "ILLEGAL_MESSAGE_PROPERTY_KEY", result[name]
     assert "'__STARTDELIVERTIME'" in result["system_property"]["message"]
     assert result["delayed"]["code"] == result["grouped"]["code"] == "UNSUPPORTED"
+    # GZIP bodies: every member unzipped; a cut stream refused, not stored in part; bodies that
+    # unzip to more than one request may carry refused before any is stored (or held at once).
+    assert result["gzip"]["code"] == "OK", result["gzip"]
+    assert result["truncated"]["code"] == "MESSAGE_CORRUPTED"
+    assert "ends before" in result["truncated"]["message"]
+    assert result["bomb"]["code"] == "MESSAGE_BODY_TOO_LARGE", result["bomb"]
+    assert "fewer messages" in result["bomb"]["message"]
     assert "delayed delivery" in result["delayed"]["message"]
     assert "ordered delivery" in result["grouped"]["message"]
     # A message id reused for another message: both stored (a retry of the second, once).
@@ -388,6 +404,9 @@ def test_raw_requests_retries_and_refusals(server: Server, tmp_path: Path) -> No
     reused = stored(server.root, until=lambda c: c[f"RAW-REUSED-{run_id}"] >= 2)
     assert reused[f"RAW-REUSED-{run_id}"] == 2
     assert not [k for k in reused if run_id in k and k.split("-")[1] in REFUSED_NAMES]
+    commitlog = Store.open(server.root, create=False).read("commitlog", ["properties", "body"])
+    bodies = {dict(r["properties"])["UNIQ_KEY"]: r["body"] for r in commitlog.to_pylist()}
+    assert bodies[f"RAW-GZIP-{run_id}"] == b"two gzip members"
     assert "Traceback" not in server.log.read_text()
 
 

@@ -11,6 +11,7 @@ client writes its log under ``~/logs/rocketmq_python/``.
 from __future__ import annotations
 
 import datetime
+import gzip
 import hashlib
 import hmac
 import json
@@ -34,6 +35,8 @@ from rocketmq.grpc_protocol import service_pb2 as service_pb
 from rocketmq.grpc_protocol import service_pb2_grpc as service_grpc
 
 TOPIC, TX_TOPIC = "Orders", "TxOrders"
+#: The most one request to ``rmqtx serve`` carries (RocketMQ's proxy's transport limit).
+REQUEST_BYTES = 130 * 1024 * 1024
 
 
 def message(topic: str, body: bytes, key: str | None = None) -> Message:
@@ -195,10 +198,11 @@ def raw(endpoint: str, ak: str, sk: str, run_id: str, limit: str) -> dict:
     md = _metadata(ak, sk)
 
     def send(topic: str, message_id: str, body: bytes, kind: int = pb.NORMAL):
-        request = service_pb.SendMessageRequest(
-            messages=[_raw_message(topic, message_id, body, kind)]
-        )
-        response = stub.SendMessage(request, metadata=md, timeout=30)
+        return send_request([_raw_message(topic, message_id, body, kind)])
+
+    def send_request(messages: list[pb.Message]) -> dict:
+        request = service_pb.SendMessageRequest(messages=messages)
+        response = stub.SendMessage(request, metadata=md, timeout=60)
         entry = response.entries[0] if response.entries else None
         return {
             "code": pb.Code.Name(response.status.code),
@@ -227,6 +231,16 @@ def raw(endpoint: str, ak: str, sk: str, run_id: str, limit: str) -> dict:
         response = stub.SendMessage(service_pb.SendMessageRequest(messages=[m]), metadata=md)
         return {"code": pb.Code.Name(response.status.code), "message": response.status.message}
 
+    def zipped(message_id: str, body: bytes) -> pb.Message:
+        m = _raw_message(TOPIC, message_id, body, pb.NORMAL)
+        m.system_properties.body_encoding = pb.GZIP
+        return m
+
+    digits = b"".join(str(i).encode() for i in range(10000))  # 38,890 B, barely compressible
+    cut = gzip.compress(digits)
+    # Each body unzips to the limit exactly, all of them to more than one request may carry.
+    bomb = gzip.compress(bytes(int(limit)))
+    bombs = [zipped(f"RAW-BOMB-{run_id}-{i}", bomb) for i in range(REQUEST_BYTES // int(limit) + 1)]
     later = Timestamp()
     later.FromSeconds(int(time.time()) + 3600)
     recall = stub.RecallMessage(
@@ -249,6 +263,11 @@ def raw(endpoint: str, ak: str, sk: str, run_id: str, limit: str) -> dict:
         "unknown_topic": send("NoSuchTopic", f"RAW-UNKNOWN-{run_id}", b"x"),
         "too_large": send(TOPIC, f"RAW-LARGE-{run_id}", b"x" * (int(limit) + 1)),
         "huge": send(TOPIC, f"RAW-HUGE-{run_id}", b"x" * (4 * 1024 * 1024)),
+        "gzip": send_request(
+            [zipped(f"RAW-GZIP-{run_id}", gzip.compress(b"two gzip ") + gzip.compress(b"members"))]
+        ),
+        "truncated": send_request([zipped(f"RAW-TRUNCATED-{run_id}", cut[: len(cut) // 2])]),
+        "bomb": send_request(bombs),
         "system_property": refused("SYSPROP", properties={"__STARTDELIVERTIME": "1"}),
         "immunity": refused("IMMUNITY", properties={"CHECK_IMMUNITY_TIME_IN_SECONDS": "600"}),
         "control": refused("CONTROL", properties={"bell\a": "x"}),
