@@ -34,9 +34,10 @@ request is taken, nothing looked up or decided yet) and ``decision.claimed`` (tr
 decision objects are put, their decisions not recorded in ``op``;
 :mod:`rmq_spark.store.decisions`); ``intake.landing`` (a producer's background landing of the
 intake objects it staged starts: its sends returned, nothing of them is in ``half``),
-``intake.written`` (on local disk, an intake object's temp file is written, not renamed
-into place), ``intake.read`` (a recovery has read the intake objects it found, landed nothing
-yet) and
+``intake.listing`` (a landing that must list the intake objects has read ``half``'s
+snapshot, not listed them yet), ``intake.written`` (on local disk, an intake object's temp
+file is written, not renamed into place), ``intake.read`` (a recovery has read the intake
+objects it found, landed nothing yet) and
 ``intake.landed`` (a landing's commit is in ``half``, its objects not deleted yet;
 :mod:`rmq_spark.store.intake`).
 """

@@ -285,9 +285,11 @@ class Intake(StoreConcept):
             todo = list(objects)
             if not mine:
                 # Listed after the snapshot is read: an object gone by now was landed (a
-                # recoverer deletes one only after landing it), on this snapshot or on one the
-                # commit below then conflicts with. Its rows may be gone from half too (retention,
-                # while this process was stalled): landing them would bring them back.
+                # recoverer deletes one only after landing it), on this snapshot, on one the
+                # commit below then conflicts with, or (nothing left to commit) on one read again
+                # for those found gone. Its rows may be gone from half too (retention, while this
+                # process was stalled): landing them would bring them back.
+                failpoint("intake.listing")
                 listed = {_base(name) for name, _ in self._entries()}
                 present = listed | {  # each one not listed asked alone: a listing may lag
                     _base(n) for n, _ in objects if _base(n) not in listed and self._exists(n)
@@ -296,6 +298,9 @@ class Intake(StoreConcept):
                 for name, rows in objects:
                     if _base(name) not in present:  # in half still, the decision may land
                         gone.update(set(rows.column("transaction_id").to_pylist()) - there)
+                if gone:
+                    now = self.tables.head("half", reload=True).snapshot
+                    gone.difference_update(held_in_half(self.tables, sorted(gone), now))
                 todo = [
                     (name, rows)
                     for name, rows in objects

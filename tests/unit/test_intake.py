@@ -161,6 +161,64 @@ def test_a_writer_whose_object_a_decider_landed_still_lands_its_own_decision(
     assert sorted(decided) == sorted([mine.transaction_id, theirs.transaction_id])
 
 
+def test_a_writer_stalled_between_its_snapshot_and_its_listing_still_lands_its_decision(
+    tmp_path: Path,
+) -> None:
+    """A sender's landing reads ``half``'s snapshot and stops (SIGSTOP) before it lists the
+    intake objects. Meanwhile a decider lands the sender's object (it decides the object's other
+    transaction) and deletes it. Resumed, the sender finds its object gone and its transaction
+    not in the snapshot it read before: it must look again, not drop its own COMMIT as removed
+    by retention (before, the COMMIT reached op only when a check-back round found it)."""
+    root, marker = tmp_path / "store", tmp_path / "stopped.pid"
+    settings = Settings(store=StoreSettings(path=str(root), queue_nums=2, intake=True))
+    child = textwrap.dedent(
+        f"""
+        from rmq_spark import Decision, LocalTransactionState, Message, Store
+        from rmq_spark.model.config import StoreSettings
+        store = Store.open({str(root)!r}, settings=StoreSettings(intake=True))
+        (first,) = store.prepare([Message("T", b"first")], "pg")
+        print(first.transaction_id, flush=True)
+        input()  # decided (and its object landed) by the decider
+        mine, theirs = store.prepare([Message("T", b"mine"), Message("T", b"theirs")], "pg")
+        print(mine.transaction_id, theirs.transaction_id, flush=True)
+        commit = Decision(mine.transaction_id, "pg", LocalTransactionState.COMMIT)
+        store.end_transactions([commit], land=False)
+        store.land_decisions()
+        print(" ".join(store.read("op").column("transaction_id").to_pylist()), flush=True)
+        """
+    )
+    sender = subprocess.Popen(
+        [sys.executable, "-c", child],
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, ENV: "intake.listing:stop", MARKER_ENV: str(marker)},
+        start_new_session=True,
+    )
+    assert sender.stdin is not None and sender.stdout is not None
+    decider = _open(settings)
+    try:
+        first = sender.stdout.readline().strip()
+        # The decider lands the sender's first object: its writer's bucket is recorded in half
+        # by another process, so the sender's landing reads the snapshot and lists.
+        decider.end_transactions([Decision(first, "pg", COMMIT)], publish=False)
+        sender.stdin.write("\n")
+        sender.stdin.flush()
+        mine, theirs = sender.stdout.readline().split()
+        while not marker.exists() or not marker.read_text().strip():
+            assert sender.poll() is None, "the sender ended before its failpoint"
+            time.sleep(0.05)
+        decider.end_transactions([Decision(theirs, "pg", COMMIT)], publish=False)
+        assert _objects(decider) == []  # landed by the decider, and deleted
+        os.kill(sender.pid, signal.SIGCONT)
+        decided = sender.communicate(timeout=120)[0].split()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(sender.pid, signal.SIGKILL)
+    assert sorted(decided) == sorted([first, mine, theirs])
+
+
 def test_a_stalled_writer_and_a_recoverer_land_it_once(settings: Settings) -> None:
     """The writer stalls after its put; a recoverer lands its objects; the writer resumes and
     lands them too: ``half`` holds each message once."""
