@@ -25,7 +25,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import pyarrow as pa
@@ -165,6 +164,8 @@ class ClientCheckBack:
         self.checks_sent = 0
         self._last_asked: dict[str, float] = {}
         self._asked_count: dict[str, int] = {}
+        #: When this server first found each transaction pending (its monotonic clock).
+        self._first_seen: dict[str, float] = {}
 
     async def run(self, stop: asyncio.Event) -> None:
         """Run rounds every check interval until ``stop`` is set; a failed round is logged
@@ -214,15 +215,19 @@ class ClientCheckBack:
         now, interval = time.monotonic(), self.settings.transaction_check_interval
         for shard in self.store.shards(refresh=True):
             rows = shard.read("pending")
-            pending_ids.update(rows.column("transaction_id").to_pylist())
+            for transaction_id in rows.column("transaction_id").to_pylist():
+                pending_ids.add(transaction_id)
+                self._first_seen.setdefault(transaction_id, now)
             rows = rows.filter(
                 pc.is_in(rows.column("producer_group"), pa.array(sorted(groups), pa.string()))
             )
-            clock = shard.clock()
+            # Aged on this server's clock from when it first found them pending, never by their
+            # store_timestamp: another host's clock stamped it (apache/rocketmq#9640). Later
+            # than their store, never earlier: a transaction is pending only once stored.
             ripe = [
                 r
                 for r in rows.to_pylist()
-                if clock - r["store_timestamp"] >= timedelta(seconds=self._timeout(r))
+                if now - self._first_seen[r["transaction_id"]] >= self._timeout(r)
                 and now - self._last_asked.get(r["transaction_id"], -interval) >= interval
             ]
             # The list is as old as the job's last round: not those decided since (in op, or
@@ -248,8 +253,9 @@ class ClientCheckBack:
                 for r in ripe
                 if r["msg_id"] in first
             )
-        for gone in set(self._last_asked) - pending_ids:
-            del self._last_asked[gone]
+        for gone in set(self._first_seen) - pending_ids:
+            del self._first_seen[gone]
+            self._last_asked.pop(gone, None)
             self._asked_count.pop(gone, None)
         return due
 

@@ -4,6 +4,9 @@ connected clients about (the pending list the check-back job keeps, read from th
 from __future__ import annotations
 
 import asyncio
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pyarrow as pa
 import pytest
@@ -11,6 +14,7 @@ import pytest
 from rmq_spark import Decision, LocalTransactionState, Message, Store
 from rmq_spark.checkback.pending import update_pending
 from rmq_spark.model.config import TransactionSettings
+from tests.conftest import Clock
 
 pytest.importorskip("rocketmq", reason="the serve extra (rocketmq-python-client) is not installed")
 
@@ -98,3 +102,27 @@ def test_an_immunity_shorter_than_the_timeout_does_not_make_a_transaction_due(
     clients.note_topics("client-1", None, ["TxOrders"])
     loop = ClientCheckBack(store, clients, TransactionSettings(transaction_timeout=3600.0))
     assert asyncio.run(loop.round()) == 0
+
+
+def test_a_transaction_sent_by_a_host_whose_clock_is_behind_is_not_asked_early(
+    tmp_path: Path,
+) -> None:
+    """Another server (or producer) whose clock runs an hour behind this one's stores a half
+    message: aged by its ``store_timestamp``, this server asked the client at once, while the
+    local transaction was still running (a checker that answers ROLLBACK when it finds no
+    record then wins over the producer's COMMIT). Ages start when this server first finds a
+    transaction pending, on its own clock (apache/rocketmq#9640)."""
+    root = tmp_path / "store"
+    behind = Store.open(root, clock=Clock(datetime.now(UTC) - timedelta(hours=1)))
+    behind.prepare([Message("TxOrders", "m")], "TxOrders")
+    here = Store.open(root)
+    here.land_intake(0.0)  # the job's round
+    update_pending(here)
+    clients = Clients()
+    client = clients.connect("client-1")
+    clients.note_topics("client-1", None, ["TxOrders"])
+    loop = ClientCheckBack(here, clients, TransactionSettings(transaction_timeout=1.0))
+    assert asyncio.run(loop.round()) == 0
+    time.sleep(1.1)
+    assert asyncio.run(loop.round()) == 1
+    assert client.outbox.qsize() == 1
