@@ -54,12 +54,14 @@ class Epoch:
 
 # --------------------------------------------------------------------------- reading
 def read_epochs(store: Store, keys: Iterable[tuple[str, int]]) -> dict[tuple[str, int], Epoch]:
-    """The ``epochs`` rows of the given (sink, epoch) keys that exist, in one read."""
+    """The ``epochs`` rows of the given (sink, epoch) keys that exist, in one read (of the
+    files whose statistics may hold those epochs: a sink's history is never read whole)."""
     wanted = set(keys)
     if not wanted:
         return {}
     sinks = ", ".join(sql_string(s) for s in sorted({s for s, _ in wanted}))
-    rows = store.query("epochs", f"sink_id IN ({sinks})")
+    epochs = ", ".join(str(int(e)) for e in sorted({e for _, e in wanted}))
+    rows = store.query("epochs", f"sink_id IN ({sinks}) AND epoch IN ({epochs})")
     found = {}
     for r in rows.to_pylist():
         key = (r["sink_id"], r["epoch"])
