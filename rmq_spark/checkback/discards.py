@@ -22,6 +22,7 @@ from deltalake import CommitProperties, DeltaTable, Transaction
 from deltalake.exceptions import DeltaError
 
 from rmq_spark.checkback.pending import inserted_since
+from rmq_spark.delta.reads import sql_string
 from rmq_spark.model.errors import InvalidOptionError
 from rmq_spark.model.failpoints import failpoint
 from rmq_spark.model.messages import shard_transaction_id
@@ -36,6 +37,8 @@ DECIDED_BY_CHECK_MAX = "check-back:check-max"
 #: Application id under which ``discard`` records the ``op`` version up to which every
 #: check-max rollback has its discard rows.
 DISCARD_CURSOR_APP_ID = "rmqtx.discard.op_version"
+#: The property of a re-driven half message that names the discarded transaction.
+REDRIVEN_FROM = "REDRIVEN_FROM_TRANSACTION_ID"
 #: Op versions a discard repair may lag behind before it records how far it has looked.
 _DISCARD_CURSOR_LAG = 20
 
@@ -206,6 +209,18 @@ def _redrive_shard(store: Store, rows: list[dict[str, object]]) -> list[str]:
         )
         _claim_discards(store, [r for r in rows if r["transaction_id"] in published], str)
         rows = [r for r in rows if r["transaction_id"] not in published]
+    earlier = _redriven_before(store, rows)
+    if earlier:
+        log.error(
+            "%d discarded transaction(s), e.g. %s, were re-driven before (their message is in "
+            "half or published under the new id) but their discard rows say not: another Delta "
+            "writer changed discard (a RESTORE or DELETE). Not re-driven twice; marked as "
+            "re-driven by those ids again (see docs/guarantees.md)",
+            len(earlier),
+            min(earlier),
+        )
+        _claim_discards(store, [r for r in rows if r["transaction_id"] in earlier], earlier.get)
+        rows = [r for r in rows if r["transaction_id"] not in earlier]
     claimed = _claim_discards(store, rows, lambda _: shard_transaction_id(store.shard))
     failpoint("redrive.claimed")
     staged = _stage_redriven(store, _claimed_unstaged(store, store.read("discard")))
@@ -216,6 +231,26 @@ def _redrive_shard(store: Store, rows: list[dict[str, object]]) -> list[str]:
             len(staged),
         )
     return sorted(claimed | staged)
+
+
+def _redriven_before(store: Store, rows: list[dict[str, object]]) -> dict[str, str]:
+    """The transactions of ``rows`` (unclaimed discard rows) whose message an earlier re-drive
+    staged all the same, in ``half`` or in the CommitLog (the same ``msg_id`` and topic, with
+    ``REDRIVEN_FROM_TRANSACTION_ID``): the id it was re-driven as, by discarded transaction.
+    Looked up by message id, so the cost follows the discards, not the tables' history."""
+    if not rows:
+        return {}
+    wanted = {(str(r["transaction_id"]), str(r["msg_id"])) for r in rows}
+    topics = ", ".join(sql_string(t) for t in sorted({str(r["topic"]) for r in rows}))
+    msg_ids = ", ".join(sql_string(m) for _, m in sorted(wanted, key=lambda k: k[1]))
+    earlier: dict[str, str] = {}
+    for table in ("half", "commitlog"):
+        found = store.query(table, f"topic IN ({topics}) AND msg_id IN ({msg_ids})")
+        for row in found.select(["transaction_id", "msg_id", "properties"]).to_pylist():
+            source = dict(row["properties"] or ()).get(REDRIVEN_FROM)
+            if (source, row["msg_id"]) in wanted:
+                earlier[source] = row["transaction_id"]
+    return earlier
 
 
 def _claim_discards(
@@ -253,8 +288,10 @@ def _claim_discards(
 
 
 def _claimed_unstaged(store: Store, discard: pa.Table) -> list[dict[str, object]]:
-    """Discard rows claimed for re-driving whose new transaction is neither in ``half`` nor
-    decided (a re-drive died before staging them)."""
+    """Discard rows claimed for re-driving whose new transaction is neither in ``half``,
+    decided nor published (a re-drive died before staging them; published, its rows may be
+    gone from half and op: retention removed them while another writer's change of discard
+    hid the claim, see :func:`_redriven_before`)."""
     claimed = [r for r in discard.to_pylist() if r["redriven_transaction_id"] is not None]
     if not claimed:
         return []
@@ -262,12 +299,16 @@ def _claimed_unstaged(store: Store, discard: pa.Table) -> list[dict[str, object]
     half = store.half_messages(new_ids).select(["transaction_id", "msg_id"]).to_pylist()
     staged = {(h["transaction_id"], h["msg_id"]) for h in half}
     decided = store.decisions(new_ids)
-    return [
+    unstaged = [
         r
         for r in claimed
         if (r["redriven_transaction_id"], r["msg_id"]) not in staged
         and r["redriven_transaction_id"] not in decided
     ]
+    if not unstaged:
+        return []
+    published = store.published(sorted({r["redriven_transaction_id"] for r in unstaged}))
+    return [r for r in unstaged if r["redriven_transaction_id"] not in published]
 
 
 def _stage_redriven(store: Store, rows: list[dict[str, object]]) -> set[str]:
@@ -283,7 +324,7 @@ def _stage_redriven(store: Store, rows: list[dict[str, object]]) -> set[str]:
                 **{c: r.get(c) for c in HALF_SCHEMA.names},
                 "transaction_id": r["redriven_transaction_id"],
                 "properties": list(dict(r["properties"] or ()).items())
-                + [("REDRIVEN_FROM_TRANSACTION_ID", r["transaction_id"])],
+                + [(REDRIVEN_FROM, r["transaction_id"])],
                 "store_timestamp": now,
             }
             for r in rows

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pyarrow as pa
@@ -18,13 +18,15 @@ from deltalake import DeltaTable, write_deltalake
 from rmq_spark import Decision, LocalTransactionState, Message, Store
 from rmq_spark.checkback.discards import DECIDED_BY_CHECK_MAX, insert_discards, redrive
 from rmq_spark.delta.txnlog import checkpoint_guess
+from rmq_spark.model.config import RetentionSettings
 from rmq_spark.model.errors import CorruptStoreError, DataLossError
 from rmq_spark.model.messages import shard_transaction_id
 from rmq_spark.model.schema import CHECK_STATE_SCHEMA, CHECKPOINT_INTERVAL, COMMITLOG_SCHEMA
 from rmq_spark.spark.offsets import latest_offsets
 from rmq_spark.spark.reading import TASK_ROWS, plan_slices, read_slice
 from rmq_spark.store.reads import once
-from tests.conftest import commitlog, foreign_compaction_after_the_stores
+from rmq_spark.store.retention import maintain
+from tests.conftest import Clock, commitlog, foreign_compaction_after_the_stores
 
 COMMIT = LocalTransactionState.COMMIT
 
@@ -237,6 +239,39 @@ def test_a_discard_published_under_its_own_id_is_not_re_driven(
         assert redrive(store) == []
     assert "published already" in caplog.text
     assert store.read("discard").column("redriven_transaction_id").to_pylist() == [maxed]
+    assert redrive(store) == []
+    store.publish()
+    assert commitlog(store).column("body").to_pylist() == [b"maxed"]
+
+
+@pytest.mark.parametrize("then", ["staged", "published"])
+def test_a_restore_of_discard_to_before_a_re_drive_re_drives_nothing_twice(
+    store: Store, then: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A RESTORE of ``discard`` to before a re-drive's claim (an operator undoing a resume)
+    makes the row read as not re-driven. The next re-drive looked for the message under its
+    first transaction id only, found nothing, and staged it again: the checker that committed
+    the first re-drive committed the second, and the message was published twice (review).
+    The re-drive finds the earlier re-drive's message, staged or published, marks the row as
+    re-driven by it again, and says why."""
+    maxed, _ = _rolled_back_at_check_max(store)
+    insert_discards(store, [maxed], store.clock(), 3)
+    before_claim = DeltaTable(store.table_uri("discard")).version()
+    (first,) = redrive(store)
+    if then == "published":
+        store.end_transactions([Decision(first, "pg", COMMIT)])
+    DeltaTable(store.table_uri("discard")).restore(before_claim)
+    if then == "published":  # and its half message removed by retention since: the CommitLog
+        later = Store.open(store.root, clock=Clock(datetime.now(UTC) + timedelta(hours=2)))
+        removed = maintain(later, RetentionSettings(transaction_reserved_time=3600.0))
+        assert (removed.half_removed, removed.messages_expired) == (2, 0)
+    assert store.read("discard").column("redriven_transaction_id").to_pylist() == [None]
+    with caplog.at_level(logging.ERROR, logger="rmq_spark"):
+        assert redrive(store) == []
+    assert "re-driven before" in caplog.text
+    assert store.read("discard").column("redriven_transaction_id").to_pylist() == [first]
+    if then == "staged":
+        store.end_transactions([Decision(first, "pg", COMMIT)])
     assert redrive(store) == []
     store.publish()
     assert commitlog(store).column("body").to_pylist() == [b"maxed"]
