@@ -15,7 +15,7 @@ from pyspark.sql import DataFrame
 
 from rmq_spark.checkback.checkers import ANSWER_SCHEMA, Checker
 from rmq_spark.delta.storage import scheme
-from rmq_spark.model.clock import Clock, in_utc, utc_now
+from rmq_spark.model.clock import Clock
 from rmq_spark.model.errors import StoreError
 from rmq_spark.spark.epoch_records import (
     ABANDONED,
@@ -23,6 +23,7 @@ from rmq_spark.spark.epoch_records import (
     OPEN,
     Epoch,
     landed_delta_write,
+    lease_clock,
     read_epoch,
     read_epochs,
 )
@@ -83,9 +84,10 @@ class EpochChecker(Checker):
 
     kind = "epoch"
 
-    def __init__(self, store: Store, clock: Clock = utc_now) -> None:
+    def __init__(self, store: Store, clock: Clock | None = None) -> None:
         self.store = store
-        self.clock = in_utc(clock)
+        #: Leases are judged on the store's clock (:func:`lease_clock`), as they are written.
+        self.clock = lease_clock(store, clock)
 
     def check(self, batch: DataFrame) -> DataFrame:
         columns = ["transaction_id", "producer_group", "sink_id", "epoch", "generation"]

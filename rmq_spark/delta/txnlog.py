@@ -395,7 +395,7 @@ def clean_log(
     a put by the hint alone; each next cleanup goes on from the oldest entry left. Whatever
     the rules, and however far ahead the caller's clock runs, no
     entry younger than :data:`LOG_ENTRY_MIN_AGE` on the store's clock
-    goes (the modification time of a file written for it first, :func:`_store_clock`; the
+    goes (the modification time of a file written for it first, :func:`store_time`; the
     cleaning host's clock, local or shared by NFS, can be anything). A filesystem that gives no
     modification time (it cannot tell the age) has nothing deleted. Staged entries a killed
     direct commit left behind (:data:`rmq_spark.delta.commit.STAGED_NAME`) go when older than
@@ -405,7 +405,7 @@ def clean_log(
     reachability check start, and they must find the log whole from there.
     """
     fs, log_path = filesystem(f"{uri.rstrip('/')}/_delta_log", storage_options)
-    store_now = _store_clock(fs, log_path)
+    store_now = store_time(fs, log_path)
     files: dict[int, list[tuple[str, float | None]]] = {}
     checkpoints: dict[int, list[str]] = {}
     staged_before = min(older_than for _, older_than in rules).timestamp()
@@ -484,7 +484,7 @@ def hint_version(fs: fsspec.AbstractFileSystem, log_path: str) -> int:
     return parse_hint(fs.cat([hint_path], on_error="return").get(hint_path))
 
 
-def _store_clock(fs: fsspec.AbstractFileSystem, log_path: str) -> float | None:
+def store_time(fs: fsspec.AbstractFileSystem, log_path: str) -> float | None:
     """Now on the store's clock: the modification time of an empty file written in the log
     for it, then deleted (named as a staged entry: one a crash leaves behind goes with the
     cleanup); None when the filesystem gives none."""

@@ -16,6 +16,7 @@ the caller is handed the row as it is after the MERGE, whichever transition won.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -26,6 +27,8 @@ from deltalake import DeltaTable
 
 from rmq_spark.delta.reads import sql_string
 from rmq_spark.delta.storage import deltalake_options
+from rmq_spark.delta.store_clock import StoreClock
+from rmq_spark.model.clock import Clock, in_utc, utc_now
 from rmq_spark.model.errors import StoreError
 from rmq_spark.model.schema import EPOCHS_SCHEMA
 from rmq_spark.store.facade import Store
@@ -50,6 +53,24 @@ class Epoch:
     lease_expires: datetime | None
     owner: str | None
     closed_by: str | None
+
+
+_CLOCKS: dict[str, StoreClock] = {}
+_CLOCKS_LOCK = threading.Lock()
+
+
+def lease_clock(store: Store, clock: Clock | None = None) -> Clock:
+    """The clock leases are written and judged on: ``clock`` when a caller gives one other
+    than the system clock (a test's), else now on the store's clock (one
+    :class:`~rmq_spark.delta.store_clock.StoreClock` a store and process). A lease is written
+    by a sink's tasks and judged by the check-back job, on other hosts than theirs."""
+    if clock is not None and clock is not utc_now:
+        return in_utc(clock)
+    uri = store.table_uri("epochs")
+    with _CLOCKS_LOCK:
+        if uri not in _CLOCKS:
+            _CLOCKS[uri] = StoreClock(uri, store.settings.storage_options)
+        return _CLOCKS[uri]
 
 
 # --------------------------------------------------------------------------- reading

@@ -49,6 +49,7 @@ from rmq_spark.spark.epoch_records import (
     OPEN,
     Epoch,
     insert_all,
+    lease_clock,
     merge_epoch,
     read_epoch,
 )
@@ -102,7 +103,7 @@ def hold(
     epoch: int,
     owner: str,
     lease_seconds: float,
-    clock: Clock = utc_now,
+    clock: Clock | None = None,
     attempt: str | None = None,
 ) -> Epoch:
     """Take the epoch for a writer about to stage: open it (generation 0), reopen it when it
@@ -117,7 +118,7 @@ def hold(
         aborted it: a late task of a failed job must not reopen it for itself.
     """
     row = read_epoch(store, sink_id, epoch)
-    now = clock()
+    now = lease_clock(store, clock)()
     _check_owner(row, owner)
     if row is not None:
         _refuse_aborted(row, attempt)
@@ -187,11 +188,11 @@ def renew(
     epoch: int,
     generation: int,
     lease_seconds: float,
-    clock: Clock = utc_now,
+    clock: Clock | None = None,
 ) -> bool:
     """Push the lease of an OPEN epoch on (a heartbeat); False once the epoch is not OPEN in
     ``generation`` any more."""
-    now = clock()
+    now = lease_clock(store, clock)()
     row = read_epoch(store, sink_id, epoch)
     if row is None or row.state != OPEN or row.generation != generation:
         return False

@@ -8,7 +8,16 @@ import pytest
 from deltalake import DeltaTable
 
 from rmq_spark import EpochLostError, LocalTransactionState, Message, Store
-from rmq_spark.spark.epoch_records import ABANDONED, CLOSED, OPEN, closed_epoch, read_epoch
+from rmq_spark.checkback.epoch_checker import EpochChecker
+from rmq_spark.delta.store_clock import StoreClock
+from rmq_spark.spark.epoch_records import (
+    ABANDONED,
+    CLOSED,
+    OPEN,
+    closed_epoch,
+    lease_clock,
+    read_epoch,
+)
 from rmq_spark.spark.epochs import abandon, abort_attempt, close, finish_epoch, hold, release, renew
 from tests.conftest import commitlog, race
 
@@ -182,3 +191,28 @@ def test_aborting_a_made_up_sink_id_closes_its_epoch_empty(store: Store) -> None
     assert (row.state, row.transaction_ids, row.closed_by) == (CLOSED, (), "abort")
     op = store.read("op").to_pylist()
     assert [(d["transaction_id"], d["decision"]) for d in op] == [(txn, "ROLLBACK")]
+
+
+@pytest.mark.parametrize("where", ["local", pytest.param("s3", marks=pytest.mark.objectstore)])
+def test_a_writer_whose_host_clock_runs_behind_keeps_its_lease(
+    request: pytest.FixtureRequest, where: str
+) -> None:
+    """A task on an executor whose clock runs 15 minutes behind the check-back host's holds an
+    epoch with a 10-minute lease. Written on the task's own clock, the lease had run out on the
+    check-back host's clock before it was taken: the epoch was abandoned while its tasks
+    staged, and every retry again (review). Leases are written and judged on the store's clock,
+    which each host reads as its own clock plus a measured offset."""
+    store: Store = request.getfixturevalue("store" if where == "local" else "s3_store")
+    behind = lambda: datetime.now(UTC) - timedelta(minutes=15)  # noqa: E731
+    # The premise: on the task's own clock, the lease is over as soon as it is taken.
+    hold(store, "s", 1, "w", lease_seconds=600, clock=behind)
+    assert abandon(store, "s", 1, 0, EpochChecker(store).clock()).state == ABANDONED
+    # On the store's clock, read from the task's host: alive until the check-back host's
+    # store clock passes it, 10 minutes on.
+    on_the_store = StoreClock(store.table_uri("epochs"), store.settings.storage_options, behind)
+    assert abs(on_the_store.offset - timedelta(minutes=15)) < timedelta(seconds=3)
+    hold(store, "s", 2, "w", lease_seconds=600, clock=on_the_store)
+    checker = EpochChecker(store).clock
+    assert isinstance(checker, StoreClock) and lease_clock(store) is checker  # the defaults
+    assert abandon(store, "s", 2, 0, checker()).state == OPEN
+    assert abandon(store, "s", 2, 0, checker() + timedelta(minutes=11)).state == ABANDONED
