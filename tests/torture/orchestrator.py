@@ -415,11 +415,12 @@ level = "INFO"
                 )
         elif w.kind == "producer" and self.rng.random() < 0.25:
             # Dies with decisions in their objects only: check-back records them. With intake,
-            # or with sends in intake objects only, or landed and not deleted: check-back lands
-            # them (once); or (local disk) with a send's temp file written, not renamed: that
-            # send was never acknowledged.
+            # or with sends in intake objects only (before or while landing them), or landed and
+            # not deleted: check-back lands them (once); or (local disk) with a send's temp file
+            # written, not renamed: that send was never acknowledged.
             intake = self.o.intake is not False
-            points = ["decision.claimed"] + (["intake.landing", "intake.landed"] if intake else [])
+            landing = ["intake.landing", "intake.listing", "intake.landed"]
+            points = ["decision.claimed"] + (landing if intake else [])
             points += ["intake.written"] if intake and not self.o.storage_options else []
             w.failpoint = self.rng.choice(points)
         if w.failpoint:
