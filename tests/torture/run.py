@@ -45,6 +45,14 @@ def main(argv: list[str] | None = None) -> int:
         help="no compactor process (the store still compacts each table after its checkpoints)",
     )
     args = parser.parse_args(argv)
+    if args.s3_delay_ms is not None:
+        from rmq_spark.model.errors import RmqSparkError
+        from rmq_spark.spark.session import s3_jars
+
+        try:
+            s3_jars()  # missing, every Spark worker would fail for the whole run
+        except RmqSparkError as exc:
+            parser.error(str(exc))
 
     from tests.torture.orchestrator import run
 
