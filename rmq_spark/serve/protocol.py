@@ -151,7 +151,8 @@ def to_messages(
         :func:`request_limit` in all: GZIP bodies must not make a small request hold more
         memory than the largest plain one. Unzipping stops there.
     """
-    room = request_limit(max_body_bytes)
+    limit = request_limit(max_body_bytes)
+    room = limit
     messages: list[Message | RequestError] = []
     for proto in protos:
         try:
@@ -164,7 +165,7 @@ def to_messages(
             raise RequestError(
                 Code.MESSAGE_BODY_TOO_LARGE,
                 f"the bodies of a request's {len(protos)} messages unzip to over "
-                f"{request_limit(max_body_bytes)} bytes, the most one request carries; send "
+                f"{limit} bytes, the most one request carries; send "
                 "fewer messages a request.",
             )
         messages.append(message)
